@@ -1,0 +1,15 @@
+"""Configuration, built once by the command line and frozen."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class MountConfig:
+    mountpoint: Path
+    store_url: str
+    memory_limit: int
+    log_file: Path | None = None
+    log_level: str = "INFO"

@@ -1,0 +1,223 @@
+"""RAM accounting and file contents.
+
+`MemoryPool` owns the RAM budget and a small stock of recycled chunks;
+`FileData` holds one file's bytes as sparse fixed-size chunks. Nothing here
+knows about FUSE, inodes or paths.
+
+Why chunks: a save must never copy what it already wrote (no realloc of a
+growing buffer), holes must cost nothing (`truncate -s 1P` allocates no
+memory), and freed memory must go back to the OS so the daemon's RSS tracks
+the data it holds. Large chunks are anonymous mmaps (returned to the OS on
+close, prefaulted in one system call instead of a page fault per 4 KiB);
+small files live in bytearrays sized to their content.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+
+log = logging.getLogger(__name__)
+
+CHUNK = 4 << 20  # big enough to keep mmap counts low (vm.max_map_count)
+SMALL_MAX = 256 << 10  # below this a chunk is a bytearray sized to its content
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_ZEROS = bytes(CHUNK)
+
+
+class MemoryPool:
+    """The RAM budget shared by every file, plus recycled large chunks.
+
+    `used` counts exactly the bytes held by file contents (chunk capacities).
+    Recycled chunks are kept up to `keep` bytes so that a checkpoint that
+    overwrites the previous one reuses already-faulted memory.
+    """
+
+    def __init__(self, limit: int, keep: int = 64 << 20) -> None:
+        self.limit = limit
+        self.used = 0
+        self._keep = keep // CHUNK
+        self._free: list[mmap.mmap] = []
+        self._warned = False
+
+    @property
+    def available(self) -> int:
+        return max(0, self.limit - self.used)
+
+    def reserve(self, nbytes: int) -> None:
+        """Account `nbytes` more, or raise ENOSPC leaving nothing changed."""
+        if self.used + nbytes > self.limit:
+            if not self._warned:
+                log.error(
+                    "RAM budget exhausted: %d of %d bytes used, a write needing "
+                    "%d more fails with ENOSPC (raise --memory-limit)",
+                    self.used, self.limit, nbytes,
+                )
+                self._warned = True
+            raise OSError(errno.ENOSPC, "ckptfs RAM budget exhausted")
+        self.used += nbytes
+
+    def unreserve(self, nbytes: int) -> None:
+        self.used -= nbytes
+        if self._warned and self.used < self.limit * 0.9:
+            self._warned = False
+
+    def take_chunk(self) -> mmap.mmap:
+        if self._free:
+            return self._free.pop()
+        return mmap.mmap(-1, CHUNK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
+
+    def give_chunk(self, chunk: mmap.mmap) -> None:
+        if len(self._free) < self._keep:
+            self._free.append(chunk)
+        else:
+            chunk.close()
+
+
+def _small_capacity(needed: int) -> int:
+    cap = 4096
+    while cap < needed:
+        cap <<= 1
+    return cap
+
+
+class _Chunk:
+    """One chunk of a file. Bytes at or beyond `hw` (the initialised prefix)
+    may hold stale data from a recycled chunk and read as zeros."""
+
+    __slots__ = ("buf", "hw")
+
+    def __init__(self, buf: mmap.mmap | bytearray) -> None:
+        self.buf = buf
+        self.hw = 0
+
+
+class FileData:
+    """The contents of one regular file: `size` bytes, sparse, in chunks."""
+
+    __slots__ = ("size", "allocated", "_chunks", "_pool")
+
+    def __init__(self, pool: MemoryPool) -> None:
+        self.size = 0
+        self.allocated = 0
+        self._chunks: dict[int, _Chunk] = {}
+        self._pool = pool
+
+    # -- reads ---------------------------------------------------------------
+    def read(self, off: int, size: int) -> bytes:
+        end = min(off + size, self.size)
+        if off >= end:
+            return b""
+        idx, lo = divmod(off, CHUNK)
+        if lo + (end - off) <= CHUNK:  # the common case: one chunk, one copy
+            return self._piece(idx, lo, lo + end - off)
+        parts = []
+        pos = off
+        while pos < end:
+            idx, lo = divmod(pos, CHUNK)
+            hi = min(CHUNK, lo + end - pos)
+            parts.append(self._piece(idx, lo, hi))
+            pos += hi - lo
+        return b"".join(parts)
+
+    def _piece(self, idx: int, lo: int, hi: int) -> bytes:
+        chunk = self._chunks.get(idx)
+        if chunk is None or lo >= chunk.hw:
+            return _ZEROS[: hi - lo]
+        if hi <= chunk.hw:
+            return _slice(chunk.buf, lo, hi)
+        return _slice(chunk.buf, lo, chunk.hw) + _ZEROS[: hi - chunk.hw]
+
+    # -- writes --------------------------------------------------------------
+    def write(self, off: int, data: bytes | memoryview) -> int:
+        """Write all of `data` at `off` (zero-filling any gap), or raise ENOSPC
+        having changed nothing."""
+        n = len(data)
+        if n == 0:
+            return 0
+        end = off + n
+        self._reserve_for(off, end)
+        src = memoryview(data)
+        pos = off
+        while pos < end:
+            idx, lo = divmod(pos, CHUNK)
+            hi = min(CHUNK, lo + end - pos)
+            chunk = self._chunk_for_write(idx, hi)
+            if lo > chunk.hw:
+                chunk.buf[chunk.hw : lo] = _ZEROS[: lo - chunk.hw]
+            chunk.buf[lo:hi] = src[pos - off : pos - off + hi - lo]
+            if hi > chunk.hw:
+                chunk.hw = hi
+            pos += hi - lo
+        if end > self.size:
+            self.size = end
+        return n
+
+    def _reserve_for(self, off: int, end: int) -> None:
+        need = 0
+        pos = off
+        while pos < end:
+            idx, lo = divmod(pos, CHUNK)
+            hi = min(CHUNK, lo + end - pos)
+            chunk = self._chunks.get(idx)
+            have = len(chunk.buf) if chunk is not None else 0
+            if hi > have:
+                need += _capacity(hi) - have
+            pos += hi - lo
+        if need:
+            self._pool.reserve(need)
+            self.allocated += need
+
+    def _chunk_for_write(self, idx: int, hi: int) -> _Chunk:
+        """The chunk `idx`, grown to hold `hi` bytes (already reserved)."""
+        chunk = self._chunks.get(idx)
+        if chunk is not None and hi <= len(chunk.buf):
+            return chunk
+        cap = _capacity(hi)
+        buf: mmap.mmap | bytearray = self._pool.take_chunk() if cap == CHUNK else bytearray(cap)
+        if chunk is None:
+            chunk = self._chunks[idx] = _Chunk(buf)
+        else:
+            buf[: chunk.hw] = memoryview(chunk.buf)[: chunk.hw]
+            chunk.buf = buf
+        return chunk
+
+    def truncate(self, size: int) -> None:
+        if size < self.size:
+            last, lo = divmod(size, CHUNK)
+            for idx in [i for i in self._chunks if i > last or (i == last and lo == 0)]:
+                self._drop(idx)
+            chunk = self._chunks.get(last)
+            if chunk is not None and chunk.hw > lo:
+                chunk.hw = lo
+        self.size = size
+
+    def clear(self) -> None:
+        """Free every chunk (the file was truncated to zero or deleted)."""
+        for idx in list(self._chunks):
+            self._drop(idx)
+        self.size = 0
+
+    def _drop(self, idx: int) -> None:
+        chunk = self._chunks.pop(idx)
+        cap = len(chunk.buf)
+        if isinstance(chunk.buf, mmap.mmap):
+            self._pool.give_chunk(chunk.buf)
+        self._pool.unreserve(cap)
+        self.allocated -= cap
+
+
+def _capacity(needed: int) -> int:
+    return CHUNK if needed > SMALL_MAX else _small_capacity(needed)
+
+
+def _slice(buf: mmap.mmap | bytearray, lo: int, hi: int) -> bytes:
+    if isinstance(buf, mmap.mmap):
+        return buf[lo:hi]  # mmap slicing copies once, straight into bytes
+    return bytes(memoryview(buf)[lo:hi])
+
+
+def total_ram() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

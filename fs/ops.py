@@ -1,0 +1,243 @@
+"""The pyfuse3 adapter: translates kernel requests into `InodeStore` calls.
+
+Handlers stay thin: argument unpacking, errno mapping, `EntryAttributes`, and
+the page-cache policy. Only `pyfuse3.FUSEError` leaves a handler; anything
+unexpected is logged and answered with EIO so the mount keeps serving.
+
+Page-cache policy: opens for writing only get `direct_io` (no page-cache
+copies, 2-3x faster saves; an O_WRONLY descriptor can never be mmapped).
+Every readable open goes through the page cache so mmap works, and keeps the
+cache only while the file's data is unchanged since it was cached.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import pyfuse3
+
+from .store import Inode, InodeStore
+
+log = logging.getLogger(__name__)
+
+ATTR_TIMEOUT = 5.0  # every change goes through this mount, so attrs stay valid
+BLKSIZE = 1 << 20  # st_blksize: tools size their I/O buffers from it
+FILES_MAX = 1 << 32
+
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+
+def _errors(fn: F) -> F:
+    @functools.wraps(fn)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await fn(*args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except OSError as exc:
+            raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
+        except MemoryError:
+            log.error("out of memory in %s", fn.__name__)
+            raise pyfuse3.FUSEError(errno.ENOSPC) from None
+        except Exception:
+            log.exception("unexpected error in %s; answering EIO", fn.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def attributes(inode: Inode) -> pyfuse3.EntryAttributes:
+    a = pyfuse3.EntryAttributes()
+    a.st_ino = inode.ino
+    a.generation = 0  # inode numbers are never reused within a mount
+    a.entry_timeout = a.attr_timeout = ATTR_TIMEOUT
+    a.st_mode = inode.mode
+    a.st_nlink = inode.nlink
+    a.st_uid = inode.uid
+    a.st_gid = inode.gid
+    a.st_rdev = inode.rdev
+    a.st_size = inode.size
+    a.st_blksize = BLKSIZE
+    a.st_blocks = (inode.allocated + 511) // 512
+    a.st_atime_ns = inode.atime_ns
+    a.st_mtime_ns = inode.mtime_ns
+    a.st_ctime_ns = inode.ctime_ns
+    return a
+
+
+class Operations(pyfuse3.Operations):
+    supports_dot_lookup = True
+    enable_writeback_cache = False
+    enable_acl = False
+
+    def __init__(self, store: InodeStore) -> None:
+        super().__init__()
+        self.store = store
+        self._cached_version: dict[int, int] = {}
+
+    def _entry(self, inode: Inode) -> pyfuse3.EntryAttributes:
+        """Attributes for a reply that gives the kernel a new reference."""
+        return attributes(self.store.ref(inode))
+
+    def _file_info(self, inode: Inode, fh: int, flags: int) -> pyfuse3.FileInfo:
+        fi = pyfuse3.FileInfo(fh=fh)
+        if flags & os.O_ACCMODE == os.O_WRONLY:
+            fi.direct_io = True
+        else:
+            fi.keep_cache = self._cached_version.get(inode.ino) == inode.version
+            self._cached_version[inode.ino] = inode.version
+        return fi
+
+    # -- names ---------------------------------------------------------------
+    @_errors
+    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self._entry(self.store.lookup(parent_inode, name))
+
+    @_errors
+    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+        for ino, n in inode_list:
+            self.store.forget(ino, n)
+            if ino not in self.store.inodes:
+                self._cached_version.pop(ino, None)
+
+    @_errors
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return attributes(self.store.get(inode))
+
+    @_errors
+    async def setattr(
+        self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields, fh: int | None, ctx: pyfuse3.RequestContext
+    ) -> pyfuse3.EntryAttributes:
+        node = self.store.setattr(
+            inode,
+            size=attr.st_size if fields.update_size else None,
+            mode=attr.st_mode if fields.update_mode else None,
+            uid=attr.st_uid if fields.update_uid else None,
+            gid=attr.st_gid if fields.update_gid else None,
+            atime_ns=attr.st_atime_ns if fields.update_atime else None,
+            mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
+        )
+        return attributes(node)
+
+    @_errors
+    async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
+        return self.store.readlink(inode)
+
+    @_errors
+    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self._entry(self.store.mknod(parent_inode, name, mode, ctx.uid, ctx.gid, rdev))
+
+    @_errors
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self._entry(self.store.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
+
+    @_errors
+    async def symlink(self, parent_inode: int, name: bytes, target: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self._entry(self.store.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
+
+    @_errors
+    async def link(self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self._entry(self.store.link(inode, new_parent_inode, new_name))
+
+    @_errors
+    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self.store.unlink(parent_inode, name)
+
+    @_errors
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self.store.rmdir(parent_inode, name)
+
+    @_errors
+    async def rename(
+        self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes, flags: int, ctx: pyfuse3.RequestContext
+    ) -> None:
+        self.store.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
+
+    # -- files ---------------------------------------------------------------
+    @_errors
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        handle = self.store.open(inode, flags)
+        return self._file_info(handle.inode, handle.fh, flags)
+
+    @_errors
+    async def create(
+        self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
+    ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        handle = self.store.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
+        return self._file_info(handle.inode, handle.fh, flags), self._entry(handle.inode)
+
+    @_errors
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        return self.store.read(fh, off, size)
+
+    @_errors
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        return self.store.write(fh, off, buf)
+
+    @_errors
+    async def flush(self, fh: int) -> None:
+        self.store.handle(fh)
+
+    @_errors
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        self.store.handle(fh)  # --fsync=ram: the data is in RAM already (C1)
+
+    @_errors
+    async def release(self, fh: int) -> None:
+        self.store.release(fh)
+
+    # -- directories ---------------------------------------------------------
+    @_errors
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        if not self.store.get(inode).is_dir:
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        return inode
+
+    @_errors
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        for name, inode, cookie in self.store.readdir(fh, start_id):
+            if not pyfuse3.readdir_reply(token, name, attributes(inode), cookie):
+                break
+            self.store.ref(inode)  # readdirplus hands the kernel a reference
+
+    @_errors
+    async def releasedir(self, fh: int) -> None:
+        pass
+
+    @_errors
+    async def fsyncdir(self, fh: int, datasync: bool) -> None:
+        self.store.get(fh)
+
+    @_errors
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        usage = self.store.usage()
+        s = pyfuse3.StatvfsData()
+        s.f_bsize = s.f_frsize = 4096
+        s.f_blocks = usage.limit // 4096
+        s.f_bfree = s.f_bavail = max(0, usage.limit - usage.used) // 4096
+        s.f_files = FILES_MAX
+        s.f_ffree = s.f_favail = FILES_MAX - usage.inodes
+        s.f_namemax = 255
+        return s
+
+    # -- extended attributes -------------------------------------------------
+    @_errors
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        return self.store.getxattr(inode, name)
+
+    @_errors
+    async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self.store.setxattr(inode, name, value)
+
+    @_errors
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
+        return self.store.listxattr(inode)
+
+    @_errors
+    async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        self.store.removexattr(inode, name)

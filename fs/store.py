@@ -1,0 +1,515 @@
+"""The inode store: the mount's namespace and file contents, FUSE-free.
+
+Owns inodes (files, directories, symlinks, device/fifo/socket nodes), their
+attributes, directory entries, open handles and the reference counts that
+decide when an inode's memory is freed. Every method is synchronous and runs
+on the caller's thread (the trio thread in the daemon); errors are `OSError`
+with the errno a Linux file system would return.
+
+Lifetime: an inode lives while it has a name (`nlink`), an open handle, or a
+reference held by the client (`refs`, the kernel's lookup count). So a file
+unlinked or replaced while open or mmapped stays readable until released.
+
+Generations: the release of a file's last writable handle *seals* it; each
+seal bumps `Inode.generation`. The write-back engine tracks files by
+inode + generation, never by path.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from .memory import FileData, MemoryPool
+
+log = logging.getLogger(__name__)
+
+ROOT = 1
+NAME_MAX = 255
+XATTR_NAME_MAX = 255
+XATTR_SIZE_MAX = 65536
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+
+
+def _err(code: int, what: str = "") -> OSError:
+    return OSError(code, os.strerror(code) + (f": {what}" if what else ""))
+
+
+@dataclass(eq=False)
+class Inode:
+    ino: int
+    mode: int
+    uid: int
+    gid: int
+    rdev: int = 0
+    nlink: int = 1
+    atime_ns: int = 0
+    mtime_ns: int = 0
+    ctime_ns: int = 0
+    data: FileData | None = None  # regular files
+    target: bytes = b""  # symlinks
+    children: dict[bytes, int] | None = None  # directories: name -> ino
+    cookies: dict[bytes, int] | None = None  # directories: name -> readdir offset
+    next_cookie: int = 1
+    parent: int = ROOT  # directories: for rename loop checks
+    xattrs: dict[bytes, bytes] = field(default_factory=dict)
+    refs: int = 0  # references held by the client (kernel lookup count)
+    opens: int = 0
+    writers: int = 0
+    generation: int = 0  # bumped at every seal
+    version: int = 0  # bumped at every data change
+
+    @property
+    def is_dir(self) -> bool:
+        return stat.S_ISDIR(self.mode)
+
+    @property
+    def is_reg(self) -> bool:
+        return stat.S_ISREG(self.mode)
+
+    @property
+    def size(self) -> int:
+        if self.data is not None:
+            return self.data.size
+        if stat.S_ISLNK(self.mode):
+            return len(self.target)
+        if self.children is not None:
+            return 4096
+        return 0
+
+    @property
+    def allocated(self) -> int:
+        return self.data.allocated if self.data is not None else 0
+
+
+@dataclass(eq=False)
+class Handle:
+    fh: int
+    inode: Inode
+    writable: bool
+    append: bool
+
+
+@dataclass(frozen=True)
+class Usage:
+    used: int
+    limit: int
+    inodes: int
+
+
+class InodeStore:
+    def __init__(self, pool: MemoryPool, uid: int = 0, gid: int = 0) -> None:
+        self.pool = pool
+        self.inodes: dict[int, Inode] = {}
+        self.handles: dict[int, Handle] = {}
+        self._next_ino = ROOT
+        self._next_fh = 1
+        root = self._new_inode(stat.S_IFDIR | 0o755, uid, gid)
+        root.nlink = 2
+        root.refs = 1  # the kernel holds the root forever
+
+    # -- lookup --------------------------------------------------------------
+    def get(self, ino: int) -> Inode:
+        try:
+            return self.inodes[ino]
+        except KeyError:
+            raise _err(errno.ENOENT, f"inode {ino}") from None
+
+    def ref(self, inode: Inode) -> Inode:
+        """The client now holds one more reference to `inode` (see `forget`)."""
+        inode.refs += 1
+        return inode
+
+    def lookup(self, parent: int, name: bytes) -> Inode:
+        d = self._dir(parent)
+        _check_name(name)
+        if name == b".":
+            child = d
+        elif name == b"..":
+            child = self.get(d.parent)
+        else:
+            try:
+                child = self.inodes[d.children[name]]  # type: ignore[index]
+            except KeyError:
+                raise _err(errno.ENOENT, name.decode(errors="replace")) from None
+        return child
+
+    def forget(self, ino: int, n: int) -> None:
+        inode = self.inodes.get(ino)
+        if inode is None:
+            return
+        inode.refs -= n
+        self._maybe_free(inode)
+
+    # -- creation ------------------------------------------------------------
+    def mknod(self, parent: int, name: bytes, mode: int, uid: int, gid: int, rdev: int = 0) -> Inode:
+        if stat.S_IFMT(mode) == 0:
+            mode |= stat.S_IFREG
+        if stat.S_ISDIR(mode):
+            raise _err(errno.EINVAL)
+        d = self._prepare_new_entry(parent, name)
+        inode = self._new_inode(mode, uid, gid, d)
+        inode.rdev = rdev
+        if inode.is_reg:
+            inode.data = FileData(self.pool)
+        self._link(d, name, inode)
+        return inode
+
+    def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
+        d = self._prepare_new_entry(parent, name)
+        inode = self._new_inode(stat.S_IFDIR | (mode & 0o7777), uid, gid, d)
+        if d.mode & stat.S_ISGID:
+            inode.mode |= stat.S_ISGID
+        inode.nlink = 2
+        inode.parent = d.ino
+        self._link(d, name, inode)
+        d.nlink += 1
+        return inode
+
+    def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Inode:
+        d = self._prepare_new_entry(parent, name)
+        inode = self._new_inode(stat.S_IFLNK | 0o777, uid, gid, d)
+        inode.target = target
+        self._link(d, name, inode)
+        return inode
+
+    def link(self, ino: int, parent: int, name: bytes) -> Inode:
+        inode = self.get(ino)
+        if inode.is_dir:
+            raise _err(errno.EPERM)
+        d = self._prepare_new_entry(parent, name)
+        self._link(d, name, inode)
+        inode.nlink += 1
+        inode.ctime_ns = time.time_ns()
+        return inode
+
+    # -- removal -------------------------------------------------------------
+    def unlink(self, parent: int, name: bytes) -> Inode:
+        d = self._dir(parent)
+        inode = self.lookup(parent, name)
+        if inode.is_dir:
+            raise _err(errno.EISDIR)
+        self._unlink_entry(d, name)
+        inode.nlink -= 1
+        inode.ctime_ns = d.mtime_ns
+        self._maybe_free(inode)
+        return inode
+
+    def rmdir(self, parent: int, name: bytes) -> Inode:
+        d = self._dir(parent)
+        if name == b".":
+            raise _err(errno.EINVAL)
+        if name == b"..":
+            raise _err(errno.ENOTEMPTY)
+        inode = self.lookup(parent, name)
+        if not inode.is_dir:
+            raise _err(errno.ENOTDIR)
+        if inode.children:
+            raise _err(errno.ENOTEMPTY)
+        self._unlink_entry(d, name)
+        d.nlink -= 1
+        inode.nlink = 0
+        inode.ctime_ns = d.mtime_ns
+        self._maybe_free(inode)
+        return inode
+
+    def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes, flags: int = 0) -> Inode | None:
+        """Rename; returns the inode that lost its name (replaced), if any."""
+        if flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE) or flags == RENAME_NOREPLACE | RENAME_EXCHANGE:
+            raise _err(errno.EINVAL)
+        src_dir, dst_dir = self._dir(old_parent), self._dir(new_parent)
+        if old_name in (b".", b"..") or new_name in (b".", b".."):
+            raise _err(errno.EBUSY)
+        inode = self.lookup(old_parent, old_name)
+        _check_name(new_name)
+        target_ino = dst_dir.children.get(new_name)  # type: ignore[union-attr]
+        target = self.inodes[target_ino] if target_ino is not None else None
+        if flags & RENAME_NOREPLACE and target is not None:
+            raise _err(errno.EEXIST)
+        if flags & RENAME_EXCHANGE:
+            if target is None:
+                raise _err(errno.ENOENT)
+            return self._exchange(src_dir, old_name, inode, dst_dir, new_name, target)
+        if target is inode:
+            return None  # POSIX: renaming a name onto another link of itself does nothing
+        if inode.is_dir:
+            self._check_not_ancestor(inode, dst_dir)
+        if target is not None:
+            if inode.is_dir:
+                if not target.is_dir:
+                    raise _err(errno.ENOTDIR)
+                if target.children:
+                    raise _err(errno.ENOTEMPTY)
+            elif target.is_dir:
+                raise _err(errno.EISDIR)
+        now = time.time_ns()
+        if target is not None:
+            self._unlink_entry(dst_dir, new_name, now)
+            if target.is_dir:
+                dst_dir.nlink -= 1
+                target.nlink = 0
+            else:
+                target.nlink -= 1
+            target.ctime_ns = now
+        self._unlink_entry(src_dir, old_name, now)
+        self._link(dst_dir, new_name, inode, now)
+        if inode.is_dir and src_dir is not dst_dir:
+            src_dir.nlink -= 1
+            dst_dir.nlink += 1
+            inode.parent = dst_dir.ino
+        inode.ctime_ns = now
+        if target is not None:
+            self._maybe_free(target)
+        return target
+
+    def _exchange(self, src_dir: Inode, a_name: bytes, a: Inode, dst_dir: Inode, b_name: bytes, b: Inode) -> None:
+        if a.is_dir:
+            self._check_not_ancestor(a, dst_dir)
+        if b.is_dir:
+            self._check_not_ancestor(b, src_dir)
+        now = time.time_ns()
+        src_dir.children[a_name] = b.ino  # type: ignore[index]
+        dst_dir.children[b_name] = a.ino  # type: ignore[index]
+        if src_dir is not dst_dir:
+            for moved, old, new in ((a, src_dir, dst_dir), (b, dst_dir, src_dir)):
+                if moved.is_dir:
+                    old.nlink -= 1
+                    new.nlink += 1
+                    moved.parent = new.ino
+        for i in (src_dir, dst_dir):
+            i.mtime_ns = i.ctime_ns = now
+        a.ctime_ns = b.ctime_ns = now
+        return None
+
+    # -- attributes ----------------------------------------------------------
+    def setattr(
+        self,
+        ino: int,
+        *,
+        size: int | None = None,
+        mode: int | None = None,
+        uid: int | None = None,
+        gid: int | None = None,
+        atime_ns: int | None = None,
+        mtime_ns: int | None = None,
+    ) -> Inode:
+        inode = self.get(ino)
+        now = time.time_ns()
+        if size is not None:
+            if inode.is_dir:
+                raise _err(errno.EISDIR)
+            if inode.data is None:
+                raise _err(errno.EINVAL)
+            self.truncate(inode, size)
+        if mode is not None:
+            inode.mode = stat.S_IFMT(inode.mode) | (mode & 0o7777)
+        if uid is not None and uid != -1 and uid != 0xFFFFFFFF:
+            inode.uid = uid
+        if gid is not None and gid != -1 and gid != 0xFFFFFFFF:
+            inode.gid = gid
+        if atime_ns is not None:
+            inode.atime_ns = atime_ns
+        if mtime_ns is not None:
+            inode.mtime_ns = mtime_ns
+        inode.ctime_ns = now
+        return inode
+
+    def truncate(self, inode: Inode, size: int) -> None:
+        assert inode.data is not None
+        if size < 0:
+            raise _err(errno.EINVAL)
+        if size == 0:
+            inode.data.clear()
+        else:
+            inode.data.truncate(size)
+        inode.mtime_ns = inode.ctime_ns = time.time_ns()
+        inode.version += 1
+
+    def readlink(self, ino: int) -> bytes:
+        inode = self.get(ino)
+        if not stat.S_ISLNK(inode.mode):
+            raise _err(errno.EINVAL)
+        return inode.target
+
+    # -- extended attributes -------------------------------------------------
+    def getxattr(self, ino: int, name: bytes) -> bytes:
+        try:
+            return self.get(ino).xattrs[name]
+        except KeyError:
+            raise _err(errno.ENODATA) from None
+
+    def setxattr(self, ino: int, name: bytes, value: bytes) -> None:
+        if not name or len(name) > XATTR_NAME_MAX:
+            raise _err(errno.ERANGE)
+        if len(value) > XATTR_SIZE_MAX:
+            raise _err(errno.E2BIG)
+        if not name.startswith((b"user.", b"trusted.", b"security.")):
+            raise _err(errno.EOPNOTSUPP)
+        inode = self.get(ino)
+        inode.xattrs[name] = bytes(value)
+        inode.ctime_ns = time.time_ns()
+
+    def listxattr(self, ino: int) -> list[bytes]:
+        return list(self.get(ino).xattrs)
+
+    def removexattr(self, ino: int, name: bytes) -> None:
+        inode = self.get(ino)
+        if inode.xattrs.pop(name, None) is None:
+            raise _err(errno.ENODATA)
+        inode.ctime_ns = time.time_ns()
+
+    # -- open files ----------------------------------------------------------
+    def open(self, ino: int, flags: int) -> Handle:
+        inode = self.get(ino)
+        if inode.is_dir and flags & os.O_ACCMODE != os.O_RDONLY:
+            raise _err(errno.EISDIR)
+        writable = flags & os.O_ACCMODE != os.O_RDONLY
+        if writable and inode.data is None and not inode.is_dir:
+            # fifos, sockets and devices are opened by the kernel, never here
+            raise _err(errno.EINVAL)
+        if flags & os.O_TRUNC and writable and inode.data is not None and inode.data.size:
+            self.truncate(inode, 0)
+        handle = Handle(self._next_fh, inode, writable, bool(flags & os.O_APPEND))
+        self._next_fh += 1
+        self.handles[handle.fh] = handle
+        inode.opens += 1
+        if writable:
+            inode.writers += 1
+        return handle
+
+    def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int, gid: int) -> Handle:
+        d = self._dir(parent)
+        _check_name(name)
+        if name in d.children:  # type: ignore[operator]
+            if flags & os.O_EXCL:
+                raise _err(errno.EEXIST)
+            inode = self.lookup(parent, name)
+            if inode.is_dir:
+                raise _err(errno.EISDIR)
+            return self.open(inode.ino, flags)
+        inode = self.mknod(parent, name, stat.S_IFREG | (mode & 0o7777), uid, gid)
+        return self.open(inode.ino, flags)
+
+    def handle(self, fh: int) -> Handle:
+        try:
+            return self.handles[fh]
+        except KeyError:
+            raise _err(errno.EBADF) from None
+
+    def read(self, fh: int, off: int, size: int) -> bytes:
+        inode = self.handle(fh).inode
+        if inode.data is None:
+            raise _err(errno.EISDIR if inode.is_dir else errno.EINVAL)
+        return inode.data.read(off, size)
+
+    def write(self, fh: int, off: int, data: bytes) -> int:
+        handle = self.handle(fh)
+        inode = handle.inode
+        if not handle.writable or inode.data is None:
+            raise _err(errno.EBADF)
+        if handle.append:
+            off = inode.data.size
+        n = inode.data.write(off, data)
+        inode.mtime_ns = inode.ctime_ns = time.time_ns()
+        inode.version += 1
+        return n
+
+    def release(self, fh: int) -> Inode | None:
+        """Close a handle; returns the inode if this sealed it (last writer)."""
+        handle = self.handles.pop(fh, None)
+        if handle is None:
+            return None
+        inode = handle.inode
+        inode.opens -= 1
+        sealed = None
+        if handle.writable:
+            inode.writers -= 1
+            if inode.writers == 0:
+                inode.generation += 1
+                sealed = inode
+        self._maybe_free(inode)
+        return sealed
+
+    # -- directories ---------------------------------------------------------
+    def readdir(self, ino: int, offset: int) -> Iterator[tuple[bytes, Inode, int]]:
+        """Entries after `offset`, each with the offset to resume after it.
+
+        Offsets are per-entry cookies that only grow, so a listing resumed
+        after concurrent creates and deletes neither repeats nor skips the
+        entries that stayed.
+        """
+        d = self._dir(ino)
+        assert d.children is not None and d.cookies is not None
+        for name, cookie in list(d.cookies.items()):
+            if cookie > offset and name in d.children:
+                yield name, self.inodes[d.children[name]], cookie
+
+    def usage(self) -> Usage:
+        return Usage(self.pool.used, self.pool.limit, len(self.inodes))
+
+    # -- internals -----------------------------------------------------------
+    def _new_inode(self, mode: int, uid: int, gid: int, parent: Inode | None = None) -> Inode:
+        if parent is not None and parent.mode & stat.S_ISGID:
+            gid = parent.gid
+        now = time.time_ns()
+        inode = Inode(self._next_ino, mode, uid, gid, atime_ns=now, mtime_ns=now, ctime_ns=now)
+        self._next_ino += 1
+        if stat.S_ISDIR(mode):
+            inode.children, inode.cookies = {}, {}
+        self.inodes[inode.ino] = inode
+        return inode
+
+    def _dir(self, ino: int) -> Inode:
+        d = self.get(ino)
+        if not d.is_dir:
+            raise _err(errno.ENOTDIR)
+        if d.nlink == 0:
+            raise _err(errno.ENOENT)  # a removed directory can hold no entries
+        return d
+
+    def _prepare_new_entry(self, parent: int, name: bytes) -> Inode:
+        d = self._dir(parent)
+        _check_name(name)
+        if name in (b".", b"..") or name in d.children:  # type: ignore[operator]
+            raise _err(errno.EEXIST)
+        return d
+
+    def _link(self, d: Inode, name: bytes, inode: Inode, now: int | None = None) -> None:
+        d.children[name] = inode.ino  # type: ignore[index]
+        d.cookies[name] = d.next_cookie  # type: ignore[index]
+        d.next_cookie += 1
+        d.mtime_ns = d.ctime_ns = now or time.time_ns()
+
+    def _unlink_entry(self, d: Inode, name: bytes, now: int | None = None) -> None:
+        del d.children[name]  # type: ignore[union-attr]
+        del d.cookies[name]  # type: ignore[union-attr]
+        d.mtime_ns = d.ctime_ns = now or time.time_ns()
+
+    def _check_not_ancestor(self, moved: Inode, dst_dir: Inode) -> None:
+        node = dst_dir
+        while True:
+            if node is moved:
+                raise _err(errno.EINVAL, "cannot move a directory into itself")
+            if node.ino == ROOT:
+                return
+            node = self.inodes[node.parent]
+
+    def _maybe_free(self, inode: Inode) -> None:
+        if inode.nlink > 0 or inode.opens > 0 or inode.refs > 0 or inode.ino == ROOT:
+            return
+        if inode.data is not None:
+            inode.data.clear()
+        del self.inodes[inode.ino]
+
+
+def _check_name(name: bytes) -> None:
+    if len(name) > NAME_MAX:
+        raise _err(errno.ENAMETOOLONG)
+    if not name or b"/" in name or b"\0" in name:
+        raise _err(errno.EINVAL)

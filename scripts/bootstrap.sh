@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Install everything ckptfs needs on a fresh Debian machine: fuse3 and its
+# headers (pyfuse3 builds against them), a virtual environment in .venv, the
+# CPU build of torch, and the project with its test extras. Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v fusermount3 >/dev/null || ! pkg-config --exists fuse3 2>/dev/null; then
+  if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq fuse3 libfuse3-dev pkg-config attr >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+. .venv/bin/activate
+python -m pip install -q --upgrade pip wheel setuptools
+# torch first and pinned: the local CPU build is served for this exact version.
+python -c 'import torch' 2>/dev/null || python -m pip install -q torch==2.13.0
+python -m pip install -q -e '.[test]'

@@ -1,0 +1,1 @@
+"""The `ckptfs` command line."""

@@ -1,0 +1,162 @@
+"""`ckptfs`: mount and unmount (more commands join as the engine grows)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from ckptfs import __version__, runtime
+from ckptfs.config import MountConfig
+
+from .preflight import PreflightError, check_fuse, check_mounted_ckptfs, check_mountpoint
+from .units import parse_size
+
+MOUNT_TIMEOUT_S = 60.0
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _fail(message: str, code: int = 1) -> None:
+    click.echo(f"ckptfs: error: {message}", err=True)
+    sys.exit(code)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="ckptfs")
+def main() -> None:
+    """ckptfs: a RAM-backed checkpoint file system, persisted in the background."""
+
+
+@main.command()
+@click.argument("mountpoint", type=click.Path())
+@click.option("--store", "store_url", required=True, metavar="URL", help="Durable store: a local directory or any fsspec URL (file://, s3://, gs://).")
+@click.option("--memory-limit", default="50%", show_default=True, metavar="SIZE", help="RAM budget for file data: 512M, 8G, or a percentage of RAM.")
+@click.option("--foreground", "-f", is_flag=True, help="Stay in the foreground (logs go to stderr unless --log-file).")
+@click.option("--log-file", type=click.Path(dir_okay=False), help="Log here (default in background: the mount's runtime directory).")
+@click.option("--log-level", default="INFO", show_default=True, type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+@click.option("--ready-fd", type=int, hidden=True)
+def mount(mountpoint: str, store_url: str, memory_limit: str, foreground: bool, log_file: str | None, log_level: str, ready_fd: int | None) -> None:
+    """Mount a ckptfs file system at MOUNTPOINT, backed by the store at URL.
+
+    Returns once the mount is live; the daemon keeps running in the background
+    until `ckptfs umount MOUNTPOINT`.
+    """
+    from ckptfs.fs.memory import total_ram
+    from ckptfs.writeback.backend import StoreError, open_store
+
+    try:
+        limit = parse_size(memory_limit, total=total_ram())
+    except ValueError as exc:
+        _fail(f"--memory-limit: {exc}", 2)
+    try:
+        check_fuse()
+        mp = check_mountpoint(mountpoint)
+        open_store(store_url)
+    except (PreflightError, StoreError) as exc:
+        _fail(str(exc), 2)
+
+    if not foreground:
+        _spawn_daemon(mp, store_url, limit, log_file, log_level)
+        return
+
+    config = MountConfig(mp, store_url, limit, Path(log_file) if log_file else None, log_level.upper())
+    _setup_logging(config)
+    from ckptfs.fs.mount import serve
+
+    def ready() -> None:
+        if ready_fd is not None:
+            os.write(ready_fd, b"ok\n")
+            os.close(ready_fd)
+
+    try:
+        code = serve(config, ready)
+    except RuntimeError as exc:  # pyfuse3.init failed: the kernel refused the mount
+        logging.getLogger("ckptfs").error("cannot mount %s: %s", mp, exc)
+        _fail(f"cannot mount {mp}: {exc}")
+    sys.exit(code)
+
+
+def _setup_logging(config: MountConfig) -> None:
+    handler: logging.Handler
+    if config.log_file:
+        handler = logging.FileHandler(config.log_file)
+    else:
+        handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    logging.basicConfig(level=config.log_level, handlers=[handler], force=True)
+
+
+def _spawn_daemon(mp: Path, store_url: str, limit: int, log_file: str | None, log_level: str) -> None:
+    if log_file is None:
+        d = runtime.mount_dir(mp)
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        log_file = str(d / "daemon.log")
+    log_file = os.path.abspath(log_file)
+    r, w = os.pipe()
+    cmd = [sys.executable, "-m", "ckptfs.tools.cli", "mount", str(mp), "--store", store_url, "--memory-limit", str(limit),
+           "--foreground", "--log-file", log_file, "--log-level", log_level, "--ready-fd", str(w)]
+    with open(log_file, "ab") as err:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, pass_fds=(w,), start_new_session=True)
+    os.close(w)
+    deadline = time.monotonic() + MOUNT_TIMEOUT_S
+    reply = b""
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([r], [], [], 0.2)
+        if ready:
+            reply = os.read(r, 64)
+            break
+        if proc.poll() is not None:
+            break
+    os.close(r)
+    if reply.startswith(b"ok"):
+        click.echo(f"ckptfs: mounted {mp} (store {store_url}, pid {proc.pid}, log {log_file})")
+        return
+    if proc.poll() is None:
+        proc.kill()
+        _fail(f"the daemon did not mount {mp} within {MOUNT_TIMEOUT_S:.0f}s; see {log_file}")
+    _fail(f"the daemon could not mount {mp}: {_last_error(log_file)}")
+
+
+def _last_error(log_file: str) -> str:
+    try:
+        lines = [ln for ln in Path(log_file).read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "no log"
+    errors = [ln for ln in lines if "error" in ln.lower()]
+    return (errors or lines or ["no log"])[-1]
+
+
+@main.command()
+@click.argument("mountpoint", type=click.Path())
+@click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait for the daemon to finish and exit.")
+def umount(mountpoint: str, timeout: float) -> None:
+    """Unmount MOUNTPOINT and stop its daemon."""
+    try:
+        mp = check_mounted_ckptfs(mountpoint)
+    except PreflightError as exc:
+        _fail(str(exc), 2)
+    info = runtime.MountInfo.read(mp)
+    if info is None or not runtime.pid_alive(info.pid):
+        # The daemon is gone; what is left is a dead mount entry.
+        subprocess.run(["fusermount3", "-u", "-z", mp], check=False)
+        runtime.remove(mp)
+        click.echo(f"ckptfs: {mp}: daemon was not running; removed the stale mount")
+        return
+    os.kill(info.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while runtime.pid_alive(info.pid):
+        if time.monotonic() > deadline:
+            _fail(f"daemon {info.pid} did not exit within {timeout:.0f}s; see {info.log_file}")
+        time.sleep(0.05)
+    click.echo(f"ckptfs: unmounted {mp}")
+
+
+if __name__ == "__main__":
+    main()

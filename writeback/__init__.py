@@ -1,0 +1,1 @@
+"""The write-back engine: persists sealed files to the store, in order."""
