@@ -31,20 +31,26 @@ class MemoryPool:
     """The RAM budget shared by every file, plus recycled large chunks.
 
     `used` counts exactly the bytes held by file contents (chunk capacities).
-    Recycled chunks are kept up to `keep` bytes so that a checkpoint that
-    overwrites the previous one reuses already-faulted memory.
+    Chunks freed by deletes and truncates are kept for reuse while file data
+    plus kept chunks fit the budget: the next checkpoint then writes into
+    memory that is already faulted in, which on VMs that hand freed pages back
+    to the host is several times faster than fresh memory. (MADV_FREE on kept
+    chunks was measured: rewriting lazily-freed pages costs twice as much.)
     """
 
-    def __init__(self, limit: int, keep: int = 64 << 20) -> None:
+    def __init__(self, limit: int) -> None:
         self.limit = limit
         self.used = 0
-        self._keep = keep // CHUNK
         self._free: list[mmap.mmap] = []
         self._warned = False
 
     @property
     def available(self) -> int:
         return max(0, self.limit - self.used)
+
+    @property
+    def kept(self) -> int:
+        return len(self._free) * CHUNK
 
     def reserve(self, nbytes: int) -> None:
         """Account `nbytes` more, or raise ENOSPC leaving nothing changed."""
@@ -58,6 +64,8 @@ class MemoryPool:
                 self._warned = True
             raise OSError(errno.ENOSPC, "ckptfs RAM budget exhausted")
         self.used += nbytes
+        while self._free and self.used + self.kept > self.limit:
+            self._free.pop().close()
 
     def unreserve(self, nbytes: int) -> None:
         self.used -= nbytes
@@ -70,10 +78,17 @@ class MemoryPool:
         return mmap.mmap(-1, CHUNK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
 
     def give_chunk(self, chunk: mmap.mmap) -> None:
-        if len(self._free) < self._keep:
+        if self.used + self.kept + CHUNK <= self.limit:
             self._free.append(chunk)
         else:
             chunk.close()
+
+    def trim(self) -> int:
+        """Release every kept chunk; returns the bytes released."""
+        n = self.kept
+        while self._free:
+            self._free.pop().close()
+        return n
 
 
 def _small_capacity(needed: int) -> int:

@@ -19,7 +19,7 @@ from .store import InodeStore
 
 log = logging.getLogger(__name__)
 
-READ_AHEAD_KB = 1024  # mmap loads fault in 1 MiB at a time instead of 128 KiB
+READ_AHEAD_KB = 4096  # with 1 MiB requests: several in flight while the reader copies
 
 
 def fuse_options(name: str) -> set[str]:
@@ -38,9 +38,8 @@ def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
     info = runtime.MountInfo.new(mountpoint, config.store_url, str(config.log_file or ""))
     try:
         info.write()
-        _set_read_ahead(mountpoint)
         log.info("mounted %s (store %s, RAM budget %d bytes)", mountpoint, config.store_url, config.memory_limit)
-        trio.run(_main, ready)
+        trio.run(_main, mountpoint, ready)
     finally:
         pyfuse3.close(unmount=True)
         runtime.remove(mountpoint)
@@ -48,13 +47,23 @@ def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
     return 0
 
 
-async def _main(ready: Callable[[], None] | None) -> None:
+async def _main(mountpoint: str, ready: Callable[[], None] | None) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_stop_on_signal)
-        if ready is not None:
-            ready()
-        await pyfuse3.main()
+        nursery.start_soon(_when_live, mountpoint, ready)
+        # Idle workers are kept: each new one would malloc a fresh 1 MiB buffer.
+        await pyfuse3.main(min_tasks=8, max_tasks=64)
         nursery.cancel_scope.cancel()  # unmounted from outside (fusermount3 -u)
+
+
+async def _when_live(mountpoint: str, ready: Callable[[], None] | None) -> None:
+    """Once the kernel has finished INIT, tune the mount and report it live."""
+    # Any request through the mount is answered only after INIT; INIT also
+    # clamps read-ahead, so it can only be raised afterwards.
+    await trio.to_thread.run_sync(os.stat, mountpoint)
+    _set_read_ahead(mountpoint)
+    if ready is not None:
+        ready()
 
 
 async def _stop_on_signal() -> None:
