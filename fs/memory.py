@@ -218,10 +218,10 @@ class FileData:
     def _drop(self, idx: int) -> None:
         chunk = self._chunks.pop(idx)
         cap = len(chunk.buf)
-        if isinstance(chunk.buf, mmap.mmap):
-            self._pool.give_chunk(chunk.buf)
         self._pool.unreserve(cap)
         self.allocated -= cap
+        if isinstance(chunk.buf, mmap.mmap):
+            self._pool.give_chunk(chunk.buf)
 
 
 def _capacity(needed: int) -> int:

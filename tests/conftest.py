@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.mountutil import Mount, fuse_usable, start_mount, stop_mount
+
+
+def _require_fuse() -> None:
+    if not fuse_usable():
+        pytest.skip("FUSE is not usable here (/dev/fuse or fusermount3 missing)")
+    if os.getuid() != 0:
+        pytest.skip("integration tests run as root")
+
+
+def _check_log(m: Mount) -> None:
+    bad = m.unexpected_log_errors()
+    assert not bad, "unexpected warnings/errors in the daemon log:\n" + "\n".join(bad)
+
+
+@pytest.fixture(scope="module")
+def shared_mount(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mount]:
+    """One mount for a module's tests; each test works in its own directory."""
+    _require_fuse()
+    m = start_mount(tmp_path_factory.mktemp("ckptfs"))
+    try:
+        yield m
+    finally:
+        stop_mount(m)
+    _check_log(m)
+
+
+@pytest.fixture
+def mnt(shared_mount: Mount, request: pytest.FixtureRequest) -> Path:
+    d = shared_mount.path(request.node.name[:200].replace("/", "_"))
+    d.mkdir()
+    return d
+
+
+@pytest.fixture
+def fresh_mount(tmp_path: Path) -> Iterator[Mount]:
+    """A mount of the test's own (for tests that stop or break the daemon)."""
+    _require_fuse()
+    m = start_mount(tmp_path)
+    try:
+        yield m
+    finally:
+        stop_mount(m)
+    _check_log(m)

@@ -1,0 +1,129 @@
+"""Start and stop real ckptfs mounts for tests.
+
+Teardown always runs the same escalation, whatever state the daemon is in:
+lazy unmount (never blocks on a hung daemon), then SIGTERM, then SIGKILL of
+the daemon we started, by pid.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+START_TIMEOUT_S = 30.0
+
+
+def fuse_usable() -> bool:
+    return os.path.exists("/dev/fuse") and subprocess.run(["which", "fusermount3"], capture_output=True).returncode == 0
+
+
+def is_mounted(path: Path | str) -> bool:
+    with open("/proc/mounts") as f:
+        return any(line.split()[1] == str(path) for line in f)
+
+
+def run_cli(*args: str, timeout: float = 120, env: dict | None = None, user: int | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ckptfs.tools.cli", *args],
+        capture_output=True, text=True, timeout=timeout, env=env,
+        user=user,
+    )
+
+
+@dataclass
+class Mount:
+    mountpoint: Path
+    store: Path
+    log: Path
+    proc: subprocess.Popen
+    allowed_log_errors: list[str] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def path(self, *parts: str) -> Path:
+        return self.mountpoint.joinpath(*parts)
+
+    def log_text(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def unexpected_log_errors(self) -> list[str]:
+        bad = []
+        for line in self.log_text().splitlines():
+            if (" ERROR " in line or "Traceback" in line or " WARNING " in line) and not any(
+                a in line for a in self.allowed_log_errors
+            ):
+                bad.append(line)
+        return bad
+
+
+def start_mount(base: Path, memory_limit: str = "4G", extra: tuple[str, ...] = ()) -> Mount:
+    mountpoint = base / "mnt"
+    store = base / "store"
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    log = base / "daemon.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckptfs.tools.cli", "mount", str(mountpoint), "--store", str(store),
+         "--memory-limit", memory_limit, "--foreground", "--log-file", str(log), *extra],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(base / "daemon.stderr", "wb"),
+    )
+    m = Mount(mountpoint, store, log, proc)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        if is_mounted(mountpoint):
+            try:
+                os.stat(mountpoint)
+                return m
+            except OSError:
+                pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_mount(m)
+            raise RuntimeError(f"mount did not come up: {(base / 'daemon.stderr').read_text()} {m.log_text()}")
+        time.sleep(0.05)
+
+
+def stop_mount(m: Mount) -> None:
+    """Unmount and reap the daemon; works when it hangs or died."""
+    try:
+        if is_mounted(m.mountpoint):
+            subprocess.run(["fusermount3", "-u", "-z", str(m.mountpoint)], capture_output=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        if m.proc.poll() is None:
+            m.proc.send_signal(signal.SIGTERM)
+            try:
+                m.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                m.proc.kill()
+                m.proc.wait(timeout=10)
+        if is_mounted(m.mountpoint):  # the daemon died before unmounting
+            subprocess.run(["fusermount3", "-u", "-z", str(m.mountpoint)], capture_output=True, timeout=20)
+
+
+def drop_caches() -> None:
+    """Make the next reads go through the daemon, not the page cache."""
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3")
+
+
+def read_uncached(path: Path | str) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)

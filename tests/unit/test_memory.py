@@ -1,0 +1,118 @@
+"""FileData and MemoryPool: sparse chunked contents and exact accounting."""
+
+import errno
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckptfs.fs.memory import CHUNK, FileData, MemoryPool
+
+
+def test_write_read_across_chunks():
+    f = FileData(MemoryPool(1 << 30))
+    payload = bytes(range(256)) * (3 * CHUNK // 256 + 7)
+    f.write(CHUNK - 100, payload)
+    assert f.size == CHUNK - 100 + len(payload)
+    assert f.read(CHUNK - 100, len(payload)) == payload
+    assert f.read(0, CHUNK - 100) == bytes(CHUNK - 100)  # the hole reads as zeros
+
+
+def test_huge_truncate_allocates_nothing():
+    pool = MemoryPool(1 << 20)
+    f = FileData(pool)
+    f.truncate(999_999_999_999_999)
+    assert f.size == 999_999_999_999_999 and pool.used == 0
+    assert f.read(10**14, 4096) == bytes(4096)
+
+
+def test_shrink_then_grow_reads_zeros():
+    f = FileData(MemoryPool(1 << 30))
+    f.write(0, b"x" * 10000)
+    f.truncate(10)
+    f.truncate(5000)
+    assert f.read(0, 5000) == b"x" * 10 + bytes(4990)
+
+
+def test_recycled_chunk_never_leaks_old_bytes():
+    pool = MemoryPool(1 << 30)
+    a = FileData(pool)
+    a.write(0, b"\xff" * (2 * CHUNK))
+    a.clear()
+    assert pool.kept == 2 * CHUNK
+    b = FileData(pool)
+    b.write(CHUNK // 2, b"y" * SMALLISH)  # lands in a recycled chunk, past a gap
+    assert pool.kept == CHUNK
+    assert b.read(0, CHUNK // 2) == bytes(CHUNK // 2)
+    b.truncate(CHUNK)
+    assert b.read(CHUNK // 2 + SMALLISH, 100) == bytes(100)
+
+
+SMALLISH = 300 << 10
+
+
+def test_accounting_is_exact_and_freed():
+    pool = MemoryPool(64 << 20)
+    f = FileData(pool)
+    f.write(0, b"a" * 5000)
+    assert pool.used == f.allocated == 8192  # small files take what they need
+    f.write(0, b"a" * (1 << 20))
+    assert pool.used == f.allocated == CHUNK
+    f.clear()
+    assert pool.used == 0 and f.allocated == 0
+
+
+def test_budget_enforced_atomically():
+    pool = MemoryPool(CHUNK)
+    f = FileData(pool)
+    f.write(0, b"a" * CHUNK)
+    with pytest.raises(OSError) as exc:
+        f.write(CHUNK, b"b")
+    assert exc.value.errno == errno.ENOSPC
+    assert f.size == CHUNK and f.read(CHUNK - 1, 10) == b"a"
+
+
+def test_kept_chunks_never_exceed_budget():
+    pool = MemoryPool(3 * CHUNK)
+    f = FileData(pool)
+    f.write(0, b"a" * 3 * CHUNK)
+    f.clear()
+    assert pool.kept == 3 * CHUNK
+    g = FileData(pool)
+    g.write(0, b"b" * 10)  # small: reserves a little, must drop a kept chunk
+    assert pool.used + pool.kept <= pool.limit
+    kept = pool.kept
+    assert pool.trim() == kept and pool.kept == 0
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("w"), st.integers(0, 3 * CHUNK), st.integers(1, CHUNK + 10), st.integers(0, 255)),
+        st.tuples(st.just("t"), st.integers(0, 3 * CHUNK)),
+    ),
+    max_size=12,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops)
+def test_matches_a_bytearray_model(sequence):
+    pool = MemoryPool(1 << 30)
+    f = FileData(pool)
+    model = bytearray()
+    for op in sequence:
+        if op[0] == "w":
+            _, off, n, val = op
+            data = bytes([val]) * n
+            f.write(off, data)
+            if off > len(model):
+                model.extend(bytes(off - len(model)))
+            model[off : off + n] = data
+        else:
+            size = op[1]
+            f.truncate(size)
+            model = model[:size] + bytearray(max(0, size - len(model)))
+        assert f.size == len(model)
+    assert f.read(0, len(model) + 10) == bytes(model)
+    f.clear()
+    assert pool.used == 0

@@ -1,0 +1,236 @@
+"""The inode store with no FUSE: namespace, lifetimes, errors, generations."""
+
+import errno
+import os
+import stat
+
+import pytest
+
+from ckptfs.fs.memory import MemoryPool
+from ckptfs.fs.store import RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT, InodeStore
+
+W = os.O_WRONLY
+RW = os.O_RDWR
+
+
+@pytest.fixture
+def s():
+    return InodeStore(MemoryPool(1 << 30))
+
+
+def errno_of(fn, *args, **kwargs):
+    with pytest.raises(OSError) as exc:
+        fn(*args, **kwargs)
+    return exc.value.errno
+
+
+def new_file(s, name, data=b"", parent=ROOT):
+    h = s.create(parent, name, 0o644, W | os.O_CREAT, 0, 0)
+    if data:
+        s.write(h.fh, 0, data)
+    s.release(h.fh)
+    return h.inode
+
+
+def test_create_write_read(s):
+    ino = new_file(s, b"f", b"hello")
+    h = s.open(ino.ino, os.O_RDONLY)
+    assert s.read(h.fh, 0, 100) == b"hello"
+    assert s.read(h.fh, 3, 100) == b"lo"
+    assert s.read(h.fh, 10, 100) == b""
+
+
+def test_o_excl_and_o_trunc(s):
+    new_file(s, b"f", b"hello")
+    assert errno_of(s.create, ROOT, b"f", 0o644, W | os.O_CREAT | os.O_EXCL, 0, 0) == errno.EEXIST
+    h = s.create(ROOT, b"f", 0o644, W | os.O_CREAT | os.O_TRUNC, 0, 0)
+    assert h.inode.size == 0
+
+
+def test_o_append_writes_at_end(s):
+    ino = new_file(s, b"log", b"abc")
+    h = s.open(ino.ino, W | os.O_APPEND)
+    s.write(h.fh, 0, b"def")
+    assert ino.data.read(0, 10) == b"abcdef"
+
+
+def test_write_on_read_only_handle_is_ebadf(s):
+    ino = new_file(s, b"f", b"x")
+    h = s.open(ino.ino, os.O_RDONLY)
+    assert errno_of(s.write, h.fh, 0, b"y") == errno.EBADF
+
+
+def test_name_too_long(s):
+    assert errno_of(s.mknod, ROOT, b"a" * 256, stat.S_IFREG | 0o644, 0, 0) == errno.ENAMETOOLONG
+    new_file(s, b"a" * 255)
+
+
+def test_mkdir_rmdir_nlink_and_enotempty(s):
+    root = s.get(ROOT)
+    d = s.mkdir(ROOT, b"d", 0o755, 0, 0)
+    assert root.nlink == 3 and d.nlink == 2
+    s.mkdir(d.ino, b"sub", 0o755, 0, 0)
+    assert d.nlink == 3
+    assert errno_of(s.rmdir, ROOT, b"d") == errno.ENOTEMPTY
+    assert errno_of(s.unlink, ROOT, b"d") == errno.EISDIR
+    s.rmdir(d.ino, b"sub")
+    s.rmdir(ROOT, b"d")
+    assert root.nlink == 2
+    assert errno_of(s.lookup, ROOT, b"d") == errno.ENOENT
+
+
+def test_directory_mtime_changes_on_add_and_remove(s):
+    d = s.mkdir(ROOT, b"d", 0o755, 0, 0)
+    t0 = d.mtime_ns
+    new_file(s, b"f", parent=d.ino)
+    t1 = d.mtime_ns
+    s.unlink(d.ino, b"f")
+    assert t0 < t1 < d.mtime_ns
+
+
+def test_unlinked_open_file_stays_readable_until_release(s):
+    ino = new_file(s, b"f", b"data" * 1000)
+    used = s.pool.used
+    h = s.open(ino.ino, os.O_RDONLY)
+    s.unlink(ROOT, b"f")
+    assert ino.ino in s.inodes and s.pool.used == used
+    assert s.read(h.fh, 0, 4) == b"data"
+    s.release(h.fh)
+    assert ino.ino not in s.inodes and s.pool.used == 0
+
+
+def test_kernel_reference_keeps_inode(s):
+    ino = new_file(s, b"f", b"x")
+    s.ref(s.lookup(ROOT, b"f"))
+    s.unlink(ROOT, b"f")
+    assert ino.ino in s.inodes
+    s.forget(ino.ino, 1)
+    assert ino.ino not in s.inodes
+
+
+def test_rename_over_existing_file_frees_it(s):
+    new_file(s, b"old", b"old data")
+    tmp = new_file(s, b".metadata.tmp", b"new")
+    replaced = s.rename(ROOT, b".metadata.tmp", ROOT, b"old")
+    assert replaced is not None and replaced.ino not in s.inodes
+    assert s.lookup(ROOT, b"old") is tmp
+
+
+def test_rename_errors(s):
+    d = s.mkdir(ROOT, b"d", 0o755, 0, 0)
+    sub = s.mkdir(d.ino, b"sub", 0o755, 0, 0)
+    new_file(s, b"f")
+    new_file(s, b"x", parent=sub.ino)
+    assert errno_of(s.rename, ROOT, b"d", sub.ino, b"inside") == errno.EINVAL
+    assert errno_of(s.rename, ROOT, b"f", ROOT, b"d") == errno.EISDIR
+    assert errno_of(s.rename, ROOT, b"d", ROOT, b"f") == errno.ENOTDIR
+    assert errno_of(s.rename, ROOT, b"missing", ROOT, b"z") == errno.ENOENT
+    assert errno_of(s.rename, ROOT, b"f", ROOT, b"d", RENAME_NOREPLACE) == errno.EEXIST
+
+
+def test_rename_directory_over_nonempty_directory(s):
+    s.mkdir(ROOT, b"a", 0o755, 0, 0)
+    b = s.mkdir(ROOT, b"b", 0o755, 0, 0)
+    new_file(s, b"f", parent=b.ino)
+    assert errno_of(s.rename, ROOT, b"a", ROOT, b"b") == errno.ENOTEMPTY
+    s.unlink(b.ino, b"f")
+    s.rename(ROOT, b"a", ROOT, b"b")
+    assert s.get(ROOT).nlink == 3
+
+
+def test_rename_directory_moves_parent_links(s):
+    a = s.mkdir(ROOT, b"a", 0o755, 0, 0)
+    b = s.mkdir(ROOT, b"b", 0o755, 0, 0)
+    c = s.mkdir(a.ino, b"c", 0o755, 0, 0)
+    s.rename(a.ino, b"c", b.ino, b"c2")
+    assert a.nlink == 2 and b.nlink == 3 and c.parent == b.ino
+    assert s.lookup(c.ino, b"..") is b
+
+
+def test_rename_exchange(s):
+    f = new_file(s, b"f", b"1")
+    g = new_file(s, b"g", b"2")
+    s.rename(ROOT, b"f", ROOT, b"g", RENAME_EXCHANGE)
+    assert s.lookup(ROOT, b"f") is g and s.lookup(ROOT, b"g") is f
+
+
+def test_hard_links_and_symlinks(s):
+    f = new_file(s, b"f", b"x")
+    s.link(f.ino, ROOT, b"g")
+    assert f.nlink == 2
+    s.unlink(ROOT, b"f")
+    assert f.nlink == 1 and s.lookup(ROOT, b"g") is f
+    ln = s.symlink(ROOT, b"l", b"g", 0, 0)
+    assert s.readlink(ln.ino) == b"g" and ln.size == 1
+    assert errno_of(s.readlink, f.ino) == errno.EINVAL
+    assert errno_of(s.link, s.get(ROOT).ino, ROOT, b"rootlink") == errno.EPERM
+
+
+def test_truncate_and_setattr(s):
+    f = new_file(s, b"f", b"0123456789")
+    s.setattr(f.ino, size=4)
+    assert f.data.read(0, 100) == b"0123"
+    s.setattr(f.ino, size=8)
+    assert f.data.read(0, 100) == b"0123\0\0\0\0"
+    s.setattr(f.ino, mode=0o600, uid=5, gid=6, mtime_ns=123)
+    assert stat.S_IMODE(f.mode) == 0o600 and stat.S_ISREG(f.mode)
+    assert (f.uid, f.gid, f.mtime_ns) == (5, 6, 123)
+    d = s.mkdir(ROOT, b"d", 0o755, 0, 0)
+    assert errno_of(s.setattr, d.ino, size=0) == errno.EISDIR
+
+
+def test_xattrs(s):
+    f = new_file(s, b"f")
+    assert errno_of(s.getxattr, f.ino, b"user.x") == errno.ENODATA
+    s.setxattr(f.ino, b"user.x", b"1")
+    assert s.getxattr(f.ino, b"user.x") == b"1"
+    assert s.listxattr(f.ino) == [b"user.x"]
+    s.removexattr(f.ino, b"user.x")
+    assert errno_of(s.removexattr, f.ino, b"user.x") == errno.ENODATA
+    assert errno_of(s.setxattr, f.ino, b"user.big", b"x" * 70000) == errno.E2BIG
+
+
+def test_seal_bumps_generation_only_on_last_writer(s):
+    f = new_file(s, b"f", b"x")
+    assert f.generation == 1
+    a = s.open(f.ino, W)
+    b = s.open(f.ino, RW)
+    r = s.open(f.ino, os.O_RDONLY)
+    assert s.release(a.fh) is None
+    assert s.release(r.fh) is None
+    assert s.release(b.fh) is f and f.generation == 2
+
+
+def test_readdir_offsets_survive_concurrent_changes(s):
+    for i in range(10):
+        new_file(s, b"f%d" % i)
+    first = list(s.readdir(ROOT, 0))[:4]
+    resume = first[-1][2]
+    s.unlink(ROOT, b"f1")  # already listed
+    s.unlink(ROOT, b"f7")  # not listed yet: must not appear
+    new_file(s, b"new")  # created during the listing: may appear, once
+    rest = [name for name, _, _ in s.readdir(ROOT, resume)]
+    listed = [n for n, _, _ in first] + rest
+    assert sorted(set(listed) - {b"new"}) == sorted({b"f%d" % i for i in range(10)} - {b"f7"})
+    assert len(listed) == len(set(listed))
+
+
+def test_removed_directory_accepts_no_entries(s):
+    d = s.mkdir(ROOT, b"d", 0o755, 0, 0)
+    s.ref(d)
+    s.rmdir(ROOT, b"d")
+    assert errno_of(s.mknod, d.ino, b"f", stat.S_IFREG | 0o644, 0, 0) == errno.ENOENT
+
+
+def test_setgid_directory_inheritance(s):
+    d = s.mkdir(ROOT, b"d", 0o2775, 0, 42)
+    f = new_file(s, b"f", parent=d.ino)
+    sub = s.mkdir(d.ino, b"sub", 0o755, 0, 0)
+    assert f.gid == 42 and sub.gid == 42 and sub.mode & stat.S_ISGID
+
+
+def test_budget_exhaustion_is_enospc(s):
+    small = InodeStore(MemoryPool(1 << 20))
+    h = small.create(ROOT, b"f", 0o644, W | os.O_CREAT, 0, 0)
+    assert errno_of(small.write, h.fh, 0, b"x" * (2 << 20)) == errno.ENOSPC
+    small.write(h.fh, 0, b"x" * 1000)
