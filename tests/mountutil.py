@@ -102,7 +102,7 @@ def stop_mount(m: Mount) -> None:
         if m.proc.poll() is None:
             m.proc.send_signal(signal.SIGTERM)
             try:
-                m.proc.wait(timeout=10)
+                m.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 m.proc.kill()
                 m.proc.wait(timeout=10)

@@ -1,0 +1,154 @@
+"""`ckptfs mount` / `ckptfs umount` as a user runs them, errors included."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckptfs import runtime
+from tests.mountutil import is_mounted, run_cli, start_mount, stop_mount
+
+
+def assert_clean_error(r: subprocess.CompletedProcess, *needles: str) -> None:
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.fixture
+def dirs(tmp_path: Path) -> tuple[Path, Path]:
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    return mp, tmp_path / "store"
+
+
+def test_background_mount_and_umount(dirs):
+    mp, store = dirs
+    r = run_cli("mount", str(mp), "--store", str(store), "--memory-limit", "1G")
+    try:
+        assert r.returncode == 0, r.stderr
+        assert is_mounted(mp)  # live when the command returns
+        (mp / "f").write_bytes(b"x")
+        info = runtime.MountInfo.read(mp)
+        assert info is not None and info.store_url == str(store) and runtime.pid_alive(info.pid)
+        assert os.statvfs(mp).f_blocks * os.statvfs(mp).f_frsize == 1 << 30
+        r = run_cli("umount", str(mp))
+        assert r.returncode == 0, r.stderr
+        assert not is_mounted(mp) and not runtime.pid_alive(info.pid)
+        assert runtime.MountInfo.read(mp) is None
+    finally:
+        if is_mounted(mp):
+            subprocess.run(["fusermount3", "-u", "-z", str(mp)])
+            info = runtime.MountInfo.read(mp)
+            if info:
+                os.kill(info.pid, signal.SIGKILL)
+
+
+def test_umount_of_a_dead_daemon_cleans_up(tmp_path):
+    m = start_mount(tmp_path)
+    try:
+        os.kill(m.pid, signal.SIGKILL)
+        m.proc.wait()
+        r = run_cli("umount", str(m.mountpoint))
+        assert r.returncode == 0, r.stderr
+        assert "not running" in r.stdout
+        assert not is_mounted(m.mountpoint)
+    finally:
+        stop_mount(m)
+
+
+def test_sigterm_unmounts(tmp_path):
+    m = start_mount(tmp_path)
+    try:
+        m.proc.send_signal(signal.SIGTERM)
+        assert m.proc.wait(timeout=30) == 0
+        assert not is_mounted(m.mountpoint)
+    finally:
+        stop_mount(m)
+
+
+def test_mountpoint_missing(tmp_path):
+    assert_clean_error(run_cli("mount", str(tmp_path / "nope"), "--store", str(tmp_path / "s")), "does not exist")
+
+
+def test_mountpoint_not_a_directory(tmp_path):
+    (tmp_path / "file").write_text("")
+    assert_clean_error(run_cli("mount", str(tmp_path / "file"), "--store", str(tmp_path / "s")), "not a directory")
+
+
+def test_mountpoint_not_empty(dirs):
+    mp, store = dirs
+    (mp / "x").write_text("")
+    assert_clean_error(run_cli("mount", str(mp), "--store", str(store)), "not empty")
+
+
+def test_mountpoint_already_mounted(tmp_path):
+    m = start_mount(tmp_path)
+    try:
+        r = run_cli("mount", str(m.mountpoint), "--store", str(tmp_path / "s2"))
+        assert_clean_error(r, "already a mount point")
+    finally:
+        stop_mount(m)
+
+
+@pytest.mark.parametrize("size", ["lots", "-1G", "0", "12Q", "150%"])
+def test_bad_memory_limit(dirs, size):
+    mp, store = dirs
+    assert_clean_error(run_cli("mount", str(mp), "--store", str(store), "--memory-limit", size), "--memory-limit")
+
+
+def test_unknown_store_protocol(dirs):
+    mp, store = dirs
+    assert_clean_error(run_cli("mount", str(mp), "--store", "nosuch://bucket/x"), "unknown store protocol", "nosuch")
+
+
+def test_store_protocol_package_missing(dirs):
+    mp, _ = dirs
+    pytest.importorskip("fsspec")
+    try:
+        import gcsfs  # noqa: F401
+        pytest.skip("gcsfs is installed")
+    except ImportError:
+        pass
+    assert_clean_error(run_cli("mount", str(mp), "--store", "gs://bucket/x"), "gcsfs")
+
+
+def test_store_path_is_a_file(dirs, tmp_path):
+    mp, _ = dirs
+    (tmp_path / "afile").write_text("")
+    assert_clean_error(run_cli("mount", str(mp), "--store", str(tmp_path / "afile")), "not a directory")
+
+
+def test_fusermount3_missing(dirs, tmp_path):
+    mp, store = dirs
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    os.symlink(sys.executable, bindir / "python")
+    env = dict(os.environ, PATH=str(bindir))
+    assert_clean_error(run_cli("mount", str(mp), "--store", str(store), env=env), "fuse3")
+
+
+def test_dev_fuse_missing(dirs):
+    mp, store = dirs
+    # In a private mount namespace, hide /dev behind an empty tmpfs.
+    script = f"mount -t tmpfs none /dev && exec {sys.executable} -m ckptfs.tools.cli mount {mp} --store {store}"
+    r = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=60)
+    assert_clean_error(r, "/dev/fuse")
+
+
+def test_umount_not_a_ckptfs_mount(tmp_path):
+    assert_clean_error(run_cli("umount", str(tmp_path)), "not a ckptfs mount")
+
+
+def test_help_texts():
+    for args in (["--help"], ["mount", "--help"], ["umount", "--help"]):
+        r = run_cli(*args)
+        assert r.returncode == 0 and "Usage:" in r.stdout

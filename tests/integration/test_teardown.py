@@ -1,0 +1,48 @@
+"""The test harness's teardown works whatever state the daemon is in."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from tests.mountutil import is_mounted, start_mount, stop_mount
+
+
+def _assert_gone(m) -> None:
+    assert not is_mounted(m.mountpoint)
+    assert m.proc.poll() is not None
+    assert os.listdir(m.mountpoint) == []  # the bare directory again
+
+
+def test_teardown_of_a_healthy_daemon(tmp_path):
+    m = start_mount(tmp_path)
+    m.path("f").write_bytes(b"x")
+    stop_mount(m)
+    _assert_gone(m)
+
+
+def test_teardown_when_the_daemon_hangs(tmp_path):
+    m = start_mount(tmp_path)
+    os.kill(m.pid, signal.SIGSTOP)  # any access to the mount would now block
+    t0 = time.monotonic()
+    stop_mount(m)
+    assert time.monotonic() - t0 < 60
+    _assert_gone(m)
+
+
+def test_teardown_when_the_daemon_died(tmp_path):
+    m = start_mount(tmp_path)
+    os.kill(m.pid, signal.SIGKILL)
+    m.proc.wait()
+    assert is_mounted(m.mountpoint)  # a dead mount entry is left behind
+    stop_mount(m)
+    _assert_gone(m)
+
+
+def test_teardown_when_the_daemon_ignores_sigterm(tmp_path):
+    m = start_mount(tmp_path)
+    os.kill(m.pid, signal.SIGSTOP)  # SIGTERM stays pending: only SIGKILL works
+    stop_mount(m)
+    assert m.proc.returncode == -signal.SIGKILL
+    _assert_gone(m)
