@@ -13,3 +13,6 @@ class MountConfig:
     memory_limit: int
     log_file: Path | None = None
     log_level: str = "INFO"
+    fsync: str = "ram"  # "ram": fsync returns at once; "durable": once published
+    drain_timeout: float = 600.0
+    upload_workers: int = 4

@@ -67,16 +67,27 @@ class MountInfo:
 
 
 def remove(mountpoint: str | os.PathLike[str]) -> None:
-    d = mount_dir(mountpoint)
-    for name in ("mount.json",):
-        try:
-            (d / name).unlink()
-        except FileNotFoundError:
-            pass
     try:
-        d.rmdir()
-    except OSError:
+        (mount_dir(mountpoint) / "mount.json").unlink()
+    except FileNotFoundError:
         pass
+
+
+def write_exit_report(mountpoint: str | os.PathLike[str], unpublished: list[str]) -> None:
+    """What a daemon left unpublished when it exited, for `ckptfs umount`."""
+    d = mount_dir(mountpoint)
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    (d / "exit.json").write_text(json.dumps({"version": FORMAT_VERSION, "unpublished": unpublished}))
+
+
+def take_exit_report(mountpoint: str | os.PathLike[str]) -> list[str] | None:
+    path = mount_dir(mountpoint) / "exit.json"
+    try:
+        data = json.loads(path.read_text())
+        path.unlink()
+        return list(data["unpublished"])
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def pid_alive(pid: int) -> bool:

@@ -18,6 +18,7 @@ import errno
 import logging
 import mmap
 import os
+from collections.abc import Iterator
 
 log = logging.getLogger(__name__)
 
@@ -100,25 +101,103 @@ def _small_capacity(needed: int) -> int:
 
 class _Chunk:
     """One chunk of a file. Bytes at or beyond `hw` (the initialised prefix)
-    may hold stale data from a recycled chunk and read as zeros."""
+    may hold stale data from a recycled chunk and read as zeros.
 
-    __slots__ = ("buf", "hw")
+    `refs` counts the holders: the live file and any snapshots. A chunk with
+    more than one holder is frozen: a write copies it first (copy-on-write).
+    """
 
-    def __init__(self, buf: mmap.mmap | bytearray) -> None:
+    __slots__ = ("buf", "hw", "refs")
+
+    def __init__(self, buf: mmap.mmap | bytearray, hw: int = 0) -> None:
         self.buf = buf
-        self.hw = 0
+        self.hw = hw
+        self.refs = 1
+
+
+def _unref(chunk: _Chunk, pool: MemoryPool) -> None:
+    chunk.refs -= 1
+    if chunk.refs == 0:
+        pool.unreserve(len(chunk.buf))
+        if isinstance(chunk.buf, mmap.mmap):
+            pool.give_chunk(chunk.buf)
+
+
+class Snapshot:
+    """The bytes of a file at one moment, shared copy-on-write with the file.
+
+    Safe to read from worker threads: nothing writes a frozen chunk, and the
+    chunks stay allocated until `release()` (called on the owning thread).
+    """
+
+    def __init__(self, size: int, chunks: dict[int, _Chunk], pool: MemoryPool) -> None:
+        self.size = size
+        self._chunks = chunks
+        self._pool = pool
+        for c in chunks.values():
+            c.refs += 1
+
+    def pieces(self) -> Iterator[memoryview]:
+        """The file's bytes in order (holes as zeros), as views, no copies."""
+        zeros = memoryview(_ZEROS)
+        for idx in range((self.size + CHUNK - 1) // CHUNK):
+            length = min(CHUNK, self.size - idx * CHUNK)
+            chunk = self._chunks.get(idx)
+            valid = min(chunk.hw, length) if chunk is not None else 0
+            if valid:
+                yield memoryview(chunk.buf)[:valid]  # type: ignore[union-attr]
+            if length > valid:
+                yield zeros[: length - valid]
+
+    def release(self) -> None:
+        chunks, self._chunks = self._chunks, {}
+        for c in chunks.values():
+            _unref(c, self._pool)
 
 
 class FileData:
-    """The contents of one regular file: `size` bytes, sparse, in chunks."""
+    """The contents of one regular file: `size` bytes, sparse, in chunks.
 
-    __slots__ = ("size", "allocated", "_chunks", "_pool")
+    A file whose bytes are safely in the store may be *evicted*: its chunks
+    are dropped, its size kept, and it must be `fill`ed before use.
+    """
+
+    __slots__ = ("size", "allocated", "resident", "_chunks", "_pool")
 
     def __init__(self, pool: MemoryPool) -> None:
         self.size = 0
         self.allocated = 0
+        self.resident = True
         self._chunks: dict[int, _Chunk] = {}
         self._pool = pool
+
+    def snapshot(self) -> Snapshot:
+        assert self.resident
+        return Snapshot(self.size, dict(self._chunks), self._pool)
+
+    def evict(self) -> int:
+        """Drop the bytes from RAM (the caller knows they are in the store)."""
+        freed = self.allocated
+        size = self.size
+        self.clear()
+        self.size = size
+        self.resident = False
+        return freed
+
+    def fill(self, blocks: list[bytes]) -> None:
+        """Make an evicted file resident again from its bytes, in order."""
+        size = self.size
+        self.size = 0
+        self.resident = True
+        try:
+            off = 0
+            for b in blocks:
+                self.write(off, b)
+                off += len(b)
+        except BaseException:
+            self.evict()
+            raise
+        self.truncate(size)
 
     # -- reads ---------------------------------------------------------------
     def read(self, off: int, size: int) -> bytes:
@@ -177,9 +256,12 @@ class FileData:
             idx, lo = divmod(pos, CHUNK)
             hi = min(CHUNK, lo + end - pos)
             chunk = self._chunks.get(idx)
-            have = len(chunk.buf) if chunk is not None else 0
-            if hi > have:
-                need += _capacity(hi) - have
+            if chunk is not None and chunk.refs > 1:
+                need += _capacity(max(hi, chunk.hw))  # copy-on-write
+            else:
+                have = len(chunk.buf) if chunk is not None else 0
+                if hi > have:
+                    need += _capacity(hi) - have
             pos += hi - lo
         if need:
             self._pool.reserve(need)
@@ -188,14 +270,19 @@ class FileData:
     def _chunk_for_write(self, idx: int, hi: int) -> _Chunk:
         """The chunk `idx`, grown to hold `hi` bytes (already reserved)."""
         chunk = self._chunks.get(idx)
-        if chunk is not None and hi <= len(chunk.buf):
+        if chunk is not None and chunk.refs == 1 and hi <= len(chunk.buf):
             return chunk
-        cap = _capacity(hi)
+        cap = _capacity(max(hi, chunk.hw if chunk is not None else 0))
         buf: mmap.mmap | bytearray = self._pool.take_chunk() if cap == CHUNK else bytearray(cap)
         if chunk is None:
             chunk = self._chunks[idx] = _Chunk(buf)
-        else:
-            buf[: chunk.hw] = memoryview(chunk.buf)[: chunk.hw]
+            return chunk
+        buf[: chunk.hw] = memoryview(chunk.buf)[: chunk.hw]
+        if chunk.refs > 1:  # frozen by a snapshot: leave it to the snapshot
+            self.allocated -= len(chunk.buf)
+            chunk.refs -= 1
+            chunk = self._chunks[idx] = _Chunk(buf, chunk.hw)
+        else:  # a small chunk outgrew its buffer
             chunk.buf = buf
         return chunk
 
@@ -217,11 +304,8 @@ class FileData:
 
     def _drop(self, idx: int) -> None:
         chunk = self._chunks.pop(idx)
-        cap = len(chunk.buf)
-        self._pool.unreserve(cap)
-        self.allocated -= cap
-        if isinstance(chunk.buf, mmap.mmap):
-            self._pool.give_chunk(chunk.buf)
+        self.allocated -= len(chunk.buf)
+        _unref(chunk, self._pool)
 
 
 def _capacity(needed: int) -> int:

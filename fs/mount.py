@@ -13,6 +13,9 @@ import trio
 from ckptfs import runtime
 from ckptfs.config import MountConfig
 
+from ckptfs.writeback.backend import open_store
+from ckptfs.writeback.engine import Engine
+
 from .memory import MemoryPool
 from .ops import Operations
 from .store import InodeStore
@@ -30,30 +33,83 @@ def fuse_options(name: str) -> set[str]:
 
 
 def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
-    """Mount `config.mountpoint`, serve it until unmounted or signalled."""
+    """Mount, serve until unmounted or signalled, drain write-back, unmount.
+    Returns 0, or 1 if anything was left unpublished."""
+    backend = open_store(config.store_url)
     store = InodeStore(MemoryPool(config.memory_limit), uid=os.getuid(), gid=os.getgid())
-    ops = Operations(store)
+    engine = Engine(backend, store, workers=config.upload_workers)
+    store.journal = engine
+    ops = Operations(store, engine, fsync_durable=config.fsync == "durable")
     mountpoint = str(config.mountpoint)
     pyfuse3.init(ops, mountpoint, fuse_options(f"ckptfs:{config.store_url}"[:200]))
     info = runtime.MountInfo.new(mountpoint, config.store_url, str(config.log_file or ""))
+    closed = False
+
+    def unmount() -> None:
+        nonlocal closed
+        if not closed:
+            closed = True
+            pyfuse3.close(unmount=True)
+
     try:
         info.write()
-        log.info("mounted %s (store %s, RAM budget %d bytes)", mountpoint, config.store_url, config.memory_limit)
-        trio.run(_main, mountpoint, ready)
+        log.info("mounted %s (store %s, RAM budget %d bytes, fsync=%s)", mountpoint, config.store_url, config.memory_limit, config.fsync)
+        left = trio.run(_main, config, store, engine, unmount, ready)
     finally:
-        pyfuse3.close(unmount=True)
+        unmount()
         runtime.remove(mountpoint)
-        log.info("unmounted %s", mountpoint)
+    runtime.write_exit_report(mountpoint, [f"{g.path} ({g.size} bytes, {g.state.value}{': ' + g.error if g.error else ''})" for g in left])
+    if left:
+        for g in left:
+            log.error("NOT PUBLISHED: %s generation %d, %d bytes, %s %s", g.path, g.generation, g.size, g.state.value, g.error)
+        log.error("unmounted %s with %d files not published", mountpoint, len(left))
+        return 1
+    log.info("unmounted %s; everything published", mountpoint)
     return 0
 
 
-async def _main(mountpoint: str, ready: Callable[[], None] | None) -> None:
+async def _main(config: MountConfig, store: InodeStore, engine: Engine, unmount: Callable[[], None],
+                ready: Callable[[], None] | None) -> list:
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_stop_on_signal)
-        nursery.start_soon(_when_live, mountpoint, ready)
+        await nursery.start(engine.run)
+        n = await engine.scan(store.restore)
+        if n:
+            log.info("the store holds %d files: shown now, loaded on first use", n)
+        signals = _Signals()
+        nursery.start_soon(signals.watch)
+        nursery.start_soon(_when_live, str(config.mountpoint), ready)
         # Idle workers are kept: each new one would malloc a fresh 1 MiB buffer.
         await pyfuse3.main(min_tasks=8, max_tasks=64)
-        nursery.cancel_scope.cancel()  # unmounted from outside (fusermount3 -u)
+        unmount()  # no new work from here on
+        for inode in store.open_for_write():  # still open: their bytes now are what we have
+            store.seal(inode)
+        pending = engine.unpublished()
+        if pending:
+            log.info("draining write-back: %d files, %d bytes (timeout %.0fs)", len(pending), sum(g.size for g in pending), config.drain_timeout)
+        with signals.abort_scope:  # a second signal stops waiting
+            left = await engine.drain(config.drain_timeout)
+        left = engine.unpublished()
+        nursery.cancel_scope.cancel()
+    return left
+
+
+class _Signals:
+    """First SIGTERM/SIGINT/SIGHUP: unmount and drain. Second: stop draining."""
+
+    def __init__(self) -> None:
+        self.abort_scope = trio.CancelScope()
+        self.count = 0
+
+    async def watch(self) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            async for signum in signals:
+                self.count += 1
+                if self.count == 1:
+                    log.info("received %s: unmounting, then draining write-back", signal.Signals(signum).name)
+                    pyfuse3.terminate()
+                else:
+                    log.warning("received %s again: not waiting for write-back any longer", signal.Signals(signum).name)
+                    self.abort_scope.cancel()
 
 
 async def _when_live(mountpoint: str, ready: Callable[[], None] | None) -> None:
@@ -64,14 +120,6 @@ async def _when_live(mountpoint: str, ready: Callable[[], None] | None) -> None:
     _set_read_ahead(mountpoint)
     if ready is not None:
         ready()
-
-
-async def _stop_on_signal() -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-        async for signum in signals:
-            log.info("received %s, unmounting", signal.Signals(signum).name)
-            pyfuse3.terminate()
-            return
 
 
 def _set_read_ahead(mountpoint: str) -> None:

@@ -8,6 +8,10 @@ Page-cache policy: opens for writing only get `direct_io` (no page-cache
 copies, 2-3x faster saves; an O_WRONLY descriptor can never be mmapped).
 Every readable open goes through the page cache so mmap works, and keeps the
 cache only while the file's data is unchanged since it was cached.
+
+Files whose bytes are only in the store (evicted, or found there at restart)
+are loaded by the engine when opened; a write that finds the RAM budget full
+waits for the engine to make room.
 """
 
 from __future__ import annotations
@@ -17,11 +21,14 @@ import functools
 import logging
 import os
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pyfuse3
 
 from .store import Inode, InodeStore
+
+if TYPE_CHECKING:
+    from ckptfs.writeback.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +82,16 @@ class Operations(pyfuse3.Operations):
     enable_writeback_cache = False
     enable_acl = False
 
-    def __init__(self, store: InodeStore) -> None:
+    def __init__(self, store: InodeStore, engine: Engine, fsync_durable: bool = False) -> None:
         super().__init__()
         self.store = store
+        self.engine = engine
+        self.fsync_durable = fsync_durable
         self._cached_version: dict[int, int] = {}
+
+    async def _resident(self, inode: Inode) -> None:
+        if inode.data is not None and not inode.data.resident:
+            await self.engine.load(inode.ino)
 
     def _entry(self, inode: Inode) -> pyfuse3.EntryAttributes:
         """Attributes for a reply that gives the kernel a new reference."""
@@ -113,6 +126,8 @@ class Operations(pyfuse3.Operations):
     async def setattr(
         self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields, fh: int | None, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
+        if fields.update_size and attr.st_size:
+            await self._resident(self.store.get(inode))
         node = self.store.setattr(
             inode,
             size=attr.st_size if fields.update_size else None,
@@ -161,6 +176,9 @@ class Operations(pyfuse3.Operations):
     # -- files ---------------------------------------------------------------
     @_errors
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        node = self.store.get(inode)
+        if not (flags & os.O_TRUNC and flags & os.O_ACCMODE != os.O_RDONLY):
+            await self._resident(node)
         handle = self.store.open(inode, flags)
         return self._file_info(handle.inode, handle.fh, flags)
 
@@ -173,11 +191,20 @@ class Operations(pyfuse3.Operations):
 
     @_errors
     async def read(self, fh: int, off: int, size: int) -> bytes:
+        inode = self.store.handle(fh).inode
+        await self._resident(inode)  # evicted while open
+        self.engine.touch(inode.ino)
         return self.store.read(fh, off, size)
 
     @_errors
     async def write(self, fh: int, off: int, buf: bytes) -> int:
-        return self.store.write(fh, off, buf)
+        await self._resident(self.store.handle(fh).inode)
+        try:
+            return self.store.write(fh, off, buf)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC or not await self.engine.make_room(len(buf) + (8 << 20)):
+                raise
+            return self.store.write(fh, off, buf)
 
     @_errors
     async def flush(self, fh: int) -> None:
@@ -185,7 +212,10 @@ class Operations(pyfuse3.Operations):
 
     @_errors
     async def fsync(self, fh: int, datasync: bool) -> None:
-        self.store.handle(fh)  # --fsync=ram: the data is in RAM already (C1)
+        inode = self.store.handle(fh).inode  # --fsync=ram: the data is in RAM already (C1)
+        if self.fsync_durable and inode.data is not None:
+            self.store.seal(inode)
+            await self.engine.wait_published(inode.ino, inode.generation)
 
     @_errors
     async def release(self, fh: int) -> None:

@@ -24,8 +24,9 @@ import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from .memory import FileData, MemoryPool
+from .memory import FileData, MemoryPool, Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,18 @@ XATTR_NAME_MAX = 255
 XATTR_SIZE_MAX = 65536
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
+RESERVED = b".ckptfs"  # the store's hidden prefix: not a name at the root
+
+
+class Journal(Protocol):
+    """What the store tells the write-back engine, as it happens. Paths are
+    relative to the root, as of the moment of the event."""
+
+    def sealed(self, ino: int, generation: int, snapshot: Snapshot, mode: int, mtime_ns: int) -> None: ...
+    def renamed(self, src: str, dst: str, is_dir: bool) -> None: ...
+    def removed(self, path: str, ino: int, is_dir: bool) -> None: ...
+    def made_dir(self, path: str) -> None: ...
+    def made_symlink(self, path: str, target: str) -> None: ...
 
 
 def _err(code: int, what: str = "") -> OSError:
@@ -64,6 +77,8 @@ class Inode:
     writers: int = 0
     generation: int = 0  # bumped at every seal
     version: int = 0  # bumped at every data change
+    sealed_version: int = -1  # `version` at the last seal
+    links: set[tuple[int, bytes]] = field(default_factory=set)  # (parent ino, name)
 
     @property
     def is_dir(self) -> bool:
@@ -104,8 +119,9 @@ class Usage:
 
 
 class InodeStore:
-    def __init__(self, pool: MemoryPool, uid: int = 0, gid: int = 0) -> None:
+    def __init__(self, pool: MemoryPool, uid: int = 0, gid: int = 0, journal: Journal | None = None) -> None:
         self.pool = pool
+        self.journal = journal
         self.inodes: dict[int, Inode] = {}
         self.handles: dict[int, Handle] = {}
         self._next_ino = ROOT
@@ -147,6 +163,32 @@ class InodeStore:
         inode.refs -= n
         self._maybe_free(inode)
 
+    def paths_of(self, ino: int) -> list[str]:
+        """Every current path of `ino`, relative to the root ([] once unlinked)."""
+        inode = self.inodes.get(ino)
+        if inode is None:
+            return []
+        if ino == ROOT:
+            return [""]
+        out = []
+        for parent, name in sorted(inode.links):
+            for prefix in self.paths_of(parent):
+                out.append(f"{prefix}/{os.fsdecode(name)}" if prefix else os.fsdecode(name))
+        return out
+
+    def inode_at(self, path: str) -> Inode | None:
+        node = self.inodes[ROOT]
+        for part in path.split("/") if path else []:
+            if node.children is None or (ino := node.children.get(os.fsencode(part))) is None:
+                return None
+            node = self.inodes[ino]
+        return node
+
+    def _path(self, parent: int, name: bytes) -> str:
+        prefix = self.paths_of(parent)
+        base = prefix[0] if prefix else ""
+        return f"{base}/{os.fsdecode(name)}" if base else os.fsdecode(name)
+
     # -- creation ------------------------------------------------------------
     def mknod(self, parent: int, name: bytes, mode: int, uid: int, gid: int, rdev: int = 0) -> Inode:
         if stat.S_IFMT(mode) == 0:
@@ -170,6 +212,8 @@ class InodeStore:
         inode.parent = d.ino
         self._link(d, name, inode)
         d.nlink += 1
+        if self.journal is not None:
+            self.journal.made_dir(self._path(parent, name))
         return inode
 
     def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Inode:
@@ -177,6 +221,8 @@ class InodeStore:
         inode = self._new_inode(stat.S_IFLNK | 0o777, uid, gid, d)
         inode.target = target
         self._link(d, name, inode)
+        if self.journal is not None:
+            self.journal.made_symlink(self._path(parent, name), os.fsdecode(target))
         return inode
 
     def link(self, ino: int, parent: int, name: bytes) -> Inode:
@@ -195,9 +241,12 @@ class InodeStore:
         inode = self.lookup(parent, name)
         if inode.is_dir:
             raise _err(errno.EISDIR)
+        path = self._path(parent, name) if self.journal is not None else ""
         self._unlink_entry(d, name)
         inode.nlink -= 1
         inode.ctime_ns = d.mtime_ns
+        if self.journal is not None:
+            self.journal.removed(path, inode.ino, False)
         self._maybe_free(inode)
         return inode
 
@@ -212,10 +261,13 @@ class InodeStore:
             raise _err(errno.ENOTDIR)
         if inode.children:
             raise _err(errno.ENOTEMPTY)
+        path = self._path(parent, name) if self.journal is not None else ""
         self._unlink_entry(d, name)
         d.nlink -= 1
         inode.nlink = 0
         inode.ctime_ns = d.mtime_ns
+        if self.journal is not None:
+            self.journal.removed(path, inode.ino, True)
         self._maybe_free(inode)
         return inode
 
@@ -228,6 +280,8 @@ class InodeStore:
             raise _err(errno.EBUSY)
         inode = self.lookup(old_parent, old_name)
         _check_name(new_name)
+        if new_parent == ROOT and new_name == RESERVED:
+            raise _err(errno.EPERM, "reserved name")
         target_ino = dst_dir.children.get(new_name)  # type: ignore[union-attr]
         target = self.inodes[target_ino] if target_ino is not None else None
         if flags & RENAME_NOREPLACE and target is not None:
@@ -248,6 +302,8 @@ class InodeStore:
                     raise _err(errno.ENOTEMPTY)
             elif target.is_dir:
                 raise _err(errno.EISDIR)
+        if self.journal is not None:
+            src_path, dst_path = self._path(old_parent, old_name), self._path(new_parent, new_name)
         now = time.time_ns()
         if target is not None:
             self._unlink_entry(dst_dir, new_name, now)
@@ -264,6 +320,8 @@ class InodeStore:
             dst_dir.nlink += 1
             inode.parent = dst_dir.ino
         inode.ctime_ns = now
+        if self.journal is not None:
+            self.journal.renamed(src_path, dst_path, inode.is_dir)
         if target is not None:
             self._maybe_free(target)
         return target
@@ -276,6 +334,10 @@ class InodeStore:
         now = time.time_ns()
         src_dir.children[a_name] = b.ino  # type: ignore[index]
         dst_dir.children[b_name] = a.ino  # type: ignore[index]
+        a.links.discard((src_dir.ino, a_name))
+        b.links.discard((dst_dir.ino, b_name))
+        a.links.add((dst_dir.ino, b_name))
+        b.links.add((src_dir.ino, a_name))
         if src_dir is not dst_dir:
             for moved, old, new in ((a, src_dir, dst_dir), (b, dst_dir, src_dir)):
                 if moved.is_dir:
@@ -285,6 +347,12 @@ class InodeStore:
         for i in (src_dir, dst_dir):
             i.mtime_ns = i.ctime_ns = now
         a.ctime_ns = b.ctime_ns = now
+        if self.journal is not None:
+            # Both files now live under the other's name: the engine re-files
+            # whatever it published under either name.
+            pa, pb = self._path(src_dir.ino, a_name), self._path(dst_dir.ino, b_name)
+            self.journal.renamed(pa, pb, a.is_dir)
+            self.journal.renamed(pb, pa, b.is_dir)
         return None
 
     # -- attributes ----------------------------------------------------------
@@ -430,11 +498,69 @@ class InodeStore:
         sealed = None
         if handle.writable:
             inode.writers -= 1
-            if inode.writers == 0:
-                inode.generation += 1
+            if inode.writers == 0 and self.seal(inode):
                 sealed = inode
         self._maybe_free(inode)
         return sealed
+
+    def seal(self, inode: Inode) -> bool:
+        """Make the file's current bytes a generation that must reach the
+        store; False if nothing changed since the last seal."""
+        if inode.data is None or inode.version == inode.sealed_version or not inode.data.resident:
+            return False
+        inode.generation += 1
+        inode.sealed_version = inode.version
+        if self.journal is not None and inode.nlink > 0:
+            self.journal.sealed(inode.ino, inode.generation, inode.data.snapshot(), inode.mode, inode.mtime_ns)
+        return True
+
+    def evict(self, ino: int, generation: int) -> int:
+        """Drop a file's bytes from RAM if `generation` is its current, closed
+        content (so the store has exactly these bytes); returns bytes freed."""
+        inode = self.inodes.get(ino)
+        if (inode is None or inode.data is None or not inode.data.resident or inode.writers
+                or inode.generation != generation or inode.version != inode.sealed_version):
+            return 0
+        return inode.data.evict()
+
+    def free_bytes(self) -> int:
+        return self.pool.available
+
+    def fill(self, ino: int, blocks: list[bytes]) -> None:
+        inode = self.get(ino)
+        if inode.data is not None and not inode.data.resident:
+            inode.data.fill(blocks)
+
+    def restore(self, path: str, mode: int, size: int = 0, mtime_ns: int = 0, target: str = "", uid: int = 0, gid: int = 0) -> Inode:
+        """Recreate an entry found in the store (restart). Regular files come
+        back evicted (their bytes load on first use); parents are created as
+        needed. Nothing is journaled: the store already has it."""
+        journal, self.journal = self.journal, None
+        try:
+            parent = self.inodes[ROOT]
+            parts = [os.fsencode(p) for p in path.split("/")]
+            for part in parts[:-1]:
+                child = parent.children.get(part)  # type: ignore[union-attr]
+                parent = self.inodes[child] if child is not None else self.mkdir(parent.ino, part, 0o755, uid, gid)
+            existing = parent.children.get(parts[-1])  # type: ignore[union-attr]
+            if existing is not None:
+                return self.inodes[existing]
+            if stat.S_ISDIR(mode):
+                inode = self.mkdir(parent.ino, parts[-1], mode, uid, gid)
+            elif stat.S_ISLNK(mode):
+                inode = self.symlink(parent.ino, parts[-1], os.fsencode(target), uid, gid)
+            else:
+                inode = self.mknod(parent.ino, parts[-1], stat.S_IFREG | (mode & 0o7777), uid, gid)
+                assert inode.data is not None
+                inode.data.size = size
+                inode.data.resident = False
+                inode.generation = 1
+                inode.sealed_version = inode.version
+            if mtime_ns:
+                inode.mtime_ns = mtime_ns
+            return inode
+        finally:
+            self.journal = journal
 
     # -- directories ---------------------------------------------------------
     def readdir(self, ino: int, offset: int) -> Iterator[tuple[bytes, Inode, int]]:
@@ -449,6 +575,9 @@ class InodeStore:
         for name, cookie in list(d.cookies.items()):
             if cookie > offset and name in d.children:
                 yield name, self.inodes[d.children[name]], cookie
+
+    def open_for_write(self) -> list[Inode]:
+        return [i for i in self.inodes.values() if i.writers > 0]
 
     def usage(self) -> Usage:
         return Usage(self.pool.used, self.pool.limit, len(self.inodes))
@@ -478,15 +607,19 @@ class InodeStore:
         _check_name(name)
         if name in (b".", b"..") or name in d.children:  # type: ignore[operator]
             raise _err(errno.EEXIST)
+        if parent == ROOT and name == RESERVED:
+            raise _err(errno.EPERM, "reserved name")
         return d
 
     def _link(self, d: Inode, name: bytes, inode: Inode, now: int | None = None) -> None:
+        inode.links.add((d.ino, name))
         d.children[name] = inode.ino  # type: ignore[index]
         d.cookies[name] = d.next_cookie  # type: ignore[index]
         d.next_cookie += 1
         d.mtime_ns = d.ctime_ns = now or time.time_ns()
 
     def _unlink_entry(self, d: Inode, name: bytes, now: int | None = None) -> None:
+        self.inodes[d.children[name]].links.discard((d.ino, name))  # type: ignore[index]
         del d.children[name]  # type: ignore[union-attr]
         del d.cookies[name]  # type: ignore[union-attr]
         d.mtime_ns = d.ctime_ns = now or time.time_ns()

@@ -73,7 +73,8 @@ def start_mount(base: Path, memory_limit: str = "4G", extra: tuple[str, ...] = (
     log = base / "daemon.log"
     proc = subprocess.Popen(
         [sys.executable, "-m", "ckptfs.tools.cli", "mount", str(mountpoint), "--store", str(store),
-         "--memory-limit", memory_limit, "--foreground", "--log-file", str(log), *extra],
+         "--memory-limit", memory_limit, "--foreground", "--log-file", str(log),
+         "--log-level", os.environ.get("CKPTFS_TEST_LOG_LEVEL", "INFO"), *extra],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(base / "daemon.stderr", "wb"),
     )
     m = Mount(mountpoint, store, log, proc)

@@ -41,8 +41,13 @@ def main() -> None:
 @click.option("--foreground", "-f", is_flag=True, help="Stay in the foreground (logs go to stderr unless --log-file).")
 @click.option("--log-file", type=click.Path(dir_okay=False), help="Log here (default in background: the mount's runtime directory).")
 @click.option("--log-level", default="INFO", show_default=True, type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+@click.option("--fsync", "fsync_mode", default="ram", show_default=True, type=click.Choice(["ram", "durable"]),
+              help="ram: fsync returns at once (the data is in RAM). durable: fsync waits until the file is published to the store.")
+@click.option("--drain-timeout", default=600.0, show_default=True, metavar="S",
+              help="On unmount or SIGTERM, wait this long for write-back to publish everything.")
 @click.option("--ready-fd", type=int, hidden=True)
-def mount(mountpoint: str, store_url: str, memory_limit: str, foreground: bool, log_file: str | None, log_level: str, ready_fd: int | None) -> None:
+def mount(mountpoint: str, store_url: str, memory_limit: str, foreground: bool, log_file: str | None, log_level: str,
+          fsync_mode: str, drain_timeout: float, ready_fd: int | None) -> None:
     """Mount a ckptfs file system at MOUNTPOINT, backed by the store at URL.
 
     Returns once the mount is live; the daemon keeps running in the background
@@ -63,10 +68,12 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, foreground: bool, 
         _fail(str(exc), 2)
 
     if not foreground:
-        _spawn_daemon(mp, store_url, limit, log_file, log_level)
+        _spawn_daemon(mp, store_url, limit, log_file, log_level,
+                      ["--fsync", fsync_mode, "--drain-timeout", str(drain_timeout)])
         return
 
-    config = MountConfig(mp, store_url, limit, Path(log_file) if log_file else None, log_level.upper())
+    config = MountConfig(mp, store_url, limit, Path(log_file) if log_file else None, log_level.upper(),
+                         fsync=fsync_mode, drain_timeout=drain_timeout)
     _setup_logging(config)
     from ckptfs.fs.mount import serve
 
@@ -93,7 +100,7 @@ def _setup_logging(config: MountConfig) -> None:
     logging.basicConfig(level=config.log_level, handlers=[handler], force=True)
 
 
-def _spawn_daemon(mp: Path, store_url: str, limit: int, log_file: str | None, log_level: str) -> None:
+def _spawn_daemon(mp: Path, store_url: str, limit: int, log_file: str | None, log_level: str, extra: list[str]) -> None:
     if log_file is None:
         d = runtime.mount_dir(mp)
         d.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -101,7 +108,7 @@ def _spawn_daemon(mp: Path, store_url: str, limit: int, log_file: str | None, lo
     log_file = os.path.abspath(log_file)
     r, w = os.pipe()
     cmd = [sys.executable, "-m", "ckptfs.tools.cli", "mount", str(mp), "--store", store_url, "--memory-limit", str(limit),
-           "--foreground", "--log-file", log_file, "--log-level", log_level, "--ready-fd", str(w)]
+           "--foreground", "--log-file", log_file, "--log-level", log_level, "--ready-fd", str(w), *extra]
     with open(log_file, "ab") as err:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, pass_fds=(w,), start_new_session=True)
     os.close(w)
@@ -149,13 +156,21 @@ def umount(mountpoint: str, timeout: float) -> None:
         runtime.remove(mp)
         click.echo(f"ckptfs: {mp}: daemon was not running; removed the stale mount")
         return
+    runtime.take_exit_report(mp)  # a stale one from an earlier daemon
     os.kill(info.pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
+    click.echo(f"ckptfs: unmounting {mp}; waiting for write-back to publish everything (see {info.log_file})")
     while runtime.pid_alive(info.pid):
         if time.monotonic() > deadline:
             _fail(f"daemon {info.pid} did not exit within {timeout:.0f}s; see {info.log_file}")
         time.sleep(0.05)
-    click.echo(f"ckptfs: unmounted {mp}")
+    left = runtime.take_exit_report(mp)
+    if left:
+        click.echo(f"ckptfs: error: {len(left)} files were NOT published to the store:", err=True)
+        for line in left:
+            click.echo(f"  {line}", err=True)
+        sys.exit(1)
+    click.echo(f"ckptfs: unmounted {mp}; everything is published")
 
 
 if __name__ == "__main__":

@@ -116,3 +116,39 @@ def test_matches_a_bytearray_model(sequence):
     assert f.read(0, len(model) + 10) == bytes(model)
     f.clear()
     assert pool.used == 0
+
+
+def test_snapshot_is_copy_on_write():
+    pool = MemoryPool(1 << 30)
+    f = FileData(pool)
+    f.write(0, b"a" * (CHUNK + 10))
+    used = pool.used
+    snap = f.snapshot()
+    assert pool.used == used  # a snapshot costs nothing until the file changes
+    f.write(5, b"b")  # touches chunk 0 only: it is copied
+    assert pool.used == used + CHUNK
+    assert b"".join(bytes(p) for p in snap.pieces()) == b"a" * (CHUNK + 10)
+    assert f.read(0, 7) == b"aaaaaba"
+    f.truncate(0)
+    assert b"".join(bytes(p) for p in snap.pieces()) == b"a" * (CHUNK + 10)
+    snap.release()
+    assert pool.used == 0
+
+
+def test_snapshot_pieces_include_holes():
+    f = FileData(MemoryPool(1 << 30))
+    f.write(CHUNK + 3, b"xyz")
+    snap = f.snapshot()
+    data = b"".join(bytes(p) for p in snap.pieces())
+    assert data == bytes(CHUNK + 3) + b"xyz"
+    snap.release()
+
+
+def test_evict_and_fill():
+    pool = MemoryPool(1 << 30)
+    f = FileData(pool)
+    f.write(0, b"q" * 10000)
+    f.evict()
+    assert not f.resident and f.size == 10000 and pool.used == 0
+    f.fill([b"q" * 4000, b"q" * 6000])
+    assert f.resident and f.read(0, 20000) == b"q" * 10000

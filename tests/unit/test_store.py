@@ -198,7 +198,10 @@ def test_seal_bumps_generation_only_on_last_writer(s):
     r = s.open(f.ino, os.O_RDONLY)
     assert s.release(a.fh) is None
     assert s.release(r.fh) is None
+    s.write(b.fh, 0, b"y")
     assert s.release(b.fh) is f and f.generation == 2
+    c = s.open(f.ino, W)
+    assert s.release(c.fh) is None and f.generation == 2  # nothing changed: no new generation
 
 
 def test_readdir_offsets_survive_concurrent_changes(s):
@@ -234,3 +237,68 @@ def test_budget_exhaustion_is_enospc(s):
     h = small.create(ROOT, b"f", 0o644, W | os.O_CREAT, 0, 0)
     assert errno_of(small.write, h.fh, 0, b"x" * (2 << 20)) == errno.ENOSPC
     small.write(h.fh, 0, b"x" * 1000)
+
+
+class Recorder:
+    def __init__(self):
+        self.events = []
+
+    def sealed(self, ino, generation, snapshot, mode, mtime_ns):
+        self.events.append(("sealed", ino, generation, b"".join(bytes(p) for p in snapshot.pieces())))
+        snapshot.release()
+
+    def renamed(self, src, dst, is_dir):
+        self.events.append(("renamed", src, dst, is_dir))
+
+    def removed(self, path, ino, is_dir):
+        self.events.append(("removed", path, is_dir))
+
+    def made_dir(self, path):
+        self.events.append(("mkdir", path))
+
+    def made_symlink(self, path, target):
+        self.events.append(("symlink", path, target))
+
+
+def test_journal_events_carry_paths_at_event_time():
+    rec = Recorder()
+    s = InodeStore(MemoryPool(1 << 30), journal=rec)
+    d = s.mkdir(ROOT, b"ckpt.tmp", 0o755, 0, 0)
+    f = new_file(s, b"shard", b"data", parent=d.ino)
+    s.rename(ROOT, b"ckpt.tmp", ROOT, b"ckpt")
+    s.symlink(ROOT, b"last", b"ckpt", 0, 0)
+    s.unlink(d.ino, b"shard")
+    s.rmdir(ROOT, b"ckpt")
+    assert rec.events == [
+        ("mkdir", "ckpt.tmp"),
+        ("sealed", f.ino, 1, b"data"),
+        ("renamed", "ckpt.tmp", "ckpt", True),
+        ("symlink", "last", "ckpt"),
+        ("removed", "ckpt/shard", False),
+        ("removed", "ckpt", True),
+    ]
+
+
+def test_paths_of_and_inode_at(s):
+    d = s.mkdir(ROOT, b"a", 0o755, 0, 0)
+    f = new_file(s, b"f", b"x", parent=d.ino)
+    s.link(f.ino, ROOT, b"g")
+    assert s.paths_of(f.ino) == ["a/f", "g"] or sorted(s.paths_of(f.ino)) == ["a/f", "g"]
+    assert s.inode_at("a/f") is f and s.inode_at("a") is d and s.inode_at("nope") is None
+    s.rename(ROOT, b"a", ROOT, b"b")
+    assert sorted(s.paths_of(f.ino)) == ["b/f", "g"]
+
+
+def test_reserved_name_at_root(s):
+    assert errno_of(s.mkdir, ROOT, b".ckptfs", 0o755, 0, 0) == errno.EPERM
+    d = s.mkdir(ROOT, b"d", 0o755, 0, 0)
+    s.mkdir(d.ino, b".ckptfs", 0o755, 0, 0)  # only the root's is reserved
+
+
+def test_restore_creates_evicted_files_and_parents(s):
+    f = s.restore("a/b/model.pt", 0o100600, size=1234, mtime_ns=42)
+    assert f.size == 1234 and not f.data.resident and f.mtime_ns == 42
+    assert stat.S_IMODE(f.mode) == 0o600
+    assert s.paths_of(f.ino) == ["a/b/model.pt"]
+    link = s.restore("last", stat.S_IFLNK | 0o777, target="a/b/model.pt")
+    assert s.readlink(link.ino) == b"a/b/model.pt"

@@ -1,0 +1,287 @@
+"""The write-back engine in-process: the real inode store, real backends."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+import trio
+
+from ckptfs.fs.memory import MemoryPool
+from ckptfs.fs.store import ROOT, InodeStore
+from ckptfs.writeback import manifest
+from ckptfs.writeback.backend import open_store
+from ckptfs.writeback.engine import Engine, Retry
+from ckptfs.writeback.state import State
+
+W = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+
+
+class Rig:
+    def __init__(self, root, **kw):
+        self.root = root
+        self.backend = open_store(str(root))
+        self.store = InodeStore(MemoryPool(1 << 30))
+        self.engine = Engine(self.backend, self.store, retry=Retry(first_s=0.01, max_s=0.05), **kw)
+        self.store.journal = self.engine
+
+    def write(self, path: str, data: bytes, keep_open: bool = False):
+        parent = self.dir_of(path)
+        h = self.store.create(parent.ino, os.path.basename(path).encode(), 0o644, W, 0, 0)
+        self.store.write(h.fh, 0, data)
+        if not keep_open:
+            self.store.release(h.fh)
+        return h
+
+    def dir_of(self, path: str):
+        d = os.path.dirname(path)
+        return self.store.inode_at(d) if d else self.store.get(ROOT)
+
+    def mkdir(self, path: str):
+        return self.store.mkdir(self.dir_of(path).ino, os.path.basename(path).encode(), 0o755, 0, 0)
+
+    def rename(self, a: str, b: str):
+        self.store.rename(self.dir_of(a).ino, os.path.basename(a).encode(), self.dir_of(b).ino, os.path.basename(b).encode())
+
+    def unlink(self, path: str):
+        self.store.unlink(self.dir_of(path).ino, os.path.basename(path).encode())
+
+    def files(self) -> dict[str, bytes]:
+        out = {}
+        for dirpath, dirnames, names in os.walk(self.root):
+            dirnames[:] = [d for d in dirnames if d != ".ckptfs"]
+            for n in names:
+                p = os.path.join(dirpath, n)
+                out[os.path.relpath(p, self.root)] = open(p, "rb").read()
+        return out
+
+
+async def run_until_flushed(rig: Rig, body=None):
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        if body is not None:
+            await body()
+        with trio.fail_after(20):
+            await rig.engine.flush()
+        n.cancel_scope.cancel()
+
+
+async def test_sealed_files_are_published_with_manifest(tmp_path):
+    rig = Rig(tmp_path / "store")
+    rig.write("a.bin", b"A" * 100_000)
+    rig.mkdir("d")
+    rig.write("d/b.bin", b"B")
+    await run_until_flushed(rig)
+    assert rig.files() == {"a.bin": b"A" * 100_000, "d/b.bin": b"B"}
+    rec = manifest.read(rig.backend, "a.bin")
+    assert rec.current.size == 100_000 and rec.current.xxh3 == manifest.digest_of([b"A" * 100_000]).xxh3
+
+
+async def test_renamed_before_publication_only_final_name(tmp_path):
+    rig = Rig(tmp_path / "store")
+    rig.write(".metadata.tmp", b"meta")
+    rig.rename(".metadata.tmp", ".metadata")
+    await run_until_flushed(rig)
+    assert rig.files() == {".metadata": b"meta"}
+    assert manifest.read(rig.backend, ".metadata.tmp") is None
+
+
+async def test_deleted_before_publication_never_uploaded(tmp_path):
+    rig = Rig(tmp_path / "store")
+    rig.write("tmpfile", b"x" * 10)
+    rig.unlink("tmpfile")
+    await run_until_flushed(rig)
+    assert rig.files() == {}
+    assert rig.engine.queue == type(rig.engine.queue)()
+
+
+async def test_rewrite_supersedes_older_generation(tmp_path):
+    rig = Rig(tmp_path / "store")
+    for i in range(5):
+        rig.write("latest", f"step {i}".encode())
+    await run_until_flushed(rig)
+    assert rig.files() == {"latest": b"step 4"}
+
+
+async def test_directory_rename_after_publication_moves_files(tmp_path):
+    rig = Rig(tmp_path / "store")
+    rig.mkdir("100.orbax-checkpoint-tmp")
+    rig.write("100.orbax-checkpoint-tmp/params", b"p")
+    await run_until_flushed(rig)
+    assert rig.files() == {"100.orbax-checkpoint-tmp/params": b"p"}
+    rig.rename("100.orbax-checkpoint-tmp", "100")
+    rig.write("100/commit_success.txt", b"ok")
+    await run_until_flushed(rig)
+    assert rig.files() == {"100/params": b"p", "100/commit_success.txt": b"ok"}
+    assert not (tmp_path / "store" / "100.orbax-checkpoint-tmp").exists()
+
+
+async def test_unlink_after_rename_over_keeps_the_new_file(tmp_path):
+    """X published at a; a deleted; Z renamed onto a: the store keeps Z."""
+    rig = Rig(tmp_path / "store")
+    rig.write("a", b"X")
+    await run_until_flushed(rig)
+    rig.write("b", b"Z")
+    rig.unlink("a")
+    rig.rename("b", "a")
+    await run_until_flushed(rig)
+    assert rig.files() == {"a": b"Z"}
+
+
+async def test_rewrite_then_rename_keeps_newest(tmp_path):
+    rig = Rig(tmp_path / "store")
+    rig.write("a", b"gen1")
+    await run_until_flushed(rig)
+    rig.write("a", b"gen2")
+    rig.rename("a", "b")
+    await run_until_flushed(rig)
+    assert rig.files() == {"b": b"gen2"}
+
+
+async def test_rmtree_reaches_store_after_newer_checkpoint(tmp_path):
+    rig = Rig(tmp_path / "store")
+    rig.mkdir("checkpoint-1")
+    rig.write("checkpoint-1/model", b"1")
+    await run_until_flushed(rig)
+    rig.mkdir("checkpoint-2")
+    rig.write("checkpoint-2/model", b"2")
+    rig.unlink("checkpoint-1/model")
+    rig.store.rmdir(ROOT, b"checkpoint-1")
+    order = [type(op).__name__ + ":" + getattr(op, "kind", "seal") for op in rig.engine.queue]
+    assert order.index("FileGen:seal") < order.index("NameOp:remove")
+    await run_until_flushed(rig)
+    assert rig.files() == {"checkpoint-2/model": b"2"}
+    assert not (tmp_path / "store" / "checkpoint-1").exists()
+
+
+async def test_open_file_is_not_published_until_sealed(tmp_path):
+    rig = Rig(tmp_path / "store")
+    h = rig.write("big", b"partial", keep_open=True)
+    await run_until_flushed(rig)
+    assert rig.files() == {}
+    rig.store.write(h.fh, 7, b" and the rest")
+    rig.store.release(h.fh)
+    await run_until_flushed(rig)
+    assert rig.files() == {"big": b"partial and the rest"}
+
+
+async def test_snapshot_is_what_gets_published_even_if_rewritten_meanwhile(tmp_path):
+    rig = Rig(tmp_path / "store")
+    h = rig.write("f", b"sealed bytes")
+    inode = h.inode
+    h2 = rig.store.open(inode.ino, os.O_WRONLY)
+    rig.store.write(h2.fh, 0, b"XXXXXX")  # not sealed yet: must not leak
+    await run_until_flushed(rig)
+    assert rig.files() == {"f": b"sealed bytes"}
+    rig.store.release(h2.fh)
+
+
+async def test_restart_scan_shows_files_and_loads_verified(tmp_path):
+    rig = Rig(tmp_path / "store")
+    rig.mkdir("ckpt")
+    rig.write("ckpt/model", b"M" * 5000)
+    rig.store.symlink(ROOT, b"last", b"ckpt/model", 0, 0)
+    await run_until_flushed(rig)
+
+    rig2 = Rig(tmp_path / "store")
+    n = await rig2.engine.scan(lambda p, m, sz, mt, tg: rig2.store.restore(p, m, sz, mt, tg))
+    assert n == 1
+    node = rig2.store.inode_at("ckpt/model")
+    assert node.size == 5000 and not node.data.resident
+    await rig2.engine.load(node.ino)
+    assert node.data.read(0, 10000) == b"M" * 5000
+    assert rig2.store.readlink(rig2.store.inode_at("last").ino) == b"ckpt/model"
+
+
+async def test_corrupt_store_object_reads_as_eio(tmp_path):
+    rig = Rig(tmp_path / "store")
+    rig.write("model", b"good" * 1000)
+    await run_until_flushed(rig)
+    (tmp_path / "store" / "model").write_bytes(b"evil" * 1000)
+    rig2 = Rig(tmp_path / "store")
+    await rig2.engine.scan(lambda p, m, sz, mt, tg: rig2.store.restore(p, m, sz, mt, tg))
+    node = rig2.store.inode_at("model")
+    with pytest.raises(OSError):
+        await rig2.engine.load(node.ino)
+    assert "model" in rig2.engine.verify_failures
+
+
+async def test_eviction_frees_only_published_and_reloads(tmp_path):
+    rig = Rig(tmp_path / "store")
+    rig.write("pub", b"P" * (8 << 20))
+    await run_until_flushed(rig)
+    h = rig.write("unpub", b"U" * (8 << 20), keep_open=True)
+    used = rig.store.pool.used
+    freed = rig.engine.evict(1 << 40)
+    assert freed == 8 << 20 and rig.store.pool.used == used - freed
+    assert h.inode.data.resident
+    pub = rig.store.inode_at("pub")
+    assert not pub.data.resident
+    await rig.engine.load(pub.ino)
+    assert pub.data.read(0, 4) == b"PPPP"
+    rig.store.release(h.fh)
+
+
+async def test_wait_published_for_fsync_durable(tmp_path):
+    rig = Rig(tmp_path / "store")
+    h = rig.write("f", b"data", keep_open=True)
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        assert rig.store.seal(h.inode)
+        with trio.fail_after(10):
+            await rig.engine.wait_published(h.inode.ino, h.inode.generation)
+        assert rig.files() == {"f": b"data"}
+        n.cancel_scope.cancel()
+    rig.store.release(h.fh)
+
+
+async def test_failures_retry_until_the_store_comes_back(tmp_path):
+    rig = Rig(tmp_path / "store")
+    real_publish = rig.backend.publish
+    calls = {"n": 0}
+
+    def flaky(staged, path):
+        calls["n"] += 1
+        if calls["n"] <= 4:
+            raise ConnectionError("store unreachable")
+        real_publish(staged, path)
+
+    rig.backend.publish = flaky
+    rig.write("a", b"1")
+    rig.write("b", b"2")
+
+    async def watch():
+        with trio.fail_after(10):
+            while not any(g.state is State.FAILED for g in rig.engine.unpublished()):
+                await trio.sleep(0.01)
+        assert rig.engine.totals().failed == 1 and "store unreachable" in rig.engine.totals().last_error
+
+    await run_until_flushed(rig, watch)
+    assert rig.files() == {"a": b"1", "b": b"2"}
+
+
+async def test_rewrite_during_publication_publishes_both_in_order(tmp_path):
+    import threading
+
+    rig = Rig(tmp_path / "store")
+    entered, release = threading.Event(), threading.Event()
+    real_publish = rig.backend.publish
+
+    def slow_publish(staged, path):
+        entered.set()
+        release.wait(10)
+        real_publish(staged, path)
+
+    rig.backend.publish = slow_publish
+    rig.write("latest", b"gen1")
+
+    async def body():
+        await trio.to_thread.run_sync(entered.wait, 10)
+        rig.write("latest", b"gen2")  # sealed while gen1 is being published
+        rig.backend.publish = real_publish
+        release.set()
+
+    await run_until_flushed(rig, body)
+    assert rig.files() == {"latest": b"gen2"}
+    assert rig.engine.published_gen[rig.store.inode_at("latest").ino] == 2

@@ -1,0 +1,105 @@
+"""Checksums and metadata of published files, kept in the store (C6).
+
+One small JSON record per published path, at
+`.ckptfs/files/<h[:2]>/<h>.json` where h is the xxh3-128 of the path (the
+path itself is inside): no name-length limits, no clash between a record and
+a directory of records. A record is written *before* its data is published and keeps the previous
+generation's checksum too, so whichever of the two is in the store after a
+crash between the two steps verifies, and a store never holds a file that
+its manifest cannot vouch for.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import xxhash
+
+from .backend import META, Backend
+
+PREFIX = f"{META}/files"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class Digest:
+    size: int
+    xxh3: str  # xxh3-128, hex
+
+
+@dataclass(frozen=True)
+class Record:
+    path: str
+    kind: str  # "file" or "symlink"
+    current: Digest | None = None
+    previous: Digest | None = None
+    mode: int = 0o644
+    mtime_ns: int = 0
+    target: str = ""  # symlinks
+
+    def matches(self, size: int, xxh3: str | None = None) -> Digest | None:
+        """The digest (current or previous) that data of this size/hash matches."""
+        for d in (self.current, self.previous):
+            if d is not None and d.size == size and (xxh3 is None or d.xxh3 == xxh3):
+                return d
+        return None
+
+    def encode(self) -> bytes:
+        return json.dumps({"version": VERSION, **asdict(self)}, sort_keys=True).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Record:
+        d = json.loads(raw)
+        d.pop("version", None)
+        for k in ("current", "previous"):
+            if d.get(k) is not None:
+                d[k] = Digest(**d[k])
+        return cls(**d)
+
+
+def record_path(path: str) -> str:
+    h = xxhash.xxh3_128_hexdigest(path.encode("utf-8", "surrogateescape"))
+    return f"{PREFIX}/{h[:2]}/{h}.json"
+
+
+def write(backend: Backend, record: Record) -> None:
+    backend.put(record_path(record.path), record.encode())
+
+
+def read(backend: Backend, path: str) -> Record | None:
+    try:
+        return Record.decode(backend.read_all(record_path(path)))
+    except FileNotFoundError:
+        return None
+
+
+def delete(backend: Backend, path: str) -> None:
+    backend.delete(record_path(path))
+
+
+def read_all(backend: Backend) -> dict[str, Record]:
+    """Every record in the store, by path (unreadable records are skipped)."""
+    out = {}
+    for entry in backend.find(PREFIX):
+        if not entry.endswith(".json"):
+            continue
+        try:
+            rec = Record.decode(backend.read_all(entry))
+        except (FileNotFoundError, ValueError, TypeError, KeyError):
+            continue
+        out[rec.path] = rec
+    return out
+
+
+def hasher() -> xxhash.xxh3_128:
+    return xxhash.xxh3_128()
+
+
+def digest_of(pieces) -> Digest:
+    h = hasher()
+    n = 0
+    for p in pieces:
+        h.update(p)
+        n += len(p)
+    return Digest(n, h.hexdigest())
