@@ -1,0 +1,103 @@
+"""Looking at a store from outside, as a user without ckptfs would."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+from ckptfs.writeback import manifest
+from ckptfs.writeback.backend import open_store
+from ckptfs.writeback.verify import verify
+
+
+def store_files(store: Path) -> dict[str, bytes]:
+    out = {}
+    for dirpath, dirnames, names in os.walk(store):
+        dirnames[:] = [d for d in dirnames if not (dirpath == str(store) and d == ".ckptfs")]
+        for n in names:
+            p = os.path.join(dirpath, n)
+            with contextlib.suppress(FileNotFoundError):
+                out[os.path.relpath(p, store)] = Path(p).read_bytes()
+    return out
+
+
+def wait_until(pred, timeout: float = 60.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def wait_store_matches(store: Path, expected: dict[str, bytes], timeout: float = 60.0) -> None:
+    wait_until(lambda: store_files(store) == expected, timeout, f"store to hold {sorted(expected)}")
+
+
+def verify_store(store: Path):
+    return verify(open_store(str(store)))
+
+
+@contextlib.contextmanager
+def store_outage(store: Path):
+    """Every write to a local store fails while inside (staging is a file)."""
+    staging = store / ".ckptfs" / "staging"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.write_bytes(b"outage")
+    try:
+        yield
+    finally:
+        staging.unlink()
+        staging.mkdir()
+
+
+class StoreWatcher:
+    """Polls a store in a thread; every snapshot must hold only whole files
+    matching their manifest records; `check(snapshot)` adds rules."""
+
+    def __init__(self, store: Path, check=None) -> None:
+        self.store = store
+        self.check = check
+        self.snapshots: list[dict[str, bytes]] = []
+        self.violations: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> StoreWatcher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        backend = None
+        while not self._stop.is_set():
+            if backend is None and (self.store / ".ckptfs").exists():
+                backend = open_store(str(self.store))
+            snap = store_files(self.store)
+            self.snapshots.append(snap)
+            if backend is not None:
+                for path, data in snap.items():
+                    if not self._whole(backend, path, data):
+                        self.violations.append(f"{path}: {len(data)} bytes match no manifest record")
+            if self.check is not None:
+                self.violations += self.check(snap)
+            time.sleep(0.005)
+
+    def _whole(self, backend, path: str, data: bytes) -> bool:
+        for _ in range(20):  # the engine may move on between our two reads
+            rec = manifest.read(backend, path)
+            d = manifest.digest_of([data])
+            if rec is not None and rec.matches(d.size, d.xxh3):
+                return True
+            time.sleep(0.01)
+            try:
+                data = (self.store / path).read_bytes()
+            except FileNotFoundError:
+                return True
+        return False
