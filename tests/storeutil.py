@@ -61,7 +61,7 @@ class StoreWatcher:
     def __init__(self, store: Path, check=None) -> None:
         self.store = store
         self.check = check
-        self.snapshots: list[dict[str, bytes]] = []
+        self.polls = 0
         self.violations: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -79,8 +79,8 @@ class StoreWatcher:
         while not self._stop.is_set():
             if backend is None and (self.store / ".ckptfs").exists():
                 backend = open_store(str(self.store))
-            snap = store_files(self.store)
-            self.snapshots.append(snap)
+            snap = store_files(self.store)  # not kept: a long test would fill RAM
+            self.polls += 1
             if backend is not None:
                 for path, data in snap.items():
                     if not self._whole(backend, path, data):
