@@ -261,6 +261,7 @@ class Engine:
             gen.busy = False
             if gen.state is State.DROPPED:
                 self._release(gen)
+                self._notify()  # its memory is free now
 
     async def _failed(self, op: Op, step: str, exc: Exception) -> None:
         if isinstance(op, FileGen) and op.state in (State.DROPPED, State.PUBLISHED):
@@ -462,7 +463,8 @@ class Engine:
             self.evict(nbytes - self.ns.free_bytes())
             if self.ns.free_bytes() >= nbytes:
                 break
-            if not self.unpublished():
+            releasing = any(isinstance(g, FileGen) and g.busy for g in self.queue)  # dropped, thread finishing
+            if not self.unpublished() and not releasing:
                 return False
             await self._wait_change()
         return True
