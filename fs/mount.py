@@ -35,7 +35,7 @@ def fuse_options(name: str) -> set[str]:
 def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
     """Mount, serve until unmounted or signalled, drain write-back, unmount.
     Returns 0, or 1 if anything was left unpublished."""
-    backend = open_store(config.store_url)
+    backend = open_store(config.store_url, config.storage_options)
     store = InodeStore(MemoryPool(config.memory_limit), uid=os.getuid(), gid=os.getgid())
     engine = Engine(backend, store, workers=config.upload_workers)
     store.journal = engine

@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from ckptfs import __version__, runtime
-from ckptfs.config import MountConfig
+from ckptfs.config import MountConfig, parse_store_options
 
 from .preflight import PreflightError, check_fuse, check_mounted_ckptfs, check_mountpoint
 from .units import parse_size
@@ -45,9 +45,12 @@ def main() -> None:
               help="ram: fsync returns at once (the data is in RAM). durable: fsync waits until the file is published to the store.")
 @click.option("--drain-timeout", default=600.0, show_default=True, metavar="S",
               help="On unmount or SIGTERM, wait this long for write-back to publish everything.")
+@click.option("--store-option", "store_options", multiple=True, metavar="KEY=VALUE",
+              help="An fsspec storage option, e.g. client_kwargs.endpoint_url=http://host:9000 (repeatable). "
+                   "Secrets are better passed as JSON in $CKPTFS_STORE_OPTIONS, or the store's own variables (AWS_*).")
 @click.option("--ready-fd", type=int, hidden=True)
 def mount(mountpoint: str, store_url: str, memory_limit: str, foreground: bool, log_file: str | None, log_level: str,
-          fsync_mode: str, drain_timeout: float, ready_fd: int | None) -> None:
+          fsync_mode: str, drain_timeout: float, store_options: tuple[str, ...], ready_fd: int | None) -> None:
     """Mount a ckptfs file system at MOUNTPOINT, backed by the store at URL.
 
     Returns once the mount is live; the daemon keeps running in the background
@@ -61,19 +64,24 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, foreground: bool, 
     except ValueError as exc:
         _fail(f"--memory-limit: {exc}", 2)
     try:
+        options = parse_store_options(store_options, os.environ.get("CKPTFS_STORE_OPTIONS"))
+    except ValueError as exc:
+        _fail(f"--store-option: {exc}", 2)
+    try:
         check_fuse()
         mp = check_mountpoint(mountpoint)
-        open_store(store_url)
+        open_store(store_url, options)
     except (PreflightError, StoreError) as exc:
         _fail(str(exc), 2)
 
     if not foreground:
         _spawn_daemon(mp, store_url, limit, log_file, log_level,
-                      ["--fsync", fsync_mode, "--drain-timeout", str(drain_timeout)])
+                      ["--fsync", fsync_mode, "--drain-timeout", str(drain_timeout),
+                       *[a for o in store_options for a in ("--store-option", o)]])
         return
 
     config = MountConfig(mp, store_url, limit, Path(log_file) if log_file else None, log_level.upper(),
-                         fsync=fsync_mode, drain_timeout=drain_timeout)
+                         fsync=fsync_mode, drain_timeout=drain_timeout, storage_options=options)
     _setup_logging(config)
     from ckptfs.fs.mount import serve
 
