@@ -41,3 +41,4 @@ class MountConfig:
     drain_timeout: float = 600.0
     upload_workers: int = 4
     storage_options: dict = field(default_factory=dict)  # passed to fsspec (credentials, endpoint)
+    spill_dir: str | None = None  # where files too big for RAM continue (default: see mount.py)

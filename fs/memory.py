@@ -155,14 +155,44 @@ class Snapshot:
             _unref(c, self._pool)
 
 
+class SpillSnapshot:
+    """A sealed generation of a spilled file: its own descriptor on the
+    (unlinked) spill file, which nothing writes while this exists."""
+
+    def __init__(self, fd: int, size: int, owner: FileData) -> None:
+        self.size = size
+        self._fd = os.dup(fd)
+        self._owner = owner
+
+    def pieces(self) -> Iterator[bytes]:
+        off = 0
+        while off < self.size:
+            block = os.pread(self._fd, min(8 << 20, self.size - off), off)
+            if not block:
+                raise OSError(errno.EIO, "spill file shorter than the file")
+            off += len(block)
+            yield block
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+            self._owner._frozen -= 1
+
+
 class FileData:
     """The contents of one regular file: `size` bytes, sparse, in chunks.
 
     A file whose bytes are safely in the store may be *evicted*: its chunks
     are dropped, its size kept, and it must be `fill`ed before use.
+
+    A file too big for the RAM budget is *spilled*: its bytes move to an
+    unlinked file in the spill directory and it is read and written there
+    (at disk speed, no RAM held). Snapshots of a spilled file share the spill
+    file; a write while one exists first copies it.
     """
 
-    __slots__ = ("size", "allocated", "resident", "_chunks", "_pool")
+    __slots__ = ("size", "allocated", "resident", "_chunks", "_pool", "_spill", "_spill_dir", "_frozen")
 
     def __init__(self, pool: MemoryPool) -> None:
         self.size = 0
@@ -170,10 +200,52 @@ class FileData:
         self.resident = True
         self._chunks: dict[int, _Chunk] = {}
         self._pool = pool
+        self._spill = -1
+        self._spill_dir = ""
+        self._frozen = 0
 
-    def snapshot(self) -> Snapshot:
+    @property
+    def spilled(self) -> bool:
+        return self._spill >= 0
+
+    def snapshot(self) -> Snapshot | SpillSnapshot:
         assert self.resident
+        if self.spilled:
+            self._frozen += 1
+            return SpillSnapshot(self._spill, self.size, self)
         return Snapshot(self.size, dict(self._chunks), self._pool)
+
+    def spill(self, directory: str) -> None:
+        """Move the bytes out of RAM into an unlinked file in `directory`."""
+        fd = os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
+        try:
+            for idx, chunk in sorted(self._chunks.items()):
+                _pwrite_all(fd, memoryview(chunk.buf)[: chunk.hw], idx * CHUNK)
+            os.ftruncate(fd, self.size)
+        except BaseException:
+            os.close(fd)
+            raise
+        size = self.size
+        self.clear()
+        self.size = size
+        self._spill, self._spill_dir = fd, directory
+
+    def _thaw(self) -> None:
+        """Before writing a spilled file that a snapshot shares: copy it."""
+        if not self._frozen:
+            return
+        src = self._spill
+        new = os.open(self._spill_dir, os.O_TMPFILE | os.O_RDWR, 0o600)
+        off = 0
+        while off < self.size:
+            n = os.copy_file_range(src, new, self.size - off, off, off)
+            if n <= 0:
+                break
+            off += n
+        os.ftruncate(new, self.size)
+        os.close(src)  # the snapshots hold their own descriptors
+        self._spill = new
+        self._frozen = 0
 
     def evict(self) -> int:
         """Drop the bytes from RAM (the caller knows they are in the store)."""
@@ -204,6 +276,9 @@ class FileData:
         end = min(off + size, self.size)
         if off >= end:
             return b""
+        if self.spilled:
+            data = os.pread(self._spill, end - off, off)
+            return data + bytes(end - off - len(data))
         idx, lo = divmod(off, CHUNK)
         if lo + (end - off) <= CHUNK:  # the common case: one chunk, one copy
             return self._piece(idx, lo, lo + end - off)
@@ -232,6 +307,11 @@ class FileData:
         if n == 0:
             return 0
         end = off + n
+        if self.spilled:
+            self._thaw()
+            _pwrite_all(self._spill, memoryview(data), off)
+            self.size = max(self.size, end)
+            return n
         self._reserve_for(off, end)
         src = memoryview(data)
         pos = off
@@ -287,6 +367,11 @@ class FileData:
         return chunk
 
     def truncate(self, size: int) -> None:
+        if self.spilled:
+            self._thaw()
+            os.ftruncate(self._spill, size)
+            self.size = size
+            return
         if size < self.size:
             last, lo = divmod(size, CHUNK)
             for idx in [i for i in self._chunks if i > last or (i == last and lo == 0)]:
@@ -300,12 +385,22 @@ class FileData:
         """Free every chunk (the file was truncated to zero or deleted)."""
         for idx in list(self._chunks):
             self._drop(idx)
+        if self.spilled:
+            os.close(self._spill)  # snapshots keep their own descriptors
+            self._spill = -1
+            self._frozen = 0
         self.size = 0
 
     def _drop(self, idx: int) -> None:
         chunk = self._chunks.pop(idx)
         self.allocated -= len(chunk.buf)
         _unref(chunk, self._pool)
+
+
+def _pwrite_all(fd: int, view: memoryview, off: int) -> None:
+    while view:
+        n = os.pwrite(fd, view, off)
+        view, off = view[n:], off + n
 
 
 def _capacity(needed: int) -> int:

@@ -25,6 +25,16 @@ log = logging.getLogger(__name__)
 READ_AHEAD_KB = 4096  # with 1 MiB requests: several in flight while the reader copies
 
 
+def default_spill_dir(backend) -> str:
+    """Files too big for RAM continue on disk: in the store itself when it is
+    local (so they are written at store speed), else in /var/tmp."""
+    from ckptfs.writeback.backend import SPILL, LocalBackend
+
+    if isinstance(backend, LocalBackend):
+        return os.path.join(backend.root, SPILL)
+    return "/var/tmp"
+
+
 def fuse_options(name: str) -> set[str]:
     options = set(pyfuse3.default_options) | {f"fsname={name}", "subtype=ckptfs"}
     if os.getuid() == 0:
@@ -36,7 +46,8 @@ def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
     """Mount, serve until unmounted or signalled, drain write-back, unmount.
     Returns 0, or 1 if anything was left unpublished."""
     backend = open_store(config.store_url, config.storage_options)
-    store = InodeStore(MemoryPool(config.memory_limit), uid=os.getuid(), gid=os.getgid())
+    spill_dir = config.spill_dir or default_spill_dir(backend)
+    store = InodeStore(MemoryPool(config.memory_limit), uid=os.getuid(), gid=os.getgid(), spill_dir=spill_dir)
     engine = Engine(backend, store, workers=config.upload_workers)
     store.journal = engine
     ops = Operations(store, engine, fsync_durable=config.fsync == "durable")

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 ATTR_TIMEOUT = 5.0  # every change goes through this mount, so attrs stay valid
 BLKSIZE = 1 << 20  # st_blksize: tools size their I/O buffers from it
 FILES_MAX = 1 << 32
+ROOM_PATIENCE_S = 2.0  # how long a write waits for write-back to free RAM before spilling
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
@@ -198,13 +199,18 @@ class Operations(pyfuse3.Operations):
 
     @_errors
     async def write(self, fh: int, off: int, buf: bytes) -> int:
-        await self._resident(self.store.handle(fh).inode)
+        inode = self.store.handle(fh).inode
+        await self._resident(inode)
         try:
             return self.store.write(fh, off, buf)
         except OSError as exc:
-            if exc.errno != errno.ENOSPC or not await self.engine.make_room(len(buf) + (8 << 20)):
+            if exc.errno != errno.ENOSPC:
                 raise
-            return self.store.write(fh, off, buf)
+        # RAM is full (C7): evict published files, give write-back a moment to
+        # publish more, else continue this file on disk at store speed.
+        if not await self.engine.make_room(len(buf) + (8 << 20), patience_s=ROOM_PATIENCE_S):
+            self.store.spill(inode)
+        return self.store.write(fh, off, buf)
 
     @_errors
     async def flush(self, fh: int) -> None:

@@ -119,9 +119,11 @@ class Usage:
 
 
 class InodeStore:
-    def __init__(self, pool: MemoryPool, uid: int = 0, gid: int = 0, journal: Journal | None = None) -> None:
+    def __init__(self, pool: MemoryPool, uid: int = 0, gid: int = 0, journal: Journal | None = None,
+                 spill_dir: str | None = None) -> None:
         self.pool = pool
         self.journal = journal
+        self.spill_dir = spill_dir
         self.inodes: dict[int, Inode] = {}
         self.handles: dict[int, Handle] = {}
         self._next_ino = ROOT
@@ -522,6 +524,16 @@ class InodeStore:
                 or inode.generation != generation or inode.version != inode.sealed_version):
             return 0
         return inode.data.evict()
+
+    def spill(self, inode: Inode) -> None:
+        """RAM cannot hold this file: continue it in the spill directory."""
+        if inode.data is None or inode.data.spilled:
+            return
+        if self.spill_dir is None:
+            raise _err(errno.ENOSPC, "RAM budget exhausted and no spill directory")
+        log.warning("RAM budget full: continuing inode %d (%d bytes so far) on disk in %s, at disk speed",
+                    inode.ino, inode.data.size, self.spill_dir)
+        inode.data.spill(self.spill_dir)
 
     def free_bytes(self) -> int:
         return self.pool.available

@@ -48,9 +48,12 @@ def main() -> None:
 @click.option("--store-option", "store_options", multiple=True, metavar="KEY=VALUE",
               help="An fsspec storage option, e.g. client_kwargs.endpoint_url=http://host:9000 (repeatable). "
                    "Secrets are better passed as JSON in $CKPTFS_STORE_OPTIONS, or the store's own variables (AWS_*).")
+@click.option("--spill-dir", type=click.Path(file_okay=False), metavar="DIR",
+              help="Where a file too big for the RAM budget continues, on disk [default: the store for local stores, else /var/tmp].")
 @click.option("--ready-fd", type=int, hidden=True)
 def mount(mountpoint: str, store_url: str, memory_limit: str, foreground: bool, log_file: str | None, log_level: str,
-          fsync_mode: str, drain_timeout: float, store_options: tuple[str, ...], ready_fd: int | None) -> None:
+          fsync_mode: str, drain_timeout: float, store_options: tuple[str, ...], spill_dir: str | None,
+          ready_fd: int | None) -> None:
     """Mount a ckptfs file system at MOUNTPOINT, backed by the store at URL.
 
     Returns once the mount is live; the daemon keeps running in the background
@@ -71,17 +74,21 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, foreground: bool, 
         check_fuse()
         mp = check_mountpoint(mountpoint)
         open_store(store_url, options)
+        if spill_dir is not None and not os.path.isdir(spill_dir):
+            raise PreflightError(f"--spill-dir {spill_dir} is not a directory")
     except (PreflightError, StoreError) as exc:
         _fail(str(exc), 2)
 
     if not foreground:
         _spawn_daemon(mp, store_url, limit, log_file, log_level,
                       ["--fsync", fsync_mode, "--drain-timeout", str(drain_timeout),
-                       *[a for o in store_options for a in ("--store-option", o)]])
+                       *[a for o in store_options for a in ("--store-option", o)],
+                       *(["--spill-dir", os.path.abspath(spill_dir)] if spill_dir else [])])
         return
 
     config = MountConfig(mp, store_url, limit, Path(log_file) if log_file else None, log_level.upper(),
-                         fsync=fsync_mode, drain_timeout=drain_timeout, storage_options=options)
+                         fsync=fsync_mode, drain_timeout=drain_timeout, storage_options=options,
+                         spill_dir=os.path.abspath(spill_dir) if spill_dir else None)
     _setup_logging(config)
     from ckptfs.fs.mount import serve
 

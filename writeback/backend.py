@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 META = ".ckptfs"  # ckptfs's own objects live under this prefix only (C8)
 STAGING = f"{META}/staging"
+SPILL = f"{META}/spill"  # files too big for RAM, on local stores (unlinked, O_TMPFILE)
 PART_SIZE = 64 << 20
 
 
@@ -112,6 +113,7 @@ class LocalBackend(Backend):
         self.root = root
         self.url = url
         os.makedirs(self._abs(STAGING), exist_ok=True)
+        os.makedirs(self._abs(SPILL), exist_ok=True)
         for leftover in os.listdir(self._abs(STAGING)):  # from a daemon that died
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(self._abs(STAGING), leftover))

@@ -455,10 +455,15 @@ class Engine:
             freed += got
         return freed
 
-    async def make_room(self, nbytes: int) -> bool:
+    async def make_room(self, nbytes: int, patience_s: float = math.inf) -> bool:
         """Free `nbytes` of the RAM budget: evict published files, and if that
-        is not enough, wait for write-back to publish (and so free) more.
-        False when nothing more can ever be freed."""
+        is not enough, wait (up to `patience_s`) for write-back to publish,
+        and so free, more. False when that did not free enough."""
+        with trio.move_on_after(patience_s):
+            return await self._make_room(nbytes)
+        return False
+
+    async def _make_room(self, nbytes: int) -> bool:
         while self.ns.free_bytes() < nbytes:
             self.evict(nbytes - self.ns.free_bytes())
             if self.ns.free_bytes() >= nbytes:

@@ -297,6 +297,41 @@ def test_C7_budget_smaller_than_the_checkpoints_saves_succeed_nothing_lost(tmp_p
     assert store_files(mount.store) == payloads
 
 
+def test_C7_a_save_larger_than_the_whole_budget_succeeds_and_is_published_whole(tmp_path):
+    mount = start_mount(tmp_path, memory_limit="32M")
+    mount.allowed_log_errors += ["RAM budget"]
+    sd = {f"layer{i}": torch.randn(5 << 20) for i in range(5)}  # 100 MiB through 32 MiB
+    try:
+        torch.save(sd, mount.path("model.pt"))
+        assert "RAM budget full" in mount.log_text()
+        loaded = torch.load(mount.path("model.pt"))
+        assert all(torch.equal(loaded[k], sd[k]) for k in sd)
+        r = umount(mount)
+        assert r.returncode == 0, r.stderr
+    finally:
+        stop_mount(mount)
+    assert verify_store(mount.store).ok == ["model.pt"]
+    loaded = torch.load(mount.store / "model.pt")
+    assert all(torch.equal(loaded[k], sd[k]) for k in sd)
+
+
+def test_C7_budget_exhausted_by_unpublished_data_while_the_store_is_down(tmp_path):
+    mount = start_mount(tmp_path, memory_limit="48M")
+    mount.allowed_log_errors += ["RAM budget", *RETRY_LOG]
+    payloads = {f"shard{i}.bin": os.urandom(16 << 20) for i in range(5)}
+    try:
+        with store_outage(mount.store):
+            for p, data in payloads.items():  # 80 MiB of unpublishable data into 48 MiB
+                mount.path(p).write_bytes(data)
+            assert store_files(mount.store) == {}
+        wait_store_matches(mount.store, payloads, timeout=120)
+        for p, data in payloads.items():
+            assert mount.path(p).read_bytes() == data
+    finally:
+        stop_mount(mount)
+    assert verify_store(mount.store).clean
+
+
 # -- C8 -------------------------------------------------------------------------------
 def test_C8_store_holds_plain_files_readable_without_ckptfs(m):
     sd = {"w": torch.randn(100, 100)}

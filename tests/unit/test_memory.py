@@ -1,6 +1,7 @@
 """FileData and MemoryPool: sparse chunked contents and exact accounting."""
 
 import errno
+import os
 
 import pytest
 from hypothesis import given, settings
@@ -152,3 +153,22 @@ def test_evict_and_fill():
     assert not f.resident and f.size == 10000 and pool.used == 0
     f.fill([b"q" * 4000, b"q" * 6000])
     assert f.resident and f.read(0, 20000) == b"q" * 10000
+
+
+def test_spill_moves_bytes_out_of_ram_and_keeps_working(tmp_path):
+    pool = MemoryPool(64 << 20)
+    f = FileData(pool)
+    f.write(0, b"a" * (5 << 20))
+    f.spill(str(tmp_path))
+    assert f.spilled and pool.used == 0 and os.listdir(tmp_path) == []  # unlinked
+    f.write(5 << 20, b"b" * 10)
+    assert f.read((5 << 20) - 2, 20) == b"aabbbbbbbbbb"
+    snap = f.snapshot()
+    f.write(0, b"Z")  # a snapshot shares the spill file: this copies it first
+    f.truncate(3)
+    assert f.read(0, 10) == b"Zaa"
+    data = b"".join(snap.pieces())
+    assert data == b"a" * (5 << 20) + b"b" * 10
+    snap.release()
+    f.clear()
+    assert not f.spilled
