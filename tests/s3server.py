@@ -31,7 +31,8 @@ class S3Server:
         return f"http://127.0.0.1:{self.port}"
 
     def options(self) -> dict:
-        return {"key": KEY, "secret": SECRET, "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"}}
+        return {"key": KEY, "secret": SECRET, "client_kwargs": {"endpoint_url": self.endpoint, "region_name": "us-east-1"},
+                "config_kwargs": {"connect_timeout": 5, "read_timeout": 30, "retries": {"max_attempts": 2}}}
 
     def cli_options(self) -> list[str]:
         return ["--store-option", f"key={KEY}", "--store-option", f"secret={SECRET}",
@@ -65,12 +66,20 @@ class S3Server:
         self.proc = None
 
     def bucket(self, name: str) -> str:
-        import s3fs
-
-        fs = s3fs.S3FileSystem(skip_instance_cache=True, **self.options())
-        if not fs.exists(name):
-            fs.mkdir(name)
+        """A bucket is a directory of the served root (rclone caches no listing)."""
+        (self.root / name).mkdir(exist_ok=True)
         return f"s3://{name}"
+
+    def objects(self, bucket: str) -> dict[str, bytes]:
+        """The bucket's objects, read from the directory rclone serves."""
+        base = self.root / bucket
+        out = {}
+        for p in base.rglob("*"):
+            rel = p.relative_to(base).as_posix()
+            # rclone's own in-flight temp files are not objects
+            if p.is_file() and not rel.startswith(".ckptfs/") and not p.name.startswith(".rclone_temp"):
+                out[rel] = p.read_bytes()
+        return out
 
 
 def free_port() -> int:

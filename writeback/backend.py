@@ -7,7 +7,9 @@ Every method is blocking and is called from worker threads, never from the
 trio thread. Paths are relative to the store root, with "/" separators.
 
 - `LocalBackend` (file://): temp file in `.ckptfs/staging/`, fsync, rename.
-- `S3Backend` (s3://): multipart upload to the final key, completed at publish.
+- `S3Backend` (s3://): small objects are kept staged in memory and PUT whole
+  at publish; large ones are multipart uploads to the final key, completed at
+  publish.
 - `FsspecBackend` (anything else, e.g. memory://): staging object + move.
 """
 
@@ -30,6 +32,7 @@ META = ".ckptfs"  # ckptfs's own objects live under this prefix only (C8)
 STAGING = f"{META}/staging"
 SPILL = f"{META}/spill"  # files too big for RAM, on local stores (unlinked, O_TMPFILE)
 PART_SIZE = 64 << 20
+SMALL_PUT = 8 << 20  # object stores: up to this size, one PUT at publish time
 
 
 class StoreError(Exception):
@@ -284,6 +287,8 @@ class S3Backend(FsspecBackend):
         return bucket, key
 
     def stage(self, path: str, pieces: Iterable[memoryview | bytes], size: int) -> Staged:
+        if 0 <= size <= SMALL_PUT:
+            return Staged(path, size, b"".join(bytes(p) for p in pieces))
         bucket, key = self._bucket_key(path)
         mpu = self.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
         staged = Staged(path, size, mpu["UploadId"])
@@ -308,9 +313,12 @@ class S3Backend(FsspecBackend):
         staged.parts.append({"PartNumber": n, "ETag": r["ETag"]})
 
     def publishable_at(self, staged: Staged, path: str) -> bool:
-        return path == staged.path
+        return isinstance(staged.token, bytes) or path == staged.path
 
     def publish(self, staged: Staged, path: str) -> None:
+        if isinstance(staged.token, bytes):  # a single PUT is atomic too
+            self.fs.pipe_file(self._abs(path), staged.token)
+            return
         if path != staged.path:
             raise ValueError("an S3 upload can only be published under the key it was staged for")
         bucket, key = self._bucket_key(path)
@@ -319,6 +327,8 @@ class S3Backend(FsspecBackend):
         self.fs.invalidate_cache(self._abs(path))
 
     def discard(self, staged: Staged) -> None:
+        if isinstance(staged.token, bytes):
+            return
         bucket, key = self._bucket_key(staged.path)
         with contextlib.suppress(Exception):
             self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=staged.token)
@@ -357,8 +367,14 @@ def open_store(url: str, storage_options: dict | None = None) -> Backend:
     except ImportError as exc:
         raise StoreError(f"store protocol {protocol!r} needs a package that is not installed: {exc}") from None
     options = dict(storage_options or {})
-    if protocol == "s3":
+    if protocol in ("s3", "s3a"):
         options.setdefault("use_listings_cache", False)
+        # Fail fast and let the engine retry (with backoff, shown in status)
+        # rather than hang for minutes on a dead connection.
+        config = options.setdefault("config_kwargs", {})
+        config.setdefault("connect_timeout", 5)
+        config.setdefault("read_timeout", 30)
+        config.setdefault("retries", {"max_attempts": 2})
     try:
         fs, root = fsspec.core.url_to_fs(url, **options)
     except Exception as exc:  # fsspec backends raise anything on bad URLs

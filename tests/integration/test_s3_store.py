@@ -18,8 +18,7 @@ torch = pytest.importorskip("torch")
 
 
 def objects(s3, bucket: str) -> dict[str, bytes]:
-    fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3.options())
-    return {p[len(bucket) + 1 :]: fs.cat(p) for p in fs.find(bucket) if "/.ckptfs/" not in "/" + p[len(bucket) + 1 :]}
+    return s3.objects(bucket)
 
 
 def test_mount_over_s3_save_umount_remount_load(s3, tmp_path):
@@ -57,13 +56,13 @@ def test_s3_outage_then_back_drains_by_itself(s3, tmp_path):
             wait_until(lambda: "failed (try" in m.log_text(), 30, "a failed upload")
         finally:
             s3.start()
-        wait_until(lambda: len(objects(s3, "outage")) == 3, 90, "the queue to drain")
-        assert objects(s3, "outage") == {f"shard{i}.bin": bytes([i + 1]) * 300_000 for i in range(3)}
+        expected = {f"shard{i}.bin": bytes([i + 1]) * 300_000 for i in range(3)}
+        wait_until(lambda: objects(s3, "outage") == expected, 90, "the queue to drain")
     finally:
         stop_mount(m)
 
 
-async def test_C4_on_s3_a_file_staged_under_a_temp_key_is_restaged_under_its_final_name(s3):
+async def test_C4_on_s3_a_file_staged_under_a_temp_key_is_restaged_under_its_final_name(s3, monkeypatch):
     """In-process: hold publication back with a slow first file, let the second
     stage under its temp key, rename it, and check only the final key exists
     and no multipart upload is left behind."""
@@ -71,6 +70,9 @@ async def test_C4_on_s3_a_file_staged_under_a_temp_key_is_restaged_under_its_fin
     from ckptfs.fs.store import ROOT, InodeStore
     from ckptfs.writeback.engine import Engine, Retry
 
+    from ckptfs.writeback import backend as backend_mod
+
+    monkeypatch.setattr(backend_mod, "SMALL_PUT", 0)  # force the multipart path
     url = s3.bucket("restage")
     backend = open_store(url, s3.options())
     store = InodeStore(MemoryPool(1 << 30))
@@ -81,7 +83,7 @@ async def test_C4_on_s3_a_file_staged_under_a_temp_key_is_restaged_under_its_fin
 
     def stage(path, pieces, size):
         if path == "first":
-            gate.wait(20)
+            gate.wait(120)
         return real_stage(path, pieces, size)
 
     backend.stage = stage
@@ -95,12 +97,14 @@ async def test_C4_on_s3_a_file_staged_under_a_temp_key_is_restaged_under_its_fin
         await n.start(engine.run)
         write("first", b"1")
         write(".metadata.tmp", b"meta")
-        with trio.fail_after(20):
+        # Generous deadlines: single S3 calls to rclone sometimes stall for
+        # seconds in this in-process setup (noted on the issue).
+        with trio.fail_after(120):
             while not any(getattr(g, "staged", None) is not None for g in engine.unpublished()):
                 await trio.sleep(0.01)
         store.rename(ROOT, b".metadata.tmp", ROOT, b".metadata")
         gate.set()
-        with trio.fail_after(30):
+        with trio.fail_after(120):
             await engine.flush()
         n.cancel_scope.cancel()
     assert objects(s3, "restage") == {"first": b"1", ".metadata": b"meta"}

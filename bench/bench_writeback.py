@@ -1,0 +1,182 @@
+"""Write-back speed: how soon a save is durable, S3 throughput, and what
+continuous checkpointing costs a training loop. Run as root:
+
+    .venv/bin/python bench/bench_writeback.py --rounds 3 --write bench/RESULTS-writeback.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch  # noqa: E402
+from common import machine, median, mounted  # noqa: E402
+
+
+def wait_file(path: Path, size: int, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and path.stat().st_size == size):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{path} was not published")
+        time.sleep(0.005)
+
+
+def time_to_durable(rounds: int, disk: Path) -> tuple[list[float], list[float]]:
+    sd = {f"t{i}": torch.randn(25 << 20) for i in range(20)}  # 2 GiB
+    mnt_t, ref_t = [], []
+    base = Path(tempfile.mkdtemp(prefix="wb-", dir=disk))
+    try:
+        with mounted(base, memory_limit="6G") as (mp, _pid):
+            for r in range(rounds):
+                target = base / "store" / f"ckpt{r}.pt"
+                t0 = time.perf_counter()
+                torch.save(sd, mp / f"ckpt{r}.pt")
+                size = (mp / f"ckpt{r}.pt").stat().st_size
+                wait_file(target, size)
+                mnt_t.append(time.perf_counter() - t0)
+                os.unlink(mp / f"ckpt{r}.pt")
+
+                shm = Path("/dev/shm") / f"ref{r}.pt"
+                dst = base / f"ref{r}.pt"
+                t0 = time.perf_counter()
+                torch.save(sd, shm)
+                shutil.copyfile(shm, dst)
+                fd = os.open(dst, os.O_RDONLY)
+                os.fsync(fd)
+                os.close(fd)
+                ref_t.append(time.perf_counter() - t0)
+                shm.unlink()
+                dst.unlink()
+                print(f"durable round {r + 1}: mount {mnt_t[-1]:.2f}s, shm+cp+fsync {ref_t[-1]:.2f}s", flush=True)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    return mnt_t, ref_t
+
+
+def s3_throughput(rounds: int) -> tuple[list[float], list[float], int]:
+    from tests.s3server import start_s3
+
+    import s3fs
+
+    root = Path(tempfile.mkdtemp(prefix="wb-s3-", dir="/var/tmp"))
+    server = start_s3(root / "s3")
+    files = {f"shard{i}.bin": os.urandom(128 << 20) for i in range(4)}
+    nbytes = sum(len(v) for v in files.values())
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **server.options())
+    mnt_t, ref_t = [], []
+    try:
+        for r in range(rounds):
+            url = server.bucket(f"wb{r}")
+            with mounted(root / f"m{r}", memory_limit="4G", extra=("--store", url, *server.cli_options())) as (mp, _pid):
+                t0 = time.perf_counter()
+                for name, data in files.items():
+                    (mp / name).write_bytes(data)
+                for name, data in files.items():
+                    wait_file(root / "s3" / f"wb{r}" / name, len(data))
+                mnt_t.append(time.perf_counter() - t0)
+            src = Path("/dev/shm") / "wb-src"
+            src.mkdir(exist_ok=True)
+            for name, data in files.items():
+                (src / name).write_bytes(data)
+            server.bucket(f"ref{r}")
+            t0 = time.perf_counter()
+            for name in files:
+                fs.put_file(str(src / name), f"ref{r}/{name}")
+            ref_t.append(time.perf_counter() - t0)
+            shutil.rmtree(src)
+            print(f"s3 round {r + 1}: ckptfs {nbytes / mnt_t[-1] / 1e6:.0f} MB/s, s3fs put_file {nbytes / ref_t[-1] / 1e6:.0f} MB/s", flush=True)
+    finally:
+        server.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    return mnt_t, ref_t, nbytes
+
+
+def training(steps: int, every: int, disk: Path) -> dict[str, float]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2560, 2560) for _ in range(4)])  # ~26M params, 105 MiB
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.randn(32, 2560)
+
+    def loop(save) -> float:
+        t0 = time.perf_counter()
+        for step in range(1, steps + 1):
+            loss = model(x).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if save is not None and step % every == 0:
+                save(step)
+        return steps / (time.perf_counter() - t0)
+
+    out = {"none": loop(None)}
+    base = Path(tempfile.mkdtemp(prefix="wb-train-", dir=disk))
+    try:
+        with mounted(base, memory_limit="4G") as (mp, _pid):
+            def to_mount(step):
+                torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, mp / f"step{step}.pt")
+                if step > 2 * every:
+                    os.unlink(mp / f"step{step - 2 * every}.pt")
+            out["ckptfs"] = loop(to_mount)
+        published = sorted(p.name for p in (base / "store").glob("*.pt"))
+        out["published"] = published  # type: ignore[assignment]
+
+        def to_disk(step):
+            with open(base / f"disk{step}.pt", "wb") as f:
+                torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, f)
+                f.flush()
+                os.fsync(f.fileno())
+        out["disk+fsync"] = loop(to_disk)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--disk-dir", default="/var/tmp")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--write")
+    args = ap.parse_args()
+    disk = Path(args.disk_dir)
+
+    mnt_t, ref_t = time_to_durable(args.rounds, disk)
+    s3_mnt, s3_ref, s3_bytes = s3_throughput(args.rounds)
+    tr = training(args.steps, 10, disk)
+    dur_ratio = median(mnt_t) / median(ref_t)
+    s3_ratio = median(s3_ref) / median(s3_mnt)
+    tr_ratio = tr["ckptfs"] / tr["none"]
+    lines = [
+        "## Write-back",
+        "",
+        f"Measured {time.strftime('%Y-%m-%d')} on {machine()}; {args.rounds} interleaved rounds, medians.",
+        f"Command: `.venv/bin/python bench/bench_writeback.py --rounds {args.rounds}`",
+        "",
+        "| target | measured | goal | met |",
+        "|---|---|---|---|",
+        f"| 2 GiB torch.save until published to file:// on disk, vs /dev/shm save + cp + fsync (time ratio) | {dur_ratio:.2f}x | <= 1.15x | {'yes' if dur_ratio <= 1.15 else 'no'} |",
+        f"| write-back to s3:// (rclone on loopback) vs s3fs put_file (throughput ratio) | {s3_ratio:.2f}x | >= 0.8x | {'yes' if s3_ratio >= 0.8 else 'no'} |",
+        f"| training loop saving every 10 steps into the mount vs not saving (steps/s ratio) | {tr_ratio:.2f}x | >= 0.9x | {'yes' if tr_ratio >= 0.9 else 'no'} |",
+        "",
+        f"- time to durable, seconds: mount {' '.join(f'{x:.2f}' for x in mnt_t)}; shm+cp+fsync {' '.join(f'{x:.2f}' for x in ref_t)}",
+        f"- S3, {s3_bytes >> 20} MiB in 4 files: ckptfs {' '.join(f'{s3_bytes / x / 1e6:.0f}' for x in s3_mnt)} MB/s; "
+        f"s3fs put_file {' '.join(f'{s3_bytes / x / 1e6:.0f}' for x in s3_ref)} MB/s",
+        f"- training (26M-parameter MLP + Adam, ~315 MiB per checkpoint, {args.steps} steps): "
+        f"no saving {tr['none']:.2f} steps/s, ckptfs {tr['ckptfs']:.2f} steps/s, disk + fsync {tr['disk+fsync']:.2f} steps/s; "
+        f"checkpoints published: {', '.join(tr['published'])}",
+    ]
+    report = "\n".join(lines) + "\n"
+    print(report)
+    if args.write:
+        Path(args.write).write_text(report)
+
+
+if __name__ == "__main__":
+    main()
