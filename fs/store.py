@@ -48,6 +48,7 @@ class Journal(Protocol):
     def removed(self, path: str, ino: int, is_dir: bool) -> None: ...
     def made_dir(self, path: str) -> None: ...
     def made_symlink(self, path: str, target: str) -> None: ...
+    def changed_mode(self, ino: int, mode: int) -> None: ...
 
 
 def _err(code: int, what: str = "") -> OSError:
@@ -379,6 +380,8 @@ class InodeStore:
             self.truncate(inode, size)
         if mode is not None:
             inode.mode = stat.S_IFMT(inode.mode) | (mode & 0o7777)
+            if self.journal is not None and inode.is_reg:
+                self.journal.changed_mode(inode.ino, mode & 0o7777)
         if uid is not None and uid != -1 and uid != 0xFFFFFFFF:
             inode.uid = uid
         if gid is not None and gid != -1 and gid != 0xFFFFFFFF:
@@ -534,6 +537,10 @@ class InodeStore:
         log.warning("RAM budget full: continuing inode %d (%d bytes so far) on disk in %s, at disk speed",
                     inode.ino, inode.data.size, self.spill_dir)
         inode.data.spill(self.spill_dir)
+
+    def resident(self, ino: int) -> bool:
+        inode = self.inodes.get(ino)
+        return inode is None or inode.data is None or inode.data.resident
 
     def free_bytes(self) -> int:
         return self.pool.available

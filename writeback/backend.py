@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 META = ".ckptfs"  # ckptfs's own objects live under this prefix only (C8)
 STAGING = f"{META}/staging"
 SPILL = f"{META}/spill"  # files too big for RAM, on local stores (unlinked, O_TMPFILE)
-PART_SIZE = 64 << 20
+PART_SIZE = 16 << 20  # grown for huge files to stay under S3's 10,000 parts
 SMALL_PUT = 8 << 20  # object stores: up to this size, one PUT at publish time
 
 
@@ -292,13 +292,14 @@ class S3Backend(FsspecBackend):
         bucket, key = self._bucket_key(path)
         mpu = self.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
         staged = Staged(path, size, mpu["UploadId"])
+        part_size = max(PART_SIZE, -(-size // 9000))
         try:
             buf = bytearray()
             for piece in pieces:
                 buf += piece
-                while len(buf) >= PART_SIZE:
-                    self._part(staged, bytes(buf[:PART_SIZE]))
-                    del buf[:PART_SIZE]
+                while len(buf) >= part_size:
+                    self._part(staged, bytes(buf[:part_size]))
+                    del buf[:part_size]
             if buf or not staged.parts:
                 self._part(staged, bytes(buf))
         except BaseException:

@@ -56,6 +56,7 @@ class Namespace(Protocol):
     def evict(self, ino: int, generation: int) -> int: ...
     def fill(self, ino: int, blocks: list[bytes]) -> None: ...
     def free_bytes(self) -> int: ...
+    def resident(self, ino: int) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,9 @@ class Engine:
 
     def made_symlink(self, path: str, target: str) -> None:
         self._append(NameOp(self._next(), "symlink", path, target=target))
+
+    def changed_mode(self, ino: int, mode: int) -> None:
+        self._append(NameOp(self._next(), "chmod", "", ino=ino, target=oct(mode)))
 
     # -- waiting -------------------------------------------------------------
     async def wait_published(self, ino: int, generation: int) -> None:
@@ -394,6 +398,13 @@ class Engine:
             node = self.ns.inode_at(op.path)
             if node is not None and stat.S_ISDIR(node.mode):  # C4: only if it still exists
                 await trio.to_thread.run_sync(self.backend.mkdir, op.path)
+        elif op.kind == "chmod":  # the manifest keeps modes (C8: the data is plain)
+            mode = int(op.target, 8)
+            for path, pub in list(self.published.items()):
+                if pub.ino == op.ino and pub.kind == "file" and pub.mode != mode:
+                    rec = Record(path, "file", pub.digest, None, mode, pub.mtime_ns)
+                    await trio.to_thread.run_sync(manifest.write, self.backend, rec, limiter=self.limiter)
+                    pub.mode = mode
         elif op.kind == "symlink":
             node = self.ns.inode_at(op.path)
             if node is not None and stat.S_ISLNK(node.mode):
@@ -506,6 +517,19 @@ class Engine:
         self.ns.fill(ino, blocks)
         self.lru[ino] = None
         log.info("loaded %s from the store (%d bytes%s)", path, digest.size, ", verified" if pub.digest else ", no checksum recorded")
+
+    async def prefetch(self, prefix: str = "") -> int:
+        """Load every file under `prefix` whose bytes are only in the store
+        (ahead of a restart's reads); returns how many were loaded."""
+        n = 0
+        for path, pub in list(self.published.items()):
+            if pub.kind != "file" or (prefix and not (path == prefix or path.startswith(prefix.rstrip("/") + "/"))):
+                continue
+            node = self.ns.inode_at(path)
+            if node is not None and node.ino == pub.ino and not self.ns.resident(pub.ino):
+                await self.load(pub.ino)
+                n += 1
+        return n
 
     # -- restart -------------------------------------------------------------
     async def scan(self, restore: Callable[[str, int, int, int, str], Node]) -> int:

@@ -14,3 +14,4 @@ def test_demo_resumes_from_ram_after_a_crash(tmp_path):
     assert "resumed from step-30.pt" in r.stdout
     assert "step  60" in r.stdout
     assert not is_mounted(tmp_path / "mnt")
+    assert "run1/step-60.pt" in r.stdout and "2 ok, 0 corrupt, 0 missing, 0 unrecorded" in r.stdout

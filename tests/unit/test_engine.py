@@ -285,3 +285,84 @@ async def test_rewrite_during_publication_publishes_both_in_order(tmp_path):
     await run_until_flushed(rig, body)
     assert rig.files() == {"latest": b"gen2"}
     assert rig.engine.published_gen[rig.store.inode_at("latest").ino] == 2
+
+
+async def test_prefetch_loads_what_only_the_store_holds(tmp_path):
+    rig = Rig(tmp_path / "store")
+    rig.mkdir("ckpt")
+    rig.write("ckpt/a", b"A" * 1000)
+    rig.write("other", b"O")
+    await run_until_flushed(rig)
+    rig2 = Rig(tmp_path / "store")
+    await rig2.engine.scan(lambda p, m, sz, mt, tg: rig2.store.restore(p, m, sz, mt, tg))
+    assert await rig2.engine.prefetch("ckpt") == 1
+    assert rig2.store.inode_at("ckpt/a").data.resident and not rig2.store.inode_at("other").data.resident
+
+
+async def test_mode_changes_reach_the_manifest_and_come_back(tmp_path):
+    rig = Rig(tmp_path / "store")
+    h = rig.write("model.safetensors", b"x")
+    await run_until_flushed(rig)
+    rig.store.setattr(h.inode.ino, mode=0o600)
+    await run_until_flushed(rig)
+    assert manifest.read(rig.backend, "model.safetensors").mode == 0o600
+    rig2 = Rig(tmp_path / "store")
+    await rig2.engine.scan(lambda p, m, sz, mt, tg: rig2.store.restore(p, m, sz, mt, tg))
+    assert stat.S_IMODE(rig2.store.inode_at("model.safetensors").mode) == 0o600
+
+
+class FaultyBackend:
+    """Wraps a backend: fails a share of calls at random, adds latency, and
+    can be switched fully off (an outage)."""
+
+    def __init__(self, inner, error_rate: float, latency_s: float, seed: int = 0):
+        import random
+
+        self.inner, self.error_rate, self.latency_s = inner, error_rate, latency_s
+        self.rng = random.Random(seed)
+        self.down = False
+        self.calls = self.failures = 0
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if name in ("publishable_at",) or not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            import time as _t
+
+            self.calls += 1
+            _t.sleep(self.latency_s * self.rng.random())
+            if self.down or self.rng.random() < self.error_rate:
+                self.failures += 1
+                raise ConnectionError(f"injected fault in {name}")
+            return attr(*args, **kwargs)
+
+        return call
+
+
+async def test_faulty_store_every_file_eventually_published_byte_identical(tmp_path):
+    rig = Rig(tmp_path / "store")
+    faulty = FaultyBackend(rig.backend, error_rate=0.3, latency_s=0.005, seed=7)
+    rig.engine.backend = faulty
+    payloads = {f"ckpt/shard{i}": os.urandom(50_000 + i) for i in range(30)}
+    rig.mkdir("ckpt")
+
+    async def body():
+        for i, (p, data) in enumerate(payloads.items()):
+            rig.write(p, data)
+            if i == 10:
+                faulty.down = True  # a full outage for a while
+            if i == 20:
+                await trio.sleep(0.3)
+                faulty.down = False
+            await trio.sleep(0)
+        rig.write("ckpt/.metadata", b"marker")  # written last
+
+    await run_until_flushed(rig, body)
+    assert faulty.failures > 10
+    assert rig.files() == {**payloads, "ckpt/.metadata": b"marker"}
+    from ckptfs.writeback.verify import verify
+
+    report = verify(rig.backend)
+    assert report.clean and len(report.ok) == 31

@@ -259,6 +259,9 @@ class Recorder:
     def made_symlink(self, path, target):
         self.events.append(("symlink", path, target))
 
+    def changed_mode(self, ino, mode):
+        self.events.append(("chmod", ino, mode))
+
 
 def test_journal_events_carry_paths_at_event_time():
     rec = Recorder()
