@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import torch  # noqa: E402
-from common import drop_caches, machine, median, mounted, rss_bytes, timed  # noqa: E402
+import torch
+from common import drop_caches, emit, machine, median, mounted, rss_bytes, timed
 
 
 def state_dict(n: int, mib: int) -> dict[str, torch.Tensor]:
@@ -66,7 +66,9 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="ckptfs-bench-"))
     shm = Path(tempfile.mkdtemp(prefix="ckptfs-bench-", dir="/dev/shm"))
     disk = Path(tempfile.mkdtemp(prefix="ckptfs-bench-", dir=args.disk_dir))
-    t: dict[str, list[float]] = {k: [] for k in ("save_mnt", "save_shm", "save_disk", "load_mnt", "load_shm", "mmap_mnt", "mmap_shm", "read_direct_mnt", "read_cached_mnt", "read_shm")}
+    names = ("save_mnt", "save_shm", "save_disk", "load_mnt", "load_shm", "mmap_mnt", "mmap_shm",
+             "read_direct_mnt", "read_cached_mnt", "read_shm")
+    t: dict[str, list[float]] = {k: [] for k in names}
     try:
         # RSS while holding one checkpoint, on a fresh daemon.
         with mounted(base / "rss") as (mp, pid):
@@ -117,7 +119,7 @@ def main() -> None:
         f"## Mount: {gib:.0f} GiB torch checkpoint ({args.tensors} x {args.tensor_mib} MiB float32)",
         "",
         f"Measured {time.strftime('%Y-%m-%d')} on {machine()}; {args.rounds} interleaved rounds, medians.",
-        "Command: `.venv/bin/python bench/bench_mount.py --rounds %d`" % args.rounds,
+        f"Command: `.venv/bin/python bench/bench_mount.py --rounds {args.rounds}`",
         "",
         "| target | measured | goal | met |",
         "|---|---|---|---|",
@@ -136,10 +138,7 @@ def main() -> None:
         "",
         "Per-round seconds: " + "; ".join(f"{k}: " + " ".join(f"{x:.2f}" for x in v) for k, v in t.items()),
     ]
-    report = "\n".join(lines) + "\n"
-    print(report)
-    if args.write:
-        Path(args.write).write_text(report)
+    emit(lines, args.write)
 
 
 if __name__ == "__main__":

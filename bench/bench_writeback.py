@@ -16,8 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import torch  # noqa: E402
-from common import machine, median, mounted  # noqa: E402
+import torch
+from common import emit, machine, median, mounted
 
 
 def wait_file(path: Path, size: int, timeout: float = 600) -> None:
@@ -61,9 +61,9 @@ def time_to_durable(rounds: int, disk: Path) -> tuple[list[float], list[float]]:
 
 
 def s3_throughput(rounds: int) -> tuple[list[float], list[float], int]:
-    from tests.s3server import start_s3
-
     import s3fs
+
+    from tests.s3server import start_s3
 
     root = Path(tempfile.mkdtemp(prefix="wb-s3-", dir="/var/tmp"))
     server = start_s3(root / "s3")
@@ -138,6 +138,10 @@ def training(steps: int, every: int, disk: Path) -> dict[str, float]:
     return out
 
 
+def row(name: str, ratio: float, goal: str, met: bool) -> str:
+    return f"| {name} | {ratio:.2f}x | {goal} | {'yes' if met else 'no'} |"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
@@ -161,26 +165,23 @@ def main() -> None:
     if "durable" in parts:
         mnt_t, ref_t = time_to_durable(args.rounds, disk)
         r = median(mnt_t) / median(ref_t)
-        lines.append(f"| 2 GiB torch.save until published to file:// on disk, vs /dev/shm save + cp + fsync (time ratio) | {r:.2f}x | <= 1.15x | {'yes' if r <= 1.15 else 'no'} |")
+        lines.append(row("2 GiB torch.save until published to file:// on disk, vs /dev/shm save + cp + fsync (time ratio)", r, "<= 1.15x", r <= 1.15))
         details.append(f"- time to durable, seconds: mount {' '.join(f'{x:.2f}' for x in mnt_t)}; shm+cp+fsync {' '.join(f'{x:.2f}' for x in ref_t)}")
     if "s3" in parts:
         s3_mnt, s3_ref, s3_bytes = s3_throughput(args.rounds)
         r = median(s3_ref) / median(s3_mnt)
-        lines.append(f"| write-back to s3:// (rclone on loopback) vs s3fs put_file (throughput ratio) | {r:.2f}x | >= 0.8x | {'yes' if r >= 0.8 else 'no'} |")
+        lines.append(row("write-back to s3:// (rclone on loopback) vs s3fs put_file (throughput ratio)", r, ">= 0.8x", r >= 0.8))
         details.append(f"- S3, {s3_bytes >> 20} MiB in 4 files: ckptfs {' '.join(f'{s3_bytes / x / 1e6:.0f}' for x in s3_mnt)} MB/s; "
                        f"s3fs put_file {' '.join(f'{s3_bytes / x / 1e6:.0f}' for x in s3_ref)} MB/s")
     if "train" in parts:
         tr = training(args.steps, 10, disk)
         r = tr["ckptfs"] / tr["none"]
-        lines.append(f"| training loop saving every 10 steps into the mount vs not saving (steps/s ratio) | {r:.2f}x | >= 0.9x | {'yes' if r >= 0.9 else 'no'} |")
+        lines.append(row("training loop saving every 10 steps into the mount vs not saving (steps/s ratio)", r, ">= 0.9x", r >= 0.9))
         details.append(f"- training (26M-parameter MLP + Adam, ~315 MiB per checkpoint, {args.steps} steps): "
                        f"no saving {tr['none']:.2f} steps/s, ckptfs {tr['ckptfs']:.2f} steps/s, disk + fsync {tr['disk+fsync']:.2f} steps/s; "
                        f"checkpoints published: {', '.join(tr['published'])}")
     lines += ["", *details]
-    report = "\n".join(lines) + "\n"
-    print(report)
-    if args.write:
-        Path(args.write).write_text(report)
+    emit(lines, args.write)
 
 
 if __name__ == "__main__":

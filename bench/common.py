@@ -57,3 +57,11 @@ def machine() -> str:
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")), "?")
     mem = int(Path("/proc/meminfo").read_text().split()[1]) // (1 << 20)
     return f"{os.cpu_count()} cores ({cpu}), {mem} GiB RAM, kernel {os.uname().release}"
+
+
+def emit(lines: list[str], path: str | None) -> None:
+    """Print a markdown report and, if asked, write it to `path`."""
+    report = "\n".join(lines) + "\n"
+    print(report)
+    if path:
+        Path(path).write_text(report)

@@ -9,6 +9,7 @@ its absolute path and is private to the mounting user (0700).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -67,10 +68,8 @@ class MountInfo:
 
 
 def remove(mountpoint: str | os.PathLike[str]) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         (mount_dir(mountpoint) / "mount.json").unlink()
-    except FileNotFoundError:
-        pass
 
 
 def write_exit_report(mountpoint: str | os.PathLike[str], unpublished: list[str]) -> None:

@@ -192,7 +192,7 @@ class FileData:
     file; a write while one exists first copies it.
     """
 
-    __slots__ = ("size", "allocated", "resident", "_chunks", "_pool", "_spill", "_spill_dir", "_frozen")
+    __slots__ = ("_chunks", "_frozen", "_pool", "_spill", "_spill_dir", "allocated", "resident", "size")
 
     def __init__(self, pool: MemoryPool) -> None:
         self.size = 0
@@ -322,11 +322,9 @@ class FileData:
             if lo > chunk.hw:
                 chunk.buf[chunk.hw : lo] = _ZEROS[: lo - chunk.hw]
             chunk.buf[lo:hi] = src[pos - off : pos - off + hi - lo]
-            if hi > chunk.hw:
-                chunk.hw = hi
+            chunk.hw = max(chunk.hw, hi)
             pos += hi - lo
-        if end > self.size:
-            self.size = end
+        self.size = max(self.size, end)
         return n
 
     def _reserve_for(self, off: int, end: int) -> None:

@@ -9,12 +9,11 @@ from collections.abc import Callable
 
 import pyfuse3
 import trio
+from ckptfs.writeback.backend import open_store
+from ckptfs.writeback.engine import Engine
 
 from ckptfs import runtime
 from ckptfs.config import MountConfig
-
-from ckptfs.writeback.backend import open_store
-from ckptfs.writeback.engine import Engine
 
 from .memory import MemoryPool
 from .ops import Operations

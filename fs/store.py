@@ -356,7 +356,6 @@ class InodeStore:
             pa, pb = self._path(src_dir.ino, a_name), self._path(dst_dir.ino, b_name)
             self.journal.renamed(pa, pb, a.is_dir)
             self.journal.renamed(pb, pa, b.is_dir)
-        return None
 
     # -- attributes ----------------------------------------------------------
     def setattr(

@@ -52,7 +52,7 @@ class S3Server:
             except OSError:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
                     self.stop()
-                    raise RuntimeError("rclone serve s3 did not start")
+                    raise RuntimeError("rclone serve s3 did not start") from None
                 time.sleep(0.05)
 
     def stop(self) -> None:

@@ -106,11 +106,7 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, foreground: bool, 
 
 
 def _setup_logging(config: MountConfig) -> None:
-    handler: logging.Handler
-    if config.log_file:
-        handler = logging.FileHandler(config.log_file)
-    else:
-        handler = logging.StreamHandler()
+    handler: logging.Handler = logging.FileHandler(config.log_file) if config.log_file else logging.StreamHandler()
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
     logging.basicConfig(level=config.log_level, handlers=[handler], force=True)
 

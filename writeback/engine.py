@@ -497,11 +497,10 @@ class Engine:
 
     async def load(self, ino: int) -> None:
         """Bring an evicted or restored file back from the store, verified."""
-        for path, pub in list(self.published.items()):
-            if pub.ino == ino and pub.kind == "file":
-                break
-        else:
+        found = next(((p, pub) for p, pub in self.published.items() if pub.ino == ino and pub.kind == "file"), None)
+        if found is None:
             raise OSError(errno.EIO, "the file's data is in neither RAM nor the store")
+        path, pub = found
         try:
             blocks, digest = await trio.to_thread.run_sync(_fetch, self.backend, path, limiter=self.limiter)
         except FileNotFoundError:

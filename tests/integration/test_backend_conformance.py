@@ -8,7 +8,6 @@ import itertools
 import os
 
 import pytest
-
 from ckptfs.writeback import backend as backend_mod
 from ckptfs.writeback import manifest
 from ckptfs.writeback.backend import open_store

@@ -106,7 +106,7 @@ def test_bad_memory_limit(dirs, size):
 
 
 def test_unknown_store_protocol(dirs):
-    mp, store = dirs
+    mp, _ = dirs
     assert_clean_error(run_cli("mount", str(mp), "--store", "nosuch://bucket/x"), "unknown store protocol", "nosuch")
 
 

@@ -10,13 +10,11 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from tests.mountutil import drop_caches, is_mounted, run_cli, start_mount, stop_mount
-from tests.storeutil import (StoreWatcher, store_files, store_outage, verify_store, wait_store_matches,
-                             wait_until)
+from tests.storeutil import StoreWatcher, store_files, store_outage, verify_store, wait_store_matches, wait_until
 
 torch = pytest.importorskip("torch")
 

@@ -8,9 +8,9 @@ import threading
 import pytest
 import s3fs
 import trio
-
 from ckptfs.writeback.backend import open_store
 from ckptfs.writeback.verify import verify
+
 from tests.mountutil import run_cli, start_mount, stop_mount
 from tests.storeutil import wait_until
 
@@ -68,9 +68,8 @@ async def test_C4_on_s3_a_file_staged_under_a_temp_key_is_restaged_under_its_fin
     and no multipart upload is left behind."""
     from ckptfs.fs.memory import MemoryPool
     from ckptfs.fs.store import ROOT, InodeStore
-    from ckptfs.writeback.engine import Engine, Retry
-
     from ckptfs.writeback import backend as backend_mod
+    from ckptfs.writeback.engine import Engine, Retry
 
     monkeypatch.setattr(backend_mod, "SMALL_PUT", 0)  # force the multipart path
     url = s3.bucket("restage")

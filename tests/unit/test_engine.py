@@ -7,7 +7,7 @@ import stat
 
 import pytest
 import trio
-
+import trio.lowlevel
 from ckptfs.fs.memory import MemoryPool
 from ckptfs.fs.store import ROOT, InodeStore
 from ckptfs.writeback import manifest
@@ -356,7 +356,7 @@ async def test_faulty_store_every_file_eventually_published_byte_identical(tmp_p
             if i == 20:
                 await trio.sleep(0.3)
                 faulty.down = False
-            await trio.sleep(0)
+            await trio.lowlevel.checkpoint()
         rig.write("ckpt/.metadata", b"marker")  # written last
 
     await run_until_flushed(rig, body)

@@ -4,10 +4,9 @@ import errno
 import os
 
 import pytest
+from ckptfs.fs.memory import CHUNK, FileData, MemoryPool
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from ckptfs.fs.memory import CHUNK, FileData, MemoryPool
 
 
 def test_write_read_across_chunks():

@@ -5,7 +5,6 @@ import os
 import stat
 
 import pytest
-
 from ckptfs.fs.memory import MemoryPool
 from ckptfs.fs.store import RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT, InodeStore
 
