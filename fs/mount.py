@@ -45,6 +45,7 @@ def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
     """Mount, serve until unmounted or signalled, drain write-back, unmount.
     Returns 0, or 1 if anything was left unpublished."""
     backend = open_store(config.store_url, config.storage_options)
+    backend.prepare()
     spill_dir = config.spill_dir or default_spill_dir(backend)
     store = InodeStore(MemoryPool(config.memory_limit), uid=os.getuid(), gid=os.getgid(), spill_dir=spill_dir)
     engine = Engine(backend, store, workers=config.upload_workers)

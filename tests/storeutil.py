@@ -62,6 +62,7 @@ class StoreWatcher:
         self.store = store
         self.check = check
         self.polls = 0
+        self.error: BaseException | None = None
         self.violations: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -73,8 +74,15 @@ class StoreWatcher:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+        assert self.error is None, f"the store watcher died: {self.error!r}"  # it must not stop checking silently
 
     def _run(self) -> None:
+        try:
+            self._watch()
+        except BaseException as exc:
+            self.error = exc
+
+    def _watch(self) -> None:
         backend = None
         while not self._stop.is_set():
             if backend is None and (self.store / ".ckptfs").exists():

@@ -59,6 +59,11 @@ class Entry:
 class Backend:
     url: str
 
+    def prepare(self) -> None:
+        """Called once by the daemon that will write: create what staging
+        needs and clear what a daemon that died left there. Nothing else
+        (verify, watchers) may do this: it would delete live uploads."""
+
     def stage(self, path: str, pieces: Iterable[memoryview | bytes], size: int) -> Staged:
         raise NotImplementedError
 
@@ -115,6 +120,8 @@ class LocalBackend(Backend):
     def __init__(self, root: str, url: str) -> None:
         self.root = root
         self.url = url
+
+    def prepare(self) -> None:
         os.makedirs(self._abs(STAGING), exist_ok=True)
         os.makedirs(self._abs(SPILL), exist_ok=True)
         for leftover in os.listdir(self._abs(STAGING)):  # from a daemon that died
@@ -126,6 +133,7 @@ class LocalBackend(Backend):
 
     def stage(self, path: str, pieces: Iterable[memoryview | bytes], size: int) -> Staged:
         tmp = f"{STAGING}/{uuid.uuid4().hex}"
+        os.makedirs(self._abs(STAGING), exist_ok=True)
         fd = os.open(self._abs(tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             for piece in pieces:

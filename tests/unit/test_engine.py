@@ -22,6 +22,7 @@ class Rig:
     def __init__(self, root, **kw):
         self.root = root
         self.backend = open_store(str(root))
+        self.backend.prepare()
         self.store = InodeStore(MemoryPool(1 << 30))
         self.engine = Engine(self.backend, self.store, retry=Retry(first_s=0.01, max_s=0.05), **kw)
         self.store.journal = self.engine
