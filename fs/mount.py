@@ -98,7 +98,7 @@ async def _main(config: MountConfig, store: InodeStore, engine: Engine, unmount:
         if pending:
             log.info("draining write-back: %d files, %d bytes (timeout %.0fs)", len(pending), sum(g.size for g in pending), config.drain_timeout)
         with signals.abort_scope:  # a second signal stops waiting
-            left = await engine.drain(config.drain_timeout)
+            await engine.drain(config.drain_timeout)
         left = engine.unpublished()
         nursery.cancel_scope.cancel()
     return left

@@ -197,7 +197,7 @@ class Engine:
                 raise OSError(errno.EIO, f"publishing failed: {gen.error}")
             await self._wait_change()
 
-    async def flush(self, prefix: str | None = None) -> None:
+    async def flush(self) -> None:
         """A barrier: until everything queued before the call is applied."""
         upto = self._seq
         while self._done_seq < upto:
