@@ -184,5 +184,56 @@ def umount(mountpoint: str, timeout: float) -> None:
     click.echo(f"ckptfs: unmounted {mp}; everything is published")
 
 
+EXIT_CORRUPT, EXIT_MISSING, EXIT_EXTRA = 8, 16, 32
+
+
+@main.command()
+@click.argument("target", metavar="STORE_URL|MOUNTPOINT")
+@click.argument("path", required=False, default="")
+@click.option("--store-option", "store_options", multiple=True, metavar="KEY=VALUE", help="An fsspec storage option (as for mount).")
+def verify(target: str, path: str, store_options: tuple[str, ...]) -> None:
+    """Re-read published files from the store and check size and xxh3-128
+    against the manifest. Works with no daemon running.
+
+    Exit status: 0 all good; otherwise the sum of 8 (corrupt files),
+    16 (recorded but missing) and 32 (in the store but not in the manifest);
+    2 for bad input.
+    """
+    from ckptfs.writeback.backend import StoreError, open_store
+    from ckptfs.writeback.verify import verify as run_verify
+
+    url = target
+    if os.path.isdir(target) and os.path.abspath(target) in runtime.ckptfs_mounts():
+        info = runtime.MountInfo.read(target)
+        if info is None:
+            _fail(f"{target} is a ckptfs mount but its daemon's details are gone; pass the store URL instead", 2)
+        url = info.store_url
+    try:
+        options = parse_store_options(store_options, os.environ.get("CKPTFS_STORE_OPTIONS"))
+        backend = open_store(url, options)
+    except (ValueError, StoreError) as exc:
+        _fail(str(exc), 2)
+    report = _verify_with_progress(run_verify, backend, path.strip("/"))
+    for p, why in report.corrupt:
+        click.echo(f"CORRUPT  {p}: {why}")
+    for p in report.missing:
+        click.echo(f"MISSING  {p}: recorded in the manifest, not in the store")
+    for p in report.extra:
+        click.echo(f"EXTRA    {p}: in the store, not in the manifest (not written by ckptfs, or a crash between steps)")
+    click.echo(f"{len(report.ok)} ok, {len(report.corrupt)} corrupt, {len(report.missing)} missing, {len(report.extra)} extra ({url})")
+    code = (EXIT_CORRUPT if report.corrupt else 0) | (EXIT_MISSING if report.missing else 0) | (EXIT_EXTRA if report.extra else 0)
+    sys.exit(code)
+
+
+def _verify_with_progress(run_verify, backend, prefix: str):
+    if not sys.stderr.isatty():
+        return run_verify(backend, prefix)
+    from rich.progress import Progress
+
+    with Progress(transient=True) as bar:
+        task = bar.add_task("verifying", total=None)
+        return run_verify(backend, prefix, lambda p, size: bar.update(task, advance=1, description=f"verifying {p}"))
+
+
 if __name__ == "__main__":
     main()

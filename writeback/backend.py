@@ -189,6 +189,9 @@ class LocalBackend(Backend):
 
     def walk(self, prefix: str = "") -> Iterator[Entry]:
         base = self._abs(prefix)
+        if prefix and os.path.isfile(base):  # a single file
+            yield Entry(prefix, os.path.getsize(base), False)
+            return
         for dirpath, dirnames, filenames in os.walk(base):
             rel = os.path.relpath(dirpath, self.root)
             rel = "" if rel == "." else rel

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import manifest
@@ -20,14 +21,17 @@ class Report:
         return not (self.corrupt or self.missing or self.extra)
 
 
-def verify(backend: Backend, prefix: str = "") -> Report:
-    """Check size and xxh3-128 of every file under `prefix` against its record."""
+def verify(backend: Backend, prefix: str = "", progress: Callable[[str, int], None] | None = None) -> Report:
+    """Check size and xxh3-128 of every file under `prefix` against its record;
+    `progress(path, size)` is called before each file is read."""
     records = {p: r for p, r in manifest.read_all(backend).items() if _under(p, prefix)}
     report = Report()
     seen = set()
     for entry in backend.walk(prefix):
         if entry.is_dir:
             continue
+        if progress is not None:
+            progress(entry.path, entry.size)
         seen.add(entry.path)
         rec = records.get(entry.path)
         if rec is None or rec.kind != "file":

@@ -110,3 +110,9 @@ def test_records_round_trip(store):
     assert manifest.read(store, "a/b") == rec
     manifest.delete(store, "a/b")
     assert manifest.read(store, "a/b") is None
+
+
+def test_walk_of_a_single_file(store):
+    store.put("dir/one", b"1")
+    store.put("dir/two", b"22")
+    assert [(e.path, e.size) for e in store.walk("dir/two") if not e.is_dir] == [("dir/two", 2)]

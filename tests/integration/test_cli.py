@@ -152,3 +152,36 @@ def test_help_texts():
     for args in (["--help"], ["mount", "--help"], ["umount", "--help"]):
         r = run_cli(*args)
         assert r.returncode == 0 and "Usage:" in r.stdout
+
+
+def test_verify_against_a_store_url_and_a_mountpoint(tmp_path):
+    m = start_mount(tmp_path)
+    try:
+        m.path("ckpt").mkdir()
+        for name in ("a.pt", "b.pt", "c.pt"):
+            m.path("ckpt", name).write_bytes(name.encode() * 1000)
+        r = run_cli("umount", str(m.mountpoint))
+        assert r.returncode == 0, r.stderr
+    finally:
+        stop_mount(m)
+    r = run_cli("verify", str(m.store))
+    assert r.returncode == 0 and "3 ok, 0 corrupt, 0 missing, 0 extra" in r.stdout
+    (m.store / "ckpt" / "a.pt").write_bytes(b"X" * 4000)  # bit rot
+    (m.store / "ckpt" / "b.pt").unlink()  # lost
+    (m.store / "ckpt" / "stray.bin").write_bytes(b"?")  # not ours
+    r = run_cli("verify", str(m.store))
+    assert r.returncode == 8 + 16 + 32, r.stdout + r.stderr
+    assert "CORRUPT  ckpt/a.pt" in r.stdout and "MISSING  ckpt/b.pt" in r.stdout and "EXTRA    ckpt/stray.bin" in r.stdout
+    r = run_cli("verify", str(m.store), "ckpt/c.pt")
+    assert r.returncode == 0 and "1 ok" in r.stdout
+    again = start_mount(tmp_path)  # through the mountpoint: the store is found from the daemon's details
+    again.allowed_log_errors.append("checksum mismatch")
+    try:
+        r = run_cli("verify", str(again.mountpoint))
+        assert r.returncode == 8 + 16 + 32 and "CORRUPT  ckpt/a.pt" in r.stdout
+    finally:
+        stop_mount(again)
+
+
+def test_verify_bad_input():
+    assert_clean_error(run_cli("verify", "nosuch://x"), "unknown store protocol")
