@@ -50,7 +50,9 @@ def test_publish_replaces_whole(store):
     assert data_of(store, "f") == b"new"
 
 
-def test_discard_leaves_nothing(store):
+@pytest.mark.parametrize("small_put", [8 << 20, 0], ids=["small", "multipart"])
+def test_discard_leaves_nothing(store, monkeypatch, small_put):
+    monkeypatch.setattr(backend_mod, "SMALL_PUT", small_put)
     staged = store.stage("gone", [b"x" * 1000], 1000)
     store.discard(staged)
     assert not store.exists("gone")

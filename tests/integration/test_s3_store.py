@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import threading
-
 import pytest
-import s3fs
-import trio
 from ckptfs.writeback.backend import open_store
 from ckptfs.writeback.verify import verify
 
@@ -60,52 +55,3 @@ def test_s3_outage_then_back_drains_by_itself(s3, tmp_path):
         wait_until(lambda: objects(s3, "outage") == expected, 90, "the queue to drain")
     finally:
         stop_mount(m)
-
-
-async def test_C4_on_s3_a_file_staged_under_a_temp_key_is_restaged_under_its_final_name(s3, monkeypatch):
-    """In-process: hold publication back with a slow first file, let the second
-    stage under its temp key, rename it, and check only the final key exists
-    and no multipart upload is left behind."""
-    from ckptfs.fs.memory import MemoryPool
-    from ckptfs.fs.store import ROOT, InodeStore
-    from ckptfs.writeback import backend as backend_mod
-    from ckptfs.writeback.engine import Engine, Retry
-
-    monkeypatch.setattr(backend_mod, "SMALL_PUT", 0)  # force the multipart path
-    url = s3.bucket("restage")
-    backend = open_store(url, s3.options())
-    store = InodeStore(MemoryPool(1 << 30))
-    engine = Engine(backend, store, retry=Retry(first_s=0.01, max_s=0.05))
-    store.journal = engine
-    gate = threading.Event()
-    real_stage = backend.stage
-
-    def stage(path, pieces, size):
-        if path == "first":
-            gate.wait(120)
-        return real_stage(path, pieces, size)
-
-    backend.stage = stage
-
-    def write(name: str, data: bytes):
-        h = store.create(ROOT, name.encode(), 0o644, os.O_WRONLY | os.O_CREAT, 0, 0)
-        store.write(h.fh, 0, data)
-        store.release(h.fh)
-
-    async with trio.open_nursery() as n:
-        await n.start(engine.run)
-        write("first", b"1")
-        write(".metadata.tmp", b"meta")
-        # Generous deadlines: single S3 calls to rclone sometimes stall for
-        # seconds in this in-process setup (noted on the issue).
-        with trio.fail_after(120):
-            while not any(getattr(g, "staged", None) is not None for g in engine.unpublished()):
-                await trio.sleep(0.01)
-        store.rename(ROOT, b".metadata.tmp", ROOT, b".metadata")
-        gate.set()
-        with trio.fail_after(120):
-            await engine.flush()
-        n.cancel_scope.cancel()
-    assert objects(s3, "restage") == {"first": b"1", ".metadata": b"meta"}
-    fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3.options())
-    assert fs.call_s3("list_multipart_uploads", Bucket="restage").get("Uploads", []) == []

@@ -367,3 +367,39 @@ async def test_faulty_store_every_file_eventually_published_byte_identical(tmp_p
 
     report = verify(rig.backend)
     assert report.clean and len(report.ok) == 31
+
+
+async def test_staged_under_a_name_the_file_no_longer_has_is_restaged(tmp_path):
+    """As on S3, where an upload is bound to its key: a file staged under its
+    temp name and renamed before its turn is staged again under the final name
+    (C4), and the first staging is discarded."""
+    import threading
+
+    rig = Rig(tmp_path / "store")
+    backend = rig.backend
+    discarded = []
+    real_discard, real_stage = backend.discard, backend.stage
+    backend.publishable_at = lambda staged, path: staged.path == path
+    backend.discard = lambda staged: (discarded.append(staged.path), real_discard(staged))
+    gate = threading.Event()
+
+    def stage(path, pieces, size):
+        if path == "first":
+            gate.wait(10)
+        return real_stage(path, pieces, size)
+
+    backend.stage = stage
+    rig.write("first", b"1")
+    rig.write(".metadata.tmp", b"meta")
+
+    async def body():
+        with trio.fail_after(10):
+            while not any(g.staged is not None for g in rig.engine.unpublished()):
+                await trio.sleep(0.01)
+        rig.rename(".metadata.tmp", ".metadata")
+        gate.set()
+
+    await run_until_flushed(rig, body)
+    assert rig.files() == {"first": b"1", ".metadata": b"meta"}
+    assert discarded == [".metadata.tmp"]
+    assert manifest.read(rig.backend, ".metadata.tmp") is None
