@@ -42,3 +42,5 @@ class MountConfig:
     upload_workers: int = 4
     storage_options: dict = field(default_factory=dict)  # passed to fsspec (credentials, endpoint)
     spill_dir: str | None = None  # where files too big for RAM continue (default: see mount.py)
+    metrics_port: int | None = None  # serve Prometheus metrics here
+    metrics_host: str = "127.0.0.1"

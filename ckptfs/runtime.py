@@ -68,8 +68,11 @@ class MountInfo:
 
 
 def remove(mountpoint: str | os.PathLike[str]) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        (mount_dir(mountpoint) / "mount.json").unlink()
+    for name in ("mount.json", "control.sock"):
+        with contextlib.suppress(FileNotFoundError):
+            (mount_dir(mountpoint) / name).unlink()
+    with contextlib.suppress(OSError):  # unless a log or exit report is still there
+        mount_dir(mountpoint).rmdir()
 
 
 def write_exit_report(mountpoint: str | os.PathLike[str], unpublished: list[str]) -> None:
@@ -99,12 +102,31 @@ def pid_alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def ckptfs_mounts() -> list[str]:
-    """Mountpoints of every ckptfs mount on this machine, from /proc/mounts."""
+def control_socket(mountpoint: str | os.PathLike[str]) -> Path:
+    """The daemon's control socket (see ckptfs.client)."""
+    return mount_dir(mountpoint) / "control.sock"
+
+
+def _ckptfs_mount_entries() -> list[tuple[str, str]]:
     found = []
     with open("/proc/mounts") as f:
         for line in f:
             fields = line.split()
-            if len(fields) >= 3 and fields[2] == "fuse.ckptfs":
-                found.append(fields[1].replace("\\040", " "))
+            if len(fields) >= 4 and fields[2] == "fuse.ckptfs":
+                found.append((fields[1].replace("\\040", " "), fields[3]))
     return found
+
+
+def ckptfs_mounts() -> list[str]:
+    """Mountpoints of every ckptfs mount on this machine, from /proc/mounts."""
+    return [mp for mp, _ in _ckptfs_mount_entries()]
+
+
+def mount_owner(mountpoint: str) -> int | None:
+    """The uid that mounted `mountpoint` (FUSE's user_id= option)."""
+    for mp, options in _ckptfs_mount_entries():
+        if mp == mountpoint:
+            for opt in options.split(","):
+                if opt.startswith("user_id="):
+                    return int(opt.removeprefix("user_id="))
+    return None

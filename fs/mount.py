@@ -15,7 +15,10 @@ from ckptfs.writeback.engine import Engine
 from ckptfs import runtime
 from ckptfs.config import MountConfig
 
+from . import status
+from .control import ControlServer
 from .memory import MemoryPool
+from .metrics import Metrics
 from .ops import Operations
 from .store import InodeStore
 
@@ -50,10 +53,24 @@ def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
     store = InodeStore(MemoryPool(config.memory_limit), uid=os.getuid(), gid=os.getgid(), spill_dir=spill_dir)
     engine = Engine(backend, store, workers=config.upload_workers)
     store.journal = engine
-    ops = Operations(store, engine, fsync_durable=config.fsync == "durable")
+    metrics = Metrics()
+    if config.metrics_port is not None:
+        try:
+            metrics.serve(config.metrics_port, config.metrics_host)
+        except OSError as exc:
+            raise RuntimeError(f"cannot serve metrics on {config.metrics_host}:{config.metrics_port}: {exc.strerror or exc}") from None
+    ops = Operations(store, engine, fsync_durable=config.fsync == "durable", metrics=metrics)
     mountpoint = str(config.mountpoint)
-    pyfuse3.init(ops, mountpoint, fuse_options(f"ckptfs:{config.store_url}"[:200]))
+    try:
+        pyfuse3.init(ops, mountpoint, fuse_options(f"ckptfs:{config.store_url}"[:200]))
+    except BaseException:
+        metrics.close()
+        raise
     info = runtime.MountInfo.new(mountpoint, config.store_url, str(config.log_file or ""))
+    control = ControlServer(runtime.control_socket(mountpoint), store, engine,
+                            {"mountpoint": info.mountpoint, "store": config.store_url, "pid": info.pid, "started": info.started,
+                             "log_file": info.log_file, "fsync": config.fsync, "memory_limit": config.memory_limit,
+                             "metrics_port": config.metrics_port})
     closed = False
 
     def unmount() -> None:
@@ -65,9 +82,10 @@ def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
     try:
         info.write()
         log.info("mounted %s (store %s, RAM budget %d bytes, fsync=%s)", mountpoint, config.store_url, config.memory_limit, config.fsync)
-        left = trio.run(_main, config, store, engine, unmount, ready)
+        left = trio.run(_main, config, store, engine, control, metrics, unmount, ready)
     finally:
         unmount()
+        metrics.close()
         runtime.remove(mountpoint)
     runtime.write_exit_report(mountpoint, [f"{g.path} ({g.size} bytes, {g.state.value}{': ' + g.error if g.error else ''})" for g in left])
     if left:
@@ -79,10 +97,12 @@ def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
     return 0
 
 
-async def _main(config: MountConfig, store: InodeStore, engine: Engine, unmount: Callable[[], None],
-                ready: Callable[[], None] | None) -> list:
+async def _main(config: MountConfig, store: InodeStore, engine: Engine, control: ControlServer, metrics: Metrics,
+                unmount: Callable[[], None], ready: Callable[[], None] | None) -> list:
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)
+        await nursery.start(control.serve)  # answers during the drain too: `ckptfs status` shows it
+        metrics.watch(lambda: status.totals(store, engine), trio.lowlevel.current_trio_token())
         n = await engine.scan(store.restore)
         if n:
             log.info("the store holds %d files: shown now, loaded on first use", n)

@@ -20,15 +20,19 @@ import errno
 import functools
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import pyfuse3
 
+from . import status
 from .store import Inode, InodeStore
 
 if TYPE_CHECKING:
     from ckptfs.writeback.engine import Engine
+
+    from .metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -41,20 +45,32 @@ F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 
 def _errors(fn: F) -> F:
+    """Errno mapping, and each request counted and timed."""
+    name = fn.__name__
+
     @functools.wraps(fn)
-    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+    async def wrapper(self: Operations, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        code = 0
         try:
-            return await fn(*args, **kwargs)
-        except pyfuse3.FUSEError:
+            return await fn(self, *args, **kwargs)
+        except pyfuse3.FUSEError as exc:
+            code = exc.errno
             raise
         except OSError as exc:
-            raise pyfuse3.FUSEError(exc.errno or errno.EIO) from None
+            code = exc.errno or errno.EIO
+            raise pyfuse3.FUSEError(code) from None
         except MemoryError:
-            log.error("out of memory in %s", fn.__name__)
-            raise pyfuse3.FUSEError(errno.ENOSPC) from None
+            log.error("out of memory in %s", name)
+            code = errno.ENOSPC
+            raise pyfuse3.FUSEError(code) from None
         except Exception:
-            log.exception("unexpected error in %s; answering EIO", fn.__name__)
-            raise pyfuse3.FUSEError(errno.EIO) from None
+            log.exception("unexpected error in %s; answering EIO", name)
+            code = errno.EIO
+            raise pyfuse3.FUSEError(code) from None
+        finally:
+            if self.metrics is not None:
+                self.metrics.request(name, time.perf_counter() - t0, code)
 
     return wrapper  # type: ignore[return-value]
 
@@ -83,11 +99,12 @@ class Operations(pyfuse3.Operations):
     enable_writeback_cache = False
     enable_acl = False
 
-    def __init__(self, store: InodeStore, engine: Engine, fsync_durable: bool = False) -> None:
+    def __init__(self, store: InodeStore, engine: Engine, fsync_durable: bool = False, metrics: Metrics | None = None) -> None:
         super().__init__()
         self.store = store
         self.engine = engine
         self.fsync_durable = fsync_durable
+        self.metrics = metrics
         self._cached_version: dict[int, int] = {}
 
     async def _resident(self, inode: Inode) -> None:
@@ -262,12 +279,18 @@ class Operations(pyfuse3.Operations):
         return s
 
     # -- extended attributes -------------------------------------------------
+    # `user.ckptfs.*` are virtual and read-only: each file's write-back state
+    # (see status.xattr). Not listed, so `cp -a`/`rsync -X` do not copy them.
     @_errors
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        if name.startswith(status.XATTR_PREFIX):
+            return status.xattr(self.store, self.engine, self.store.get(inode), name)
         return self.store.getxattr(inode, name)
 
     @_errors
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:
+        if name.startswith(status.XATTR_PREFIX):
+            raise pyfuse3.FUSEError(errno.EPERM)
         self.store.setxattr(inode, name, value)
 
     @_errors
@@ -276,4 +299,6 @@ class Operations(pyfuse3.Operations):
 
     @_errors
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        if name.startswith(status.XATTR_PREFIX):
+            raise pyfuse3.FUSEError(errno.EPERM)
         self.store.removexattr(inode, name)

@@ -1,12 +1,28 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.mountutil import Mount, fuse_usable, start_mount, stop_mount
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Daemons started by the tests (and the tools they run) keep their runtime
+    # files (mount.json, control socket, logs) here, not in /run/ckptfs.
+    if "CKPTFS_RUNTIME_DIR" not in os.environ:
+        os.environ["CKPTFS_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="ckptfs-test-run-")
+        config._ckptfs_runtime_dir = os.environ["CKPTFS_RUNTIME_DIR"]  # type: ignore[attr-defined]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    d = getattr(config, "_ckptfs_runtime_dir", None)
+    if d is not None:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _require_fuse() -> None:

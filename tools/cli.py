@@ -1,4 +1,5 @@
-"""`ckptfs`: mount and unmount (more commands join as the engine grows)."""
+"""`ckptfs`: the command line. mount, umount and verify live here; the
+commands that ask a running daemon (status, flush, prefetch, evict) in admin.py."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import click
 from ckptfs import __version__, runtime
 from ckptfs.config import MountConfig, parse_store_options
 
-from .preflight import PreflightError, check_fuse, check_mounted_ckptfs, check_mountpoint
+from .admin import COMMANDS
+from .preflight import PreflightError, check_fuse, check_mounted_ckptfs, check_mountpoint, check_port
 from .units import parse_size
 
 MOUNT_TIMEOUT_S = 60.0
@@ -50,10 +52,13 @@ def main() -> None:
                    "Secrets are better passed as JSON in $CKPTFS_STORE_OPTIONS, or the store's own variables (AWS_*).")
 @click.option("--spill-dir", type=click.Path(file_okay=False), metavar="DIR",
               help="Where a file too big for the RAM budget continues, on disk [default: the store for local stores, else /var/tmp].")
+@click.option("--metrics-port", type=click.IntRange(1, 65535), metavar="N", help="Serve Prometheus metrics on this port (/metrics).")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True, metavar="ADDR",
+              help="Address for --metrics-port (0.0.0.0: every interface).")
 @click.option("--ready-fd", type=int, hidden=True)
 def mount(mountpoint: str, store_url: str, memory_limit: str, foreground: bool, log_file: str | None, log_level: str,
           fsync_mode: str, drain_timeout: float, store_options: tuple[str, ...], spill_dir: str | None,
-          ready_fd: int | None) -> None:
+          metrics_port: int | None, metrics_host: str, ready_fd: int | None) -> None:
     """Mount a ckptfs file system at MOUNTPOINT, backed by the store at URL.
 
     Returns once the mount is live; the daemon keeps running in the background
@@ -76,6 +81,8 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, foreground: bool, 
         open_store(store_url, options)
         if spill_dir is not None and not os.path.isdir(spill_dir):
             raise PreflightError(f"--spill-dir {spill_dir} is not a directory")
+        if metrics_port is not None:
+            check_port(metrics_host, metrics_port)
     except (PreflightError, StoreError) as exc:
         _fail(str(exc), 2)
 
@@ -83,12 +90,13 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, foreground: bool, 
         _spawn_daemon(mp, store_url, limit, log_file, log_level,
                       ["--fsync", fsync_mode, "--drain-timeout", str(drain_timeout),
                        *[a for o in store_options for a in ("--store-option", o)],
-                       *(["--spill-dir", os.path.abspath(spill_dir)] if spill_dir else [])])
+                       *(["--spill-dir", os.path.abspath(spill_dir)] if spill_dir else []),
+                       *(["--metrics-port", str(metrics_port), "--metrics-host", metrics_host] if metrics_port else [])])
         return
 
     config = MountConfig(mp, store_url, limit, Path(log_file) if log_file else None, log_level.upper(),
                          fsync=fsync_mode, drain_timeout=drain_timeout, storage_options=options,
-                         spill_dir=os.path.abspath(spill_dir) if spill_dir else None)
+                         spill_dir=os.path.abspath(spill_dir) if spill_dir else None, metrics_port=metrics_port, metrics_host=metrics_host)
     _setup_logging(config)
     from ckptfs.fs.mount import serve
 
@@ -234,6 +242,9 @@ def _verify_with_progress(run_verify, backend, prefix: str):
         task = bar.add_task("verifying", total=None)
         return run_verify(backend, prefix, lambda p, size: bar.update(task, advance=1, description=f"verifying {p}"))
 
+
+for _command in COMMANDS:
+    main.add_command(_command)
 
 if __name__ == "__main__":
     main()

@@ -48,6 +48,23 @@ def check_mounted_ckptfs(path: str) -> str:
     return mp
 
 
+def check_port(host: str, port: int) -> None:
+    """Fail early (before the daemon starts) if the metrics port is taken."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise PreflightError(f"--metrics-host {host}: {exc.strerror}") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as exc:
+            raise PreflightError(f"--metrics-port {port}: cannot listen on {host}:{port}: {exc.strerror}") from None
+
+
 def _all_mountpoints() -> set[str]:
     with open("/proc/mounts") as f:
         return {line.split()[1].replace("\\040", " ") for line in f if line.strip()}

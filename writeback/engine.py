@@ -26,7 +26,7 @@ from typing import Protocol
 
 import trio
 
-from . import manifest
+from . import manifest, storeio
 from .backend import Backend, Staged
 from .manifest import Digest, Record
 from .state import State, transition
@@ -120,17 +120,21 @@ class Published:
     target: str = ""
 
 
-@dataclass(frozen=True)
-class Totals:
-    queued: int
-    dirty: int
-    uploading: int
-    staged: int
-    failed: int
-    unpublished_bytes: int
-    published_files: int
-    oldest_unpublished_s: float
-    last_error: str
+@dataclass
+class Counters:
+    """Running totals since the daemon started (for status and metrics)."""
+
+    uploaded_bytes: int = 0
+    published_files: int = 0
+    retries: int = 0
+    failures: int = 0  # tries that reached `Retry.failed_after`
+    evictions: int = 0
+    evicted_bytes: int = 0
+    loads: int = 0  # read-through: files loaded back from the store
+    loaded_bytes: int = 0
+
+
+THROUGHPUT_WINDOW_S = 30.0
 
 
 class Engine:
@@ -153,6 +157,8 @@ class Engine:
         self._wake = trio.Event()
         self._clock = clock
         self.last_error = ""
+        self.counters = Counters()
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()  # (monotonic time, bytes published)
 
     # -- the Journal: called by the store on the trio thread ----------------
     def sealed(self, ino: int, generation: int, snapshot: Snapshot, mode: int, mtime_ns: int) -> None:
@@ -203,19 +209,41 @@ class Engine:
         while self._done_seq < upto:
             await self._wait_change()
 
+    def barrier(self, prefix: str = "") -> list[Op]:
+        """What a flush of `prefix` ("" for everything) waits for: the ops
+        queued now that concern it (files sealed there, renames and removals)."""
+        if not prefix:
+            return list(self.queue)
+
+        def under(path: str) -> bool:
+            return path == prefix or path.startswith(prefix + "/")
+
+        out: list[Op] = []
+        for op in self.queue:
+            if isinstance(op, FileGen):
+                if op.state is not State.DROPPED and any(under(p) for p in [op.path, *self.ns.paths_of(op.ino)]):
+                    out.append(op)
+            elif isinstance(op, NameOp) and (under(op.path) or (op.dst and under(op.dst))):
+                out.append(op)
+        return out
+
+    async def wait_change(self) -> None:
+        """Until anything in the engine changes state."""
+        await self._wait_change()
+
+    def throughput(self) -> float:
+        """Bytes per second published over the last `THROUGHPUT_WINDOW_S`."""
+        now = time.monotonic()
+        while self._recent and self._recent[0][0] < now - THROUGHPUT_WINDOW_S:
+            self._recent.popleft()
+        return sum(n for _, n in self._recent) / THROUGHPUT_WINDOW_S
+
+    def published_digest(self, ino: int, path: str) -> Digest | None:
+        pub = self.published.get(path)
+        return pub.digest if pub is not None and pub.ino == ino else None
+
     def unpublished(self) -> list[FileGen]:
         return [op for op in self.queue if isinstance(op, FileGen) and op.state is not State.DROPPED]
-
-    def totals(self) -> Totals:
-        gens = self.unpublished()
-        by = collections.Counter(g.state for g in gens)
-        oldest = min((g.sealed_at for g in gens), default=None)
-        return Totals(
-            queued=len(self.queue), dirty=by[State.DIRTY], uploading=by[State.UPLOADING], staged=by[State.STAGED],
-            failed=by[State.FAILED], unpublished_bytes=sum(g.size for g in gens),
-            published_files=sum(1 for p in self.published.values() if p.kind == "file"),
-            oldest_unpublished_s=(self._clock() - oldest) if oldest is not None else 0.0, last_error=self.last_error,
-        )
 
     # -- running -------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -260,7 +288,8 @@ class Engine:
     async def _stage(self, gen: FileGen, path: str) -> tuple[Staged, Digest]:
         gen.busy = True
         try:
-            return await trio.to_thread.run_sync(_stage, self.backend, gen.snapshot, path, gen, limiter=self.limiter)
+            return await trio.to_thread.run_sync(storeio.stage, self.backend, gen.snapshot.pieces(), gen.size, path,
+                                               lambda: gen.state is State.DROPPED, limiter=self.limiter)
         finally:
             gen.busy = False
             if gen.state is State.DROPPED:
@@ -273,6 +302,9 @@ class Engine:
         op.tries += 1
         op.error = f"{step}: {type(exc).__name__}: {exc}"
         self.last_error = op.error
+        self.counters.retries += 1
+        if op.tries == self.retry.failed_after:
+            self.counters.failures += 1
         if isinstance(op, FileGen):
             op.move(State.FAILED)
         delay = self.retry.delay(op.tries)
@@ -344,9 +376,9 @@ class Engine:
         for i, path in enumerate(paths):
             rec = Record(path, "file", gen.digest, self._digest_at(path), stat.S_IMODE(gen.mode), gen.mtime_ns)
             if i == 0:
-                await trio.to_thread.run_sync(_publish, self.backend, rec, gen.staged, path, limiter=self.limiter)
+                await trio.to_thread.run_sync(storeio.publish, self.backend, rec, gen.staged, path, limiter=self.limiter)
             else:
-                await trio.to_thread.run_sync(_copy, self.backend, rec, first, path, limiter=self.limiter)
+                await trio.to_thread.run_sync(storeio.copy, self.backend, rec, first, path, limiter=self.limiter)
             self.published[path] = Published(gen.ino, gen.generation, gen.digest, stat.S_IMODE(gen.mode), gen.mtime_ns)
         dt = time.monotonic() - t0
         gen.move(State.PUBLISHED)
@@ -355,6 +387,9 @@ class Engine:
         self.published_gen[gen.ino] = max(gen.generation, self.published_gen.get(gen.ino, 0))
         self._release(gen)
         self.lru[gen.ino] = None
+        self.counters.uploaded_bytes += gen.size
+        self.counters.published_files += 1
+        self._recent.append((time.monotonic(), gen.size))
         log.info("published %s (%d bytes, generation %d, %.3fs since seal, %.1f MB/s)%s", first, gen.size, gen.generation,
                  time.time() - gen.sealed_at, gen.size / max(dt, 1e-6) / 1e6, f" and {len(others)} more links" if others else "")
 
@@ -440,10 +475,10 @@ class Engine:
         for i, t in enumerate(carry):
             rec = Record(t, "file", pub.digest, self._digest_at(t), pub.mode, pub.mtime_ns)
             last = i == len(carry) - 1
-            await trio.to_thread.run_sync(_carry, self.backend, rec, path, t, last, limiter=self.limiter)
+            await trio.to_thread.run_sync(storeio.carry, self.backend, rec, path, t, last, limiter=self.limiter)
             self.published[t] = Published(pub.ino, pub.generation, pub.digest, pub.mode, pub.mtime_ns)
         if not carry:
-            await trio.to_thread.run_sync(_delete, self.backend, path, limiter=self.limiter)
+            await trio.to_thread.run_sync(storeio.delete, self.backend, path, limiter=self.limiter)
         else:
             await trio.to_thread.run_sync(manifest.delete, self.backend, path)
         del self.published[path]
@@ -460,11 +495,20 @@ class Engine:
         for ino in list(self.lru):
             if freed >= nbytes:
                 break
-            got = self.ns.evict(ino, self.published_gen.get(ino, 0))
-            if got or not self.ns.paths_of(ino):
-                del self.lru[ino]
-            freed += got
+            freed += self.evict_file(ino)
         return freed
+
+    def evict_file(self, ino: int) -> int:
+        """Drop one published file from RAM; 0 if it is not (all) published."""
+        if ino not in self.lru:
+            return 0
+        got = self.ns.evict(ino, self.published_gen.get(ino, 0))
+        if got or not self.ns.paths_of(ino):
+            del self.lru[ino]
+        if got:
+            self.counters.evictions += 1
+            self.counters.evicted_bytes += got
+        return got
 
     async def make_room(self, nbytes: int, patience_s: float = math.inf) -> bool:
         """Free `nbytes` of the RAM budget: evict published files, and if that
@@ -502,7 +546,7 @@ class Engine:
             raise OSError(errno.EIO, "the file's data is in neither RAM nor the store")
         path, pub = found
         try:
-            blocks, digest = await trio.to_thread.run_sync(_fetch, self.backend, path, limiter=self.limiter)
+            blocks, digest = await trio.to_thread.run_sync(storeio.fetch, self.backend, path, limiter=self.limiter)
         except FileNotFoundError:
             self.verify_failures[path] = "missing from the store"
             log.error("cannot load %s: missing from the store", path)
@@ -515,6 +559,8 @@ class Engine:
             raise OSError(errno.EIO, "checksum mismatch")
         self.ns.fill(ino, blocks)
         self.lru[ino] = None
+        self.counters.loads += 1
+        self.counters.loaded_bytes += digest.size
         log.info("loaded %s from the store (%d bytes%s)", path, digest.size, ", verified" if pub.digest else ", no checksum recorded")
 
     async def prefetch(self, prefix: str = "") -> int:
@@ -533,7 +579,7 @@ class Engine:
     # -- restart -------------------------------------------------------------
     async def scan(self, restore: Callable[[str, int, int, int, str], Node]) -> int:
         """Show what the store holds (C9): namespace now, data on first read."""
-        entries, records = await trio.to_thread.run_sync(_scan, self.backend)
+        entries, records = await trio.to_thread.run_sync(storeio.scan, self.backend)
         n = 0
         for e in entries:
             if e.is_dir:
@@ -567,60 +613,3 @@ class Engine:
 
     async def _wait_change(self) -> None:
         await self._wake.wait()
-
-
-# -- blocking store I/O, run in worker threads ---------------------------------
-class Cancelled(Exception):
-    """The generation being staged was dropped: stop reading its snapshot."""
-
-
-def _stage(backend: Backend, snapshot: Snapshot, path: str, gen: FileGen | None = None) -> tuple[Staged, Digest]:
-    h = manifest.hasher()
-
-    def hashed():
-        for piece in snapshot.pieces():
-            if gen is not None and gen.state is State.DROPPED:
-                raise Cancelled(path)  # checked per piece: a dropped upload stops promptly
-            h.update(piece)
-            yield piece
-
-    staged = backend.stage(path, hashed(), snapshot.size)
-    return staged, Digest(snapshot.size, h.hexdigest())
-
-
-def _publish(backend: Backend, rec: Record, staged: Staged, path: str) -> None:
-    manifest.write(backend, rec)  # first: see manifest.py
-    backend.publish(staged, path)
-
-
-def _copy(backend: Backend, rec: Record, src: str, dst: str) -> None:
-    manifest.write(backend, rec)
-    backend.copy(src, dst)
-
-
-def _carry(backend: Backend, rec: Record, src: str, dst: str, move: bool) -> None:
-    manifest.write(backend, rec)
-    if move:
-        backend.move(src, dst)
-    else:
-        backend.copy(src, dst)
-
-
-def _delete(backend: Backend, path: str) -> None:
-    backend.delete(path)
-    manifest.delete(backend, path)
-
-
-def _fetch(backend: Backend, path: str) -> tuple[list[bytes], Digest]:
-    h = manifest.hasher()
-    blocks = []
-    n = 0
-    for b in backend.read(path):
-        h.update(b)
-        n += len(b)
-        blocks.append(b)
-    return blocks, Digest(n, h.hexdigest())
-
-
-def _scan(backend: Backend):
-    return list(backend.walk()), manifest.read_all(backend)

@@ -1,0 +1,175 @@
+"""Talk to a running ckptfs daemon: `Client(mountpoint)`.
+
+Why a Unix socket outside the mount, and not a control file inside it: any
+process that touches a hung FUSE mount blocks in the kernel, uninterruptibly,
+so a health check through the mount could never time out. The socket lives in
+the mount's runtime directory (`ckptfs.runtime`, private to the mounting user,
+the socket itself 0600), is found from the mountpoint alone via
+/proc/mounts, and every read has a timeout; the daemon also refuses peers
+whose uid (SO_PEERCRED) is neither its own nor root's.
+
+Protocol (version 1): one JSON request line `{"version": 1, "op": ...}`; the
+daemon answers with zero or more `{"progress": {...}}` lines, then one
+`{"ok": true, "result": {...}}` or `{"ok": false, "error": "..."}` line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ckptfs import runtime
+
+PROTOCOL_VERSION = 1
+IO_TIMEOUT_S = 10.0  # silence longer than this means the daemon is hung
+MAX_LINE = 64 << 20
+
+
+class CkptfsError(Exception):
+    """Base of the errors the client raises; the message is for a user."""
+
+
+class NotMounted(CkptfsError):
+    """The path is not on a ckptfs mount."""
+
+
+class DaemonUnavailable(CkptfsError):
+    """The daemon is gone (`hung` False) or does not answer in time (True)."""
+
+    def __init__(self, message: str, hung: bool) -> None:
+        super().__init__(message)
+        self.hung = hung
+
+
+class AccessDenied(CkptfsError):
+    pass
+
+
+class RequestFailed(CkptfsError):
+    """The daemon answered with an error."""
+
+
+class FlushIncomplete(CkptfsError):
+    """A flush ended (timeout) with files not yet published; `left` names them."""
+
+    def __init__(self, message: str, left: list[dict]) -> None:
+        super().__init__(message)
+        self.left = left
+
+
+def find_mount(path: str | os.PathLike[str]) -> tuple[str, str]:
+    """(mountpoint, path relative to it) for a path on a ckptfs mount.
+
+    Touches nothing under the path: a hung mount cannot block this."""
+    p = os.path.abspath(path)
+    best = ""
+    for mp in runtime.ckptfs_mounts():
+        if (p == mp or p.startswith(mp.rstrip("/") + "/")) and len(mp) > len(best):
+            best = mp
+    if not best:
+        raise NotMounted(f"{p} is not on a ckptfs mount")
+    return best, os.path.relpath(p, best).replace(os.sep, "/").removeprefix(".").strip("/")
+
+
+class Client:
+    """A connection to the daemon serving `mountpoint` (or any path on it)."""
+
+    def __init__(self, path: str | os.PathLike[str], timeout: float = IO_TIMEOUT_S) -> None:
+        self.mountpoint, self.relpath = find_mount(path)
+        self.timeout = timeout
+        owner = runtime.mount_owner(self.mountpoint)
+        if owner is not None and os.getuid() not in (0, owner):
+            raise AccessDenied(f"{self.mountpoint} was mounted by uid {owner}; only that user (or root) may control it")
+        self.socket_path = runtime.control_socket(self.mountpoint)
+
+    def _rel(self, path: str | os.PathLike[str] | None) -> str:
+        if path is None:
+            return self.relpath
+        mp, rel = find_mount(path)
+        if mp != self.mountpoint:
+            raise NotMounted(f"{path} is not on {self.mountpoint}")
+        return rel
+
+    # -- requests ------------------------------------------------------------
+    def ping(self) -> dict:
+        return self.call("ping")
+
+    def status(self, files: bool = False, path: str | os.PathLike[str] | None = None) -> dict:
+        """Totals, and with `files` the per-file rows (under `path`)."""
+        return self.call("status", files=files, path=self._rel(path))
+
+    def flush(self, path: str | os.PathLike[str] | None = None, timeout: float | None = None,
+              progress: Callable[[dict], None] | None = None) -> dict:
+        """Wait until everything sealed before the call (under `path`) is
+        published. Raises FlushIncomplete when `timeout` passes first."""
+        result = self.call("flush", path=self._rel(path), timeout=timeout, progress=progress,
+                           deadline=None if timeout is None else timeout + self.timeout)
+        if not result["published"]:
+            left = result["left"]
+            raise FlushIncomplete(f"{len(left)} files not published after {timeout:g}s", left)
+        return result
+
+    def prefetch(self, path: str | os.PathLike[str] | None = None) -> dict:
+        return self.call("prefetch", path=self._rel(path), deadline=math.inf)
+
+    def evict(self, path: str | os.PathLike[str] | None = None) -> dict:
+        return self.call("evict", path=self._rel(path))
+
+    # -- the wire ------------------------------------------------------------
+    def call(self, op: str, progress: Callable[[dict], None] | None = None, deadline: float | None = None, **args: Any) -> dict:
+        """Send one request; return its result. `deadline`: seconds the whole
+        request may take (progress lines keep a long one alive meanwhile)."""
+        sock = self._connect()
+        try:
+            sock.sendall(json.dumps({"version": PROTOCOL_VERSION, "op": op, **args}).encode() + b"\n")
+            end = time.monotonic() + (deadline if deadline is not None else self.timeout)
+            buf = b""
+            while True:
+                while b"\n" not in buf:
+                    sock.settimeout(max(0.01, min(self.timeout, end - time.monotonic())))
+                    try:
+                        chunk = sock.recv(1 << 16)
+                    except TimeoutError:
+                        raise DaemonUnavailable(f"the ckptfs daemon for {self.mountpoint} did not answer within "
+                                                f"{self.timeout:g}s (hung?)", hung=True) from None
+                    if not chunk:
+                        raise DaemonUnavailable(f"the ckptfs daemon for {self.mountpoint} closed the connection", hung=False)
+                    buf += chunk
+                    if len(buf) > MAX_LINE:
+                        raise RequestFailed("reply too long")
+                line, buf = buf.split(b"\n", 1)
+                reply = json.loads(line)
+                if "progress" in reply:
+                    if progress is not None:
+                        progress(reply["progress"])
+                    continue
+                if not reply.get("ok"):
+                    if reply.get("kind") == "access":
+                        raise AccessDenied(reply.get("error", "refused"))
+                    raise RequestFailed(reply.get("error", "the daemon gave no reason"))
+                return reply["result"]
+        finally:
+            sock.close()
+
+    def _connect(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(str(self.socket_path))
+        except PermissionError:
+            sock.close()
+            raise AccessDenied(f"permission denied on {self.socket_path}: only the user who mounted {self.mountpoint} may control it") from None
+        except (FileNotFoundError, ConnectionRefusedError):
+            sock.close()
+            info = runtime.MountInfo.read(self.mountpoint)
+            why = "its daemon is not running" if info is None or not runtime.pid_alive(info.pid) else "its daemon has no control socket"
+            raise DaemonUnavailable(f"{self.mountpoint} is a ckptfs mount but {why} (stale mount? `ckptfs umount` it)", hung=False) from None
+        except TimeoutError:
+            sock.close()
+            raise DaemonUnavailable(f"the ckptfs daemon for {self.mountpoint} did not accept a connection (hung?)", hung=True) from None
+        return sock

@@ -1,0 +1,220 @@
+"""The daemon's control endpoint: a Unix socket answering `ckptfs.client`.
+
+Runs on the trio thread beside the FUSE handlers, so every answer is a
+consistent view of the store and the engine. See ckptfs/client.py for the
+protocol and why the endpoint is a socket outside the mount.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import socket
+import struct
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import trio
+from ckptfs.writeback.engine import FileGen, NameOp
+from ckptfs.writeback.state import State
+
+from ckptfs.client import MAX_LINE, PROTOCOL_VERSION
+
+from . import status
+from .store import InodeStore
+
+if TYPE_CHECKING:
+    from ckptfs.writeback.engine import Engine, Op
+
+log = logging.getLogger(__name__)
+
+PROGRESS_EVERY_S = 0.5  # well under the client's IO timeout: silence means hung
+REQUEST_TIMEOUT_S = 10.0
+
+
+class RequestError(Exception):
+    pass
+
+
+class ControlServer:
+    def __init__(self, path: Path, store: InodeStore, engine: Engine, mount: dict[str, Any]) -> None:
+        self.path = path
+        self.store = store
+        self.engine = engine
+        self.mount = mount  # mountpoint, store, pid, started: echoed in status
+
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()  # a dead daemon's
+        old = os.umask(0o177)  # 0600 from the start: no window with looser modes
+        try:
+            await sock.bind(str(self.path))
+        finally:
+            os.umask(old)
+        sock.listen(64)
+        try:
+            task_status.started()
+            await trio.serve_listeners(self._handle, [trio.SocketListener(sock)])
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        async with stream:
+            try:
+                uid = _peer_uid(stream.socket)
+                if uid not in (os.getuid(), 0):
+                    log.warning("control: refused a client with uid %d", uid)
+                    await _send(stream, {"ok": False, "kind": "access", "error": f"uid {uid} may not control this mount"})
+                    return
+                with trio.fail_after(REQUEST_TIMEOUT_S):
+                    request = await _receive(stream)
+                reply = await self._dispatch(stream, request)
+                await _send(stream, {"ok": True, "result": reply})
+            except RequestError as exc:
+                await _send(stream, {"ok": False, "error": str(exc)})
+            except OSError as exc:
+                await _send(stream, {"ok": False, "error": f"{exc.strerror or exc}"})
+            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
+                pass  # the client went away or never asked
+            except Exception as exc:  # a bug here must not take the mount down
+                log.exception("control request failed")
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    await _send(stream, {"ok": False, "error": f"internal error: {exc}"})
+
+    async def _dispatch(self, stream: trio.SocketStream, req: dict) -> dict:
+        if req.get("version") != PROTOCOL_VERSION:
+            raise RequestError(f"protocol version {req.get('version')} not supported (this daemon speaks {PROTOCOL_VERSION})")
+        op = req.get("op")
+        path = str(req.get("path") or "").strip("/")
+        if op == "ping":
+            return {**self.mount}
+        if op == "status":
+            return self.status(bool(req.get("files")), path)
+        if op == "flush":
+            timeout = req.get("timeout")
+            return await self.flush(stream, path, math.inf if timeout is None else float(timeout))
+        if op == "prefetch":
+            return await self.prefetch(stream, path)
+        if op == "evict":
+            return self.evict(path)
+        raise RequestError(f"unknown request {op!r}")
+
+    # -- requests ------------------------------------------------------------
+    def status(self, with_files: bool, path: str) -> dict:
+        out: dict[str, Any] = {"mount": {**self.mount, "uptime_s": time.time() - self.mount["started"]},
+                               "totals": status.totals(self.store, self.engine).as_dict()}
+        if with_files:
+            self._check_exists(path)
+            out["files"] = [_row(f) for f in status.files(self.store, self.engine, path)]
+        return out
+
+    async def flush(self, stream: trio.SocketStream, path: str, timeout: float) -> dict:
+        self._check_exists(path)
+        ops = self.engine.barrier(path)
+        total_files, total_bytes = _left(ops)
+        with trio.move_on_after(timeout):
+            while True:
+                ops = [op for op in ops if _waiting(op)]
+                if not ops:
+                    break
+                files, nbytes = _left(ops)
+                await _send(stream, {"progress": {"files_left": files, "bytes_left": nbytes, "files": total_files,
+                                                  "bytes": total_bytes, "failed": _failed(ops)}})
+                with trio.move_on_after(PROGRESS_EVERY_S):
+                    await self.engine.wait_change()
+        left = [self._describe(op) for op in ops if _waiting(op)]
+        return {"published": not left, "files": total_files, "bytes": total_bytes, "left": left}
+
+    def _describe(self, op: Op) -> dict:
+        if isinstance(op, FileGen):
+            paths = self.store.paths_of(op.ino)
+            return {"path": paths[0] if paths else op.path, "size": op.size, "state": op.state.value, "error": op.error, "tries": op.tries}
+        assert isinstance(op, NameOp)
+        return {"path": op.path, "size": 0, "state": f"{op.kind} pending", "error": op.error, "tries": op.tries}
+
+    async def prefetch(self, stream: trio.SocketStream, path: str) -> dict:
+        self._check_exists(path)
+        c = self.engine.counters
+        files0, bytes0 = c.loads, c.loaded_bytes
+
+        async def heartbeat() -> None:  # a long load must not look like a hung daemon
+            while True:
+                await trio.sleep(PROGRESS_EVERY_S)
+                with trio.CancelScope(shield=True):  # never cut a line in half
+                    await _send(stream, {"progress": {"loaded": c.loads - files0, "bytes": c.loaded_bytes - bytes0}})
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(heartbeat)
+            n = await self.engine.prefetch(path)
+            nursery.cancel_scope.cancel()
+        return {"loaded": n, "bytes": c.loaded_bytes - bytes0}
+
+    def evict(self, path: str) -> dict:
+        self._check_exists(path)
+        evicted, freed, refused = 0, 0, []
+        for f in status.files(self.store, self.engine, path):
+            if f.state != "published":
+                refused.append({"path": f.path, "state": f.state})
+            elif f.resident and not f.spilled:
+                got = self.engine.evict_file(f.ino)
+                if got or f.size == 0:
+                    evicted += 1
+                    freed += got
+        return {"evicted": evicted, "bytes": freed, "refused": refused}
+
+    def _check_exists(self, path: str) -> None:
+        if path and self.store.inode_at(path) is None:
+            raise RequestError(f"{path}: no such file or directory in the mount")
+
+
+def _row(f: status.FileStatus) -> dict:
+    return {k: v for k, v in asdict(f).items() if k != "ino"}
+
+
+def _waiting(op: Op) -> bool:
+    """Not applied yet (a generation dropped meanwhile needs nothing more)."""
+    return not op.done.is_set() and not (isinstance(op, FileGen) and op.state is State.DROPPED)
+
+
+def _left(ops: list[Op]) -> tuple[int, int]:
+    gens = [op for op in ops if isinstance(op, FileGen)]
+    return len(gens), sum(g.size for g in gens)
+
+
+def _failed(ops: list[Op]) -> list[dict]:
+    return [{"path": op.path, "error": op.error, "tries": op.tries} for op in ops if isinstance(op, FileGen | NameOp) and op.error]
+
+
+def _peer_uid(sock: trio.socket.SocketType) -> int:
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return uid
+
+
+async def _receive(stream: trio.SocketStream) -> dict:
+    buf = b""
+    while b"\n" not in buf:
+        chunk = await stream.receive_some(1 << 16)
+        if not chunk:
+            raise trio.BrokenResourceError
+        buf += chunk
+        if len(buf) > MAX_LINE:
+            raise RequestError("request too long")
+    try:
+        req = json.loads(buf.split(b"\n", 1)[0])
+    except ValueError:
+        raise RequestError("malformed request (not JSON)") from None
+    if not isinstance(req, dict):
+        raise RequestError("malformed request")
+    return req
+
+
+async def _send(stream: trio.SocketStream, message: dict) -> None:
+    await stream.send_all(json.dumps({"version": PROTOCOL_VERSION, **message}).encode() + b"\n")

@@ -1,0 +1,393 @@
+"""`ckptfs status | flush | prefetch | evict`, the control socket, the
+`user.ckptfs.*` attributes and the Prometheus metrics, on real mounts."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import xxhash
+from prometheus_client.parser import text_string_to_metric_families
+
+from ckptfs import runtime
+from ckptfs.client import AccessDenied, Client, DaemonUnavailable, FlushIncomplete, NotMounted
+from tests.integration.test_cli import assert_clean_error
+from tests.mountutil import run_cli, start_mount, stop_mount
+from tests.storeutil import store_files, store_outage, wait_until
+
+OUTAGE_LOG = ["failed (try", "Errno 20", "Not a directory", "FileExistsError", "NotADirectoryError"]
+
+
+def status_json(path: Path | str, *args: str) -> dict:
+    r = run_cli("status", str(path), "--json", *args)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["version"] == 1
+    return out
+
+
+def write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- status ----------------------------------------------------------------------
+def test_status_totals_files_and_all_mounts(fresh_mount):
+    m = fresh_mount
+    write(m.path("ck", "a.bin"), os.urandom(3 << 20))
+    write(m.path("ck", "b.bin"), b"b" * 1000)
+    write(m.path("other"), b"x")
+    assert run_cli("flush", str(m.mountpoint)).returncode == 0
+
+    s = status_json(m.mountpoint, "--files")
+    t = s["totals"]
+    assert s["mount"]["mountpoint"] == str(m.mountpoint) and s["mount"]["store"] == str(m.store)
+    assert t["files"] == {"files": 3, "bytes": (3 << 20) + 1001}
+    assert t["by_state"]["published"] == t["files"] and t["by_state"]["dirty"]["files"] == 0
+    assert t["queue"] == 0 and t["oldest_unpublished_s"] == 0 and t["last_error"] == ""
+    assert t["in_ram"]["files"] == 3 and t["budget_used"] > 0 and t["budget_limit"] == 4 << 30
+    rows = {f["path"]: f for f in s["files"]}
+    assert set(rows) == {"ck/a.bin", "ck/b.bin", "other"}
+    assert rows["ck/b.bin"]["xxh3"] == xxhash.xxh3_128_hexdigest(b"b" * 1000)
+    assert rows["ck/b.bin"]["state"] == "published" and rows["ck/b.bin"]["size"] == 1000 and rows["ck/b.bin"]["generation"] == 1
+
+    # --files PATH: relative to the mountpoint, or absolute
+    assert [f["path"] for f in status_json(m.mountpoint, "--files", "ck")["files"]] == ["ck/a.bin", "ck/b.bin"]
+    assert [f["path"] for f in status_json(m.mountpoint, "--files", str(m.path("other")))["files"]] == ["other"]
+    assert_clean_error(run_cli("status", str(m.mountpoint), "--files", "nope"), "no such file")
+
+    # human output: totals and a table naming each file and its state
+    r = run_cli("status", str(m.mountpoint), "--files")
+    assert r.returncode == 0, r.stderr
+    assert "published" in r.stdout and "ck/a.bin" in r.stdout and rows["ck/a.bin"]["xxh3"] in r.stdout
+
+    # no mountpoint: every ckptfs mount on the machine
+    r = run_cli("status", "--json")
+    assert r.returncode == 0, r.stderr
+    mounts = {x["mount"]["mountpoint"]: x for x in json.loads(r.stdout)["mounts"]}
+    assert mounts[str(m.mountpoint)]["totals"]["files"]["files"] == 3
+    r = run_cli("status")
+    assert r.returncode == 0 and str(m.mountpoint) in r.stdout
+
+
+def test_status_shows_dirty_and_failed_while_the_store_is_down(fresh_mount):
+    m = fresh_mount
+    m.allowed_log_errors += OUTAGE_LOG
+    with store_outage(m.store):
+        write(m.path("stuck"), b"s" * 4096)
+        fd = os.open(m.path("open"), os.O_WRONLY | os.O_CREAT)
+        os.write(fd, b"still being written")
+        try:
+            wait_until(lambda: status_json(m.mountpoint)["totals"]["by_state"]["failed"]["files"] == 1, 30, "FAILED shown")
+            s = status_json(m.mountpoint, "--files")
+            rows = {f["path"]: f for f in s["files"]}
+            assert rows["stuck"]["tries"] >= 1 and "staging" in rows["stuck"]["error"]
+            assert rows["open"]["state"] == "dirty" and rows["open"]["open_for_write"]
+            t = s["totals"]
+            assert t["queue"] == 1 and t["oldest_unpublished_s"] > 0 and "staging" in t["last_error"]
+            assert t["counters"]["retries"] >= 1
+            assert os.getxattr(m.path("stuck"), "user.ckptfs.state") == b"failed"
+            assert b"staging" in os.getxattr(m.path("stuck"), "user.ckptfs.error")
+        finally:
+            os.close(fd)
+    assert run_cli("flush", str(m.mountpoint), "--timeout", "60").returncode == 0
+    assert store_files(m.store) == {"stuck": b"s" * 4096, "open": b"still being written"}
+
+
+def test_status_watch_refreshes_until_interrupted(shared_mount):
+    p = subprocess.Popen([sys.executable, "-m", "ckptfs.tools.cli", "status", str(shared_mount.mountpoint), "--watch", "--interval", "0.2"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(2.0)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=20)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 0, err
+    assert "Traceback" not in err
+    assert out.count(str(shared_mount.mountpoint)) >= 3  # refreshed several times
+
+
+def test_status_errors(tmp_path, shared_mount):
+    assert_clean_error(r := run_cli("status", str(tmp_path)), "is not on a ckptfs mount")
+    assert r.returncode == 2
+    assert_clean_error(run_cli("status", "--files", "x"), "needs a MOUNTPOINT")
+    assert_clean_error(run_cli("flush", str(tmp_path)), "is not on a ckptfs mount")
+    assert_clean_error(run_cli("evict", str(tmp_path / "f")), "is not on a ckptfs mount")
+    assert_clean_error(run_cli("prefetch", str(tmp_path)), "is not on a ckptfs mount")
+    assert_clean_error(run_cli("flush", str(shared_mount.path("no", "such"))), "no such file")
+    with pytest.raises(NotMounted):
+        Client(tmp_path)
+
+
+# -- flush -----------------------------------------------------------------------
+def test_flush_times_out_while_the_store_is_down_then_succeeds(fresh_mount):
+    m = fresh_mount
+    m.allowed_log_errors += OUTAGE_LOG
+    with store_outage(m.store):
+        write(m.path("ck", "model.pt"), b"m" * 10_000)
+        t0 = time.monotonic()
+        r = run_cli("flush", str(m.path("ck")), "--timeout", "2")
+        assert time.monotonic() - t0 < 30
+        assert r.returncode == 1
+        assert "not published after 2s" in r.stderr and "ck/model.pt" in r.stderr and "staging" in r.stderr
+        with pytest.raises(FlushIncomplete) as exc:
+            Client(m.mountpoint).flush(timeout=0.5)
+        assert [f["path"] for f in exc.value.left] == ["ck/model.pt"]
+    r = run_cli("flush", str(m.path("ck")))
+    assert r.returncode == 0, r.stderr
+    assert "flushed" in r.stdout and "1 files" in r.stdout
+    assert store_files(m.store) == {"ck/model.pt": b"m" * 10_000}
+
+
+def test_flush_is_a_barrier_for_its_path(fresh_mount):
+    """flush PATH waits for what was sealed under PATH before the call; the
+    store has it when flush returns (C3 makes everything earlier visible too)."""
+    m = fresh_mount
+    for i in range(20):
+        write(m.path("a", f"{i}.bin"), os.urandom(256 << 10))
+    write(m.path("b", "last"), b"last")
+    r = run_cli("flush", str(m.path("a")))
+    assert r.returncode == 0, r.stderr
+    files = store_files(m.store)
+    assert all(f"a/{i}.bin" in files for i in range(20))
+    result = Client(m.mountpoint).flush(m.path("b"), timeout=60)
+    assert result["published"] and "b/last" in store_files(m.store)
+
+
+# -- xattrs ----------------------------------------------------------------------
+def test_file_state_as_extended_attributes(mnt):
+    f = mnt / "w.pt"
+    data = os.urandom(100_000)
+    write(f, data)
+    assert Client(mnt).flush(timeout=60)["published"]
+    assert os.getxattr(f, "user.ckptfs.state") == b"published"
+    assert os.getxattr(f, "user.ckptfs.xxh3") == xxhash.xxh3_128_hexdigest(data).encode()
+    assert os.getxattr(f, "user.ckptfs.generation") == b"1"
+    r = subprocess.run(["getfattr", "--only-values", "-n", "user.ckptfs.state", str(f)], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout == "published"
+    # virtual and read-only: not listed (cp -a must not copy them), not settable
+    assert not [n for n in os.listxattr(f) if n.startswith("user.ckptfs.")]
+    with pytest.raises(OSError) as exc:
+        os.setxattr(f, "user.ckptfs.state", b"published")
+    assert exc.value.errno == errno.EPERM
+    with pytest.raises(OSError) as exc:
+        os.getxattr(f, "user.ckptfs.error")  # none
+    assert exc.value.errno == errno.ENODATA
+    with pytest.raises(OSError):
+        os.getxattr(mnt, "user.ckptfs.state")  # directories have no state
+    # rewriting makes it dirty until published again
+    fd = os.open(f, os.O_WRONLY)
+    try:
+        os.write(fd, b"new")
+        assert os.getxattr(f, "user.ckptfs.state") == b"dirty"
+    finally:
+        os.close(fd)
+
+
+# -- evict / prefetch ------------------------------------------------------------
+def test_evict_and_prefetch(fresh_mount):
+    m = fresh_mount
+    data = {f"ck/{i}.bin": os.urandom(1 << 20) for i in range(3)}
+    for p, d in data.items():
+        write(m.path(p), d)
+    assert run_cli("flush", str(m.mountpoint)).returncode == 0
+    used = status_json(m.mountpoint)["totals"]["budget_used"]
+
+    r = run_cli("evict", str(m.path("ck")))
+    assert r.returncode == 0, r.stderr
+    assert "evicted 3 files" in r.stdout
+    t = status_json(m.mountpoint)["totals"]
+    assert t["evicted"]["files"] == 3 and t["in_ram"]["files"] == 0 and t["budget_used"] < used
+    assert t["counters"]["evictions"] == 3
+
+    r = run_cli("prefetch", str(m.path("ck", "1.bin")))
+    assert r.returncode == 0, r.stderr
+    assert "loaded 1 files (1.0 MiB)" in r.stdout
+    t = status_json(m.mountpoint)["totals"]
+    assert t["evicted"]["files"] == 2 and t["counters"]["loads"] == 1
+    assert run_cli("prefetch", str(m.mountpoint)).stdout.startswith("ckptfs: loaded 2 files")
+    for p, d in data.items():
+        assert m.path(p).read_bytes() == d
+
+
+def test_evict_refuses_unpublished_files(fresh_mount):
+    m = fresh_mount
+    m.allowed_log_errors += OUTAGE_LOG
+    write(m.path("done"), b"d" * 5000)
+    assert run_cli("flush", str(m.mountpoint)).returncode == 0
+    with store_outage(m.store):
+        write(m.path("pending"), b"p" * 5000)
+        r = run_cli("evict", str(m.mountpoint))
+        assert r.returncode == 1
+        assert "evicted 1 files" in r.stdout
+        assert "pending" in r.stderr and "not published" in r.stderr
+        r = run_cli("evict", str(m.path("pending")))
+        assert r.returncode == 1 and "evicted 0 files" in r.stdout
+        assert m.path("pending").read_bytes() == b"p" * 5000  # still there, from RAM
+        rows = {f["path"]: f for f in status_json(m.mountpoint, "--files")["files"]}
+        assert rows["pending"]["resident"] and not rows["done"]["resident"]
+    assert run_cli("flush", str(m.mountpoint), "--timeout", "60").returncode == 0
+    assert m.path("done").read_bytes() == b"d" * 5000
+
+
+# -- the control endpoint --------------------------------------------------------
+def test_client_detects_a_hung_and_a_dead_daemon(fresh_mount):
+    m = fresh_mount
+    os.kill(m.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(DaemonUnavailable) as exc:
+            Client(m.mountpoint, timeout=1.0).status()
+        assert exc.value.hung and time.monotonic() - t0 < 10
+        r = run_cli("status", str(m.mountpoint), timeout=60)
+        assert r.returncode == 3 and "did not answer" in r.stderr
+    finally:
+        os.kill(m.pid, signal.SIGCONT)
+    assert Client(m.mountpoint).ping()["pid"] == m.pid
+    os.kill(m.pid, signal.SIGKILL)
+    m.proc.wait()
+    with pytest.raises(DaemonUnavailable) as exc:
+        Client(m.mountpoint).status()
+    assert not exc.value.hung and "not running" in str(exc.value)
+    r = run_cli("status")  # one dead mount does not hide the others
+    assert r.returncode == 3 and "unavailable" in r.stdout
+
+
+def _as_nobody(fn) -> str:
+    """Run fn() in a child process with uid/gid 65534; returns what it printed."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            out = fn()
+        except BaseException as exc:
+            out = f"{type(exc).__name__}: {exc}"
+        os.write(w, out.encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        out = f.read().decode()
+    os.waitpid(pid, 0)
+    return out
+
+
+def test_control_endpoint_refuses_another_user(fresh_mount):
+    m = fresh_mount
+    sock_path = str(runtime.control_socket(m.mountpoint))
+    assert os.stat(sock_path).st_mode & 0o777 == 0o600
+    assert os.stat(runtime.mount_dir(m.mountpoint)).st_mode & 0o777 == 0o700
+
+    def raw() -> str:
+        s = socket.socket(socket.AF_UNIX)
+        s.settimeout(10)
+        s.connect(sock_path)
+        s.sendall(b'{"version": 1, "op": "status"}\n')
+        return s.recv(65536).decode()
+
+    # The client says who may control the mount, without trying.
+    assert _as_nobody(lambda: str(Client(m.mountpoint))).startswith("AccessDenied: ")
+    assert "only that user" in _as_nobody(lambda: str(Client(m.mountpoint)))
+    # File permissions keep others from the socket...
+    assert _as_nobody(raw).startswith("PermissionError")
+    # ...and were they loosened, the daemon itself refuses other uids.
+    os.chmod(runtime.runtime_root(), 0o755)
+    os.chmod(runtime.mount_dir(m.mountpoint), 0o755)
+    os.chmod(sock_path, 0o666)
+    reply = json.loads(_as_nobody(raw))
+    assert reply["ok"] is False and reply["kind"] == "access" and "uid 65534" in reply["error"]
+    m.allowed_log_errors.append("refused a client with uid 65534")
+    assert Client(m.mountpoint).ping()["pid"] == m.pid  # the owner still gets in
+    assert AccessDenied  # (raised by Client for the kind above)
+
+
+def test_control_endpoint_rejects_bad_requests(shared_mount):
+    c = Client(shared_mount.mountpoint)
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(10)
+    s.connect(str(c.socket_path))
+    s.sendall(b"not json\n")
+    assert "malformed" in json.loads(s.recv(65536))["error"]
+    s.close()
+    from ckptfs.client import RequestFailed
+
+    with pytest.raises(RequestFailed, match="unknown request"):
+        c.call("format-disk")
+
+
+# -- metrics ---------------------------------------------------------------------
+def _scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}" if s.labels else "")
+            out[key] = s.value
+    return out
+
+
+def test_metrics_agree_with_status(tmp_path):
+    port = free_port()
+    m = start_mount(tmp_path, extra=("--metrics-port", str(port)))
+    try:
+        for i in range(4):
+            write(m.path("ck", f"{i}.bin"), os.urandom(200_000 + i))
+        assert run_cli("flush", str(m.mountpoint)).returncode == 0
+        assert run_cli("evict", str(m.path("ck", "0.bin"))).returncode == 0
+        assert m.path("ck", "0.bin").read_bytes()  # read-through
+        s = status_json(m.mountpoint)["totals"]
+        got = _scrape(port)
+        for state in ("dirty", "uploading", "staged", "failed", "published"):
+            assert got[f"ckptfs_files{{state={state}}}"] == s["by_state"][state]["files"]
+            assert got[f"ckptfs_file_bytes{{state={state}}}"] == s["by_state"][state]["bytes"]
+        assert got["ckptfs_files{state=published}"] == 4
+        assert got["ckptfs_held_files{where=ram}"] == s["in_ram"]["files"]
+        assert got["ckptfs_held_files{where=evicted}"] == s["evicted"]["files"]
+        assert got["ckptfs_ram_budget_bytes"] == s["budget_limit"]
+        assert got["ckptfs_ram_used_bytes"] == s["budget_used"]
+        assert got["ckptfs_queue_length"] == s["queue"] == 0
+        assert got["ckptfs_published_files_total"] == s["counters"]["published_files"] == 4
+        assert got["ckptfs_uploaded_bytes_total"] == s["counters"]["uploaded_bytes"] == sum(200_000 + i for i in range(4))
+        assert got["ckptfs_evictions_total"] == s["counters"]["evictions"] == 1
+        assert got["ckptfs_read_through_files_total"] == s["counters"]["loads"] == 1
+        assert got["ckptfs_retries_total"] == got["ckptfs_failures_total"] == 0
+        assert got["ckptfs_fuse_request_seconds_count{op=create}"] >= 4
+        assert got["ckptfs_fuse_request_seconds_count{op=write}"] >= 4
+        assert got["ckptfs_upload_bytes_per_second"] > 0
+        # one INFO line per published file, with size and throughput
+        wait_until(lambda: m.log_text().count("published ck/") == 4, 10, "log lines")
+        assert "published ck/3.bin (200003 bytes" in m.log_text() and "MB/s" in m.log_text()
+    finally:
+        stop_mount(m)
+
+
+def test_metrics_port_in_use_is_a_clean_error(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        (tmp_path / "mnt").mkdir()
+        r = run_cli("mount", str(tmp_path / "mnt"), "--store", str(tmp_path / "s"), "--metrics-port", str(port))
+        assert_clean_error(r, f"--metrics-port {port}")
+        assert r.returncode == 2

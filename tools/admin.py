@@ -1,0 +1,254 @@
+"""`ckptfs status | flush | prefetch | evict`: ask a running daemon, through
+its control socket (ckptfs.client), what is durable yet, and act on it.
+
+Exit status, shared by these commands: 0 done; 1 the request did not fully
+succeed (a flush timed out, an evict refused unpublished files); 2 bad input
+(not a ckptfs mount, no such path); 3 the daemon is gone or not answering.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import click
+
+from ckptfs import runtime
+from ckptfs.client import AccessDenied, CkptfsError, Client, DaemonUnavailable, FlushIncomplete, NotMounted, RequestFailed
+
+from .units import format_size
+
+EXIT_INCOMPLETE, EXIT_USAGE, EXIT_UNAVAILABLE = 1, 2, 3
+
+
+def _fail(message: str, code: int) -> None:
+    click.echo(f"ckptfs: error: {message}", err=True)
+    sys.exit(code)
+
+
+def _exit_code(exc: CkptfsError) -> int:
+    if isinstance(exc, DaemonUnavailable):
+        return EXIT_UNAVAILABLE
+    if isinstance(exc, NotMounted | AccessDenied | RequestFailed):
+        return EXIT_USAGE
+    return EXIT_INCOMPLETE
+
+
+def _client(path: str, timeout: float = 10.0) -> Client:
+    try:
+        return Client(path, timeout=timeout)
+    except CkptfsError as exc:
+        _fail(str(exc), _exit_code(exc))
+        raise AssertionError from None
+
+
+def _console():
+    from rich.console import Console
+
+    # Not a terminal: wide enough that tables are not cut for scripts and logs.
+    return Console() if sys.stdout.isatty() else Console(width=200, no_color=True)
+
+
+# -- status --------------------------------------------------------------------
+@click.command()
+@click.argument("mountpoint", required=False, type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (stable, versioned).")
+@click.option("--files", "files", is_flag=False, flag_value="", default=None, metavar="[PATH]",
+              help="Also list every file (under PATH: absolute, or relative to the mountpoint) with its state.")
+@click.option("--watch", is_flag=True, help="Refresh until interrupted (Ctrl-C).")
+@click.option("--interval", default=1.0, show_default=True, metavar="S", help="Seconds between refreshes with --watch.")
+def status(mountpoint: str | None, as_json: bool, files: str | None, watch: bool, interval: float) -> None:
+    """What is durable yet: totals, and per file with --files.
+
+    With no MOUNTPOINT: every ckptfs mount on this machine.
+    """
+    if mountpoint is not None:
+        client = _client(mountpoint)
+        mps = [client.mountpoint]
+        if files:
+            files = os.path.join(client.mountpoint, files) if not os.path.isabs(files) else files
+    else:
+        if files:
+            _fail("--files PATH needs a MOUNTPOINT", EXIT_USAGE)
+        mps = runtime.ckptfs_mounts()
+    if not watch:
+        code = _show_status(mps, as_json, files, single=mountpoint is not None)
+        sys.exit(code)
+    try:
+        while True:
+            if sys.stdout.isatty():
+                click.clear()
+            _show_status(mps if mountpoint is not None else runtime.ckptfs_mounts(), as_json, files, single=mountpoint is not None)
+            sys.stdout.flush()
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        sys.exit(0)
+
+
+def _show_status(mps: list[str], as_json: bool, files: str | None, single: bool) -> int:
+    reports, code = [], 0
+    for mp in mps:
+        try:
+            client = Client(mp)
+            reports.append(client.status(files=files is not None, path=files or mp))
+        except CkptfsError as exc:
+            if single:
+                _fail(str(exc), _exit_code(exc))
+            reports.append({"mount": {"mountpoint": mp}, "error": str(exc)})
+            code = EXIT_UNAVAILABLE
+    if as_json:
+        out = {"version": 1, **reports[0]} if single else {"version": 1, "mounts": reports}
+        click.echo(json.dumps(out, indent=2, sort_keys=True))
+    elif not reports:
+        click.echo("no ckptfs mounts on this machine")
+    else:
+        console = _console()
+        for r in reports:
+            _print_status(console, r)
+    return code
+
+
+def _print_status(console, r: dict) -> None:
+    from rich.table import Table
+
+    m = r["mount"]
+    if "error" in r:
+        console.print(f"[bold]{m['mountpoint']}[/]: [red]unavailable[/]: {r['error']}", highlight=False)
+        return
+    t = r["totals"]
+    up = _duration(m["uptime_s"])
+    console.print(f"[bold]{m['mountpoint']}[/]  store {m['store']}  pid {m['pid']}  up {up}  fsync={m['fsync']}", highlight=False)
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="dim")
+    grid.add_column(justify="right")
+    grid.add_column(justify="right")
+
+    def count(c: dict) -> tuple[str, str]:
+        return str(c["files"]), format_size(c["bytes"])
+
+    grid.add_row("files", *count(t["files"]))
+    for state in ("published", "dirty", "uploading", "staged", "failed"):
+        style = "red" if state == "failed" and t["by_state"][state]["files"] else ""
+        files_n, size = count(t["by_state"][state])
+        grid.add_row(f"  {state}", f"[{style}]{files_n}[/]" if style else files_n, size)
+    grid.add_row("in RAM", *count(t["in_ram"]))
+    grid.add_row("spilled to disk", *count(t["spilled"]))
+    grid.add_row("evicted (store only)", *count(t["evicted"]))
+    grid.add_row("RAM budget", f"{format_size(t['budget_used'])} used", f"of {format_size(t['budget_limit'])}")
+    grid.add_row("write-back queue", str(t["queue"]), f"oldest {_duration(t['oldest_unpublished_s'])}" if t["queue"] else "")
+    grid.add_row("upload rate", f"{format_size(t['upload_bytes_per_s'])}/s", "")
+    c = t["counters"]
+    grid.add_row("since start", f"{c['published_files']} published", f"{c['retries']} retries, {c['failures']} failures")
+    if t["last_error"]:
+        grid.add_row("last error", "", f"[red]{t['last_error']}[/]")
+    console.print(grid)
+    if "files" in r:
+        table = Table(show_edge=False, pad_edge=False)
+        for col, justify in (("path", "left"), ("size", "right"), ("state", "left"), ("gen", "right"), ("xxh3", "left"),
+                             ("where", "left"), ("tries", "right"), ("error", "left")):
+            table.add_column(col, justify=justify, overflow="fold")
+        for f in r["files"]:
+            where = "ram" if f["resident"] and not f["spilled"] else "spill" if f["resident"] else "store"
+            state = f["state"] + (" (open)" if f["open_for_write"] else "")
+            table.add_row(f["path"], format_size(f["size"]), state, str(f["generation"]), f["xxh3"] or "-", where,
+                          str(f["tries"] or ""), f["error"])
+        console.print(table)
+
+
+def _duration(s: float) -> str:
+    if s < 120:
+        return f"{s:.1f}s"
+    if s < 7200:
+        return f"{s / 60:.0f}m"
+    return f"{s / 3600:.1f}h"
+
+
+# -- flush ---------------------------------------------------------------------
+@click.command()
+@click.argument("path", required=False, default=".", metavar="[MOUNTPOINT|PATH]", type=click.Path())
+@click.option("--timeout", type=float, default=None, metavar="S", help="Give up after S seconds (exit 1) [default: wait until published].")
+def flush(path: str, timeout: float | None) -> None:
+    """Wait until everything sealed (closed) before now, on the mount or under
+    PATH, is published to the store. A barrier: what is written later is not
+    waited for. Exit 0 once published; 1 on timeout, naming what is left."""
+    client = _client(path)
+    where = os.path.join(client.mountpoint, client.relpath).rstrip("/")
+    try:
+        result = _flush_with_progress(client, timeout)
+    except FlushIncomplete as exc:
+        click.echo(f"ckptfs: error: not published after {timeout:g}s: {len(exc.left)} left under {where}", err=True)
+        for f in exc.left:
+            tail = f" ({f['tries']} tries, last error: {f['error']})" if f["error"] else ""
+            click.echo(f"  {f['path']}: {f['state']}, {format_size(f['size'])}{tail}", err=True)
+        sys.exit(EXIT_INCOMPLETE)
+    except CkptfsError as exc:
+        _fail(str(exc), _exit_code(exc))
+    click.echo(f"ckptfs: flushed {where}: everything sealed before the flush is published "
+               f"({result['files']} files, {format_size(result['bytes'])} waited for)")
+
+
+def _flush_with_progress(client: Client, timeout: float | None) -> dict:
+    if not sys.stderr.isatty():
+        last = [0.0, None]
+
+        def line(p: dict) -> None:  # plain lines, at most every 2 s, when something changed
+            key = (p["files_left"], p["bytes_left"], len(p["failed"]))
+            if key != last[1] and time.monotonic() - last[0] >= 2.0:
+                last[:] = [time.monotonic(), key]
+                failing = f"; failing: {p['failed'][0]['path']}: {p['failed'][0]['error']}" if p["failed"] else ""
+                click.echo(f"ckptfs: flush: {p['files_left']} of {p['files']} files left, "
+                           f"{format_size(p['bytes_left'])} of {format_size(p['bytes'])}{failing}", err=True)
+
+        return client.flush(timeout=timeout, progress=line)
+
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
+    with Progress(*columns, transient=True) as bar:
+        task = bar.add_task("publishing", total=None)
+
+        def update(p: dict) -> None:
+            desc = f"publishing: {p['files_left']} files left"
+            if p["failed"]:
+                desc += f" [red](retrying {p['failed'][0]['path']}: {p['failed'][0]['error']})[/]"
+            bar.update(task, total=p["bytes"], completed=p["bytes"] - p["bytes_left"], description=desc)
+
+        return client.flush(timeout=timeout, progress=update)
+
+
+# -- prefetch / evict ----------------------------------------------------------
+@click.command()
+@click.argument("path", type=click.Path())
+def prefetch(path: str) -> None:
+    """Load PATH (a file or a directory, recursively) from the store into RAM,
+    verified, ahead of a restart's reads."""
+    client = _client(path)
+    try:
+        r = client.prefetch()
+    except CkptfsError as exc:
+        _fail(str(exc), _exit_code(exc))
+    click.echo(f"ckptfs: loaded {r['loaded']} files ({format_size(r['bytes'])}) into RAM")
+
+
+@click.command()
+@click.argument("path", type=click.Path())
+def evict(path: str) -> None:
+    """Drop PATH's published files (a file or a directory, recursively) from
+    RAM; they load again from the store on next use. Unpublished files are
+    refused (exit 1): their only copy is in RAM."""
+    client = _client(path)
+    try:
+        r = client.evict()
+    except CkptfsError as exc:
+        _fail(str(exc), _exit_code(exc))
+    click.echo(f"ckptfs: evicted {r['evicted']} files ({format_size(r['bytes'])}) from RAM")
+    if r["refused"]:
+        click.echo(f"ckptfs: error: {len(r['refused'])} files not evicted, not published yet:", err=True)
+        for f in r["refused"]:
+            click.echo(f"  {f['path']}: {f['state']}", err=True)
+        sys.exit(EXIT_INCOMPLETE)
+
+
+COMMANDS = (status, flush, prefetch, evict)
