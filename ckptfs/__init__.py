@@ -7,6 +7,6 @@ in the background to any fsspec store.
 
 __version__ = "0.1.0"
 
-from ckptfs.client import Client  # noqa: E402
+from ckptfs.client import Client
 
 __all__ = ["Client", "__version__"]

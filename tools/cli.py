@@ -18,6 +18,7 @@ from ckptfs import __version__, runtime
 from ckptfs.config import MountConfig, parse_store_options
 
 from .admin import COMMANDS
+from .advise import advise
 from .preflight import PreflightError, check_fuse, check_mounted_ckptfs, check_mountpoint, check_port
 from .units import parse_size
 
@@ -243,7 +244,7 @@ def _verify_with_progress(run_verify, backend, prefix: str):
         return run_verify(backend, prefix, lambda p, size: bar.update(task, advance=1, description=f"verifying {p}"))
 
 
-for _command in COMMANDS:
+for _command in (*COMMANDS, advise):
     main.add_command(_command)
 
 if __name__ == "__main__":

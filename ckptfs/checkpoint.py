@@ -1,0 +1,179 @@
+"""`CheckpointManager`: numbered checkpoints in a directory, saved by policy,
+pruned by policy, restored from the latest one that is complete *and*
+published. Framework-agnostic: the caller's `save_fn(state, directory)` writes
+any layout (a torch.save file, a DCP directory, ...); `ckptfs.torch` gives
+torch defaults.
+
+Layout: `<directory>/step-<N>/` holds what `save_fn` wrote, then a commit
+marker `ckptfs-commit.json` written last. A checkpoint is *complete* when its
+marker exists; it is *published* when the marker is in the store, which by
+C3 (ordered publication) means everything saved before it is too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ckptfs.client import CkptfsError, Client, RequestFailed, find_mount
+
+from .policies import Checkpoint, KeepAll, PreservationPolicy, SaveContext, SavePolicy
+
+log = logging.getLogger("ckptfs.checkpoint")
+
+MARKER = "ckptfs-commit.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointManager:
+    def __init__(self, directory: str | os.PathLike[str], policy: SavePolicy, preservation: PreservationPolicy | None = None, *,
+                 save_fn: Callable[[Any, str], None], load_fn: Callable[[str], Any], client_timeout: float = 5.0) -> None:
+        self.directory = os.path.abspath(directory)
+        self.policy = policy
+        self.preservation = preservation or KeepAll()
+        self.save_fn = save_fn
+        self.load_fn = load_fn
+        self.client_timeout = client_timeout
+        os.makedirs(self.directory, exist_ok=True)
+        self._last_step: int | None = None
+        self._last_time: float | None = None
+        latest = self._complete()
+        if latest:
+            self._last_step, self._last_time = latest[-1].step, latest[-1].time
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, f"step-{step}")
+
+    # -- saving -----------------------------------------------------------------
+    def should_save(self, step: int) -> bool:
+        return self.policy.should_save(step, SaveContext(self._last_step, self._last_time, self._previous_published))
+
+    def save(self, step: int, state: Any, force: bool = False) -> bool:
+        """Save `state` as checkpoint `step` if the policy says so (or
+        `force`); prune by the preservation policy. True if saved."""
+        if not force and not self.should_save(step):
+            return False
+        d = self.step_dir(step)
+        if os.path.exists(d):
+            shutil.rmtree(d)  # an incomplete one from a crash, or a re-save
+        os.makedirs(d)
+        self.save_fn(state, d)
+        now = time.time()
+        with open(os.path.join(d, MARKER), "w") as f:  # last: makes it complete
+            json.dump({"step": step, "time": now}, f)
+        self._last_step, self._last_time = step, now
+        self.prune()
+        return True
+
+    def wait_until_published(self, timeout: float | None = None) -> None:
+        """Until every checkpoint saved so far is in the store (a no-op
+        outside ckptfs). Raises ckptfs.client.FlushIncomplete on timeout."""
+        client = self._client()
+        if client is not None:
+            client.flush(self.directory, timeout=timeout)
+
+    # -- reading ----------------------------------------------------------------
+    def all_steps(self) -> list[int]:
+        """Complete checkpoints, published or not, oldest first."""
+        return [c.step for c in self._complete()]
+
+    def latest_step(self) -> int | None:
+        """The newest checkpoint that is complete and published."""
+        published = [c.step for c in self.checkpoints() if c.published]
+        return published[-1] if published else None
+
+    def checkpoints(self) -> list[Checkpoint]:
+        found = self._complete()
+        states = self._states()
+        return [Checkpoint(c.step, c.time, c.path, states is None or states.get(f"{c.path}/{MARKER}") == "published") for c in found]
+
+    def restore(self, step: int | None = None) -> Any:
+        """Load checkpoint `step` (default: the latest published one)."""
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"no published checkpoint in {self.directory}")
+        if not os.path.exists(os.path.join(self.step_dir(step), MARKER)):
+            raise FileNotFoundError(f"checkpoint {step} in {self.directory} is missing or incomplete")
+        return self.load_fn(self.step_dir(step))
+
+    # -- pruning ----------------------------------------------------------------
+    def prune(self) -> list[int]:
+        """Delete what the preservation policy drops, except the newest
+        published checkpoint, which stays until a newer one is published
+        (an unpublished one dropped meanwhile never reaches the store, C4).
+        Incomplete directories older than it (crashed saves) go too."""
+        cps = self.checkpoints()
+        keep = set(self.preservation.keep(cps))
+        published = [c.step for c in cps if c.published]
+        newest_published = published[-1] if published else None
+        if newest_published is not None:
+            keep.add(newest_published)
+        deleted = []
+        for c in cps:
+            if c.step in keep:
+                continue
+            shutil.rmtree(self.step_dir(c.step), ignore_errors=True)
+            deleted.append(c.step)
+        complete = {c.step for c in cps}
+        for step in self._step_dirs():
+            if step not in complete and newest_published is not None and step < newest_published:
+                shutil.rmtree(self.step_dir(step), ignore_errors=True)  # a crashed save
+        if deleted:
+            log.info("pruned checkpoints %s from %s", deleted, self.directory)
+        return deleted
+
+    # -- internals ----------------------------------------------------------------
+    def _step_dirs(self) -> list[int]:
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return []
+        return sorted(int(m.group(1)) for n in names if (m := _STEP_DIR.match(n)))
+
+    def _complete(self) -> list[Checkpoint]:
+        out = []
+        for step in self._step_dirs():
+            try:
+                with open(os.path.join(self.step_dir(step), MARKER)) as f:
+                    t = float(json.load(f)["time"])
+            except (OSError, ValueError, KeyError):
+                continue
+            out.append(Checkpoint(step, t, f"step-{step}", True))
+        return out
+
+    def _client(self) -> Client | None:
+        try:
+            find_mount(self.directory)
+        except CkptfsError:
+            return None  # not on ckptfs: every saved file is as durable as it gets
+        return Client(self.directory, timeout=self.client_timeout)
+
+    def _states(self) -> dict[str, str] | None:
+        """State of each file under the directory, relative to it; None when
+        not on ckptfs (everything counts as published)."""
+        client = self._client()
+        if client is None:
+            return None
+        rows = client.status(files=True, path=self.directory)["files"]
+        prefix = client.relpath + "/" if client.relpath else ""
+        return {r["path"].removeprefix(prefix): r["state"] for r in rows}
+
+    def _previous_published(self) -> bool:
+        if self._last_step is None:
+            return True
+        client = self._client()
+        if client is None:
+            return True
+        marker = os.path.join(self.step_dir(self._last_step), MARKER)
+        try:
+            rows = client.status(files=True, path=marker)["files"]
+        except RequestFailed:  # pruned or deleted meanwhile: nothing in flight
+            return True
+        return all(r["state"] == "published" for r in rows)

@@ -1,0 +1,168 @@
+"""Training helpers for torch: save/load with fallback, continuous
+checkpointing with retention, and the dying gasp. Importing `ckptfs` never
+imports torch; this module does.
+
+    import ckptfs.torch as ct
+    ct.save(model.state_dict(), "/mnt/ckpt/run1/model.pt")     # RAM speed, or straight to the store
+    mgr = ct.CheckpointManager("/mnt/ckpt/run1", policy=ct.save_policy.ContinuousCheckpointing(30),
+                               preservation=ct.preservation.LatestN(2))
+    with ct.dying_gasp(lambda: {"model": model.state_dict(), "step": step}, "/mnt/ckpt/run1") as gasp:
+        for step in ...:
+            ...
+            with gasp.update():
+                optimizer.step()
+            mgr.save(step, {"model": model.state_dict(), "step": step})
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ckptfs import checkpoint, fallback, policies
+from ckptfs.client import CkptfsError, Client
+from ckptfs.gasp import DyingGasp
+
+log = logging.getLogger("ckptfs.torch")
+
+DEADLINE_S = 5.0  # how long the daemon may take to answer before the store is written directly
+STATE_FILE = "state.pt"
+GASP_FILE = "dying-gasp.pt"
+
+save_policy = types.SimpleNamespace(
+    EveryNSteps=policies.EveryNSteps, EveryNSeconds=policies.EveryNSeconds,
+    ContinuousCheckpointing=policies.ContinuousCheckpointing, AnyOf=policies.AnySavePolicy, any_of=policies.any_of)
+preservation = types.SimpleNamespace(
+    LatestN=policies.LatestN, EveryNSeconds=policies.KeepEveryNSeconds, EveryNSteps=policies.KeepEveryNSteps,
+    AnyOf=policies.AnyPreservation, Custom=policies.CustomPreservation, KeepAll=policies.KeepAll, any_of=policies.any_of)
+
+
+def save(obj: Any, path: str | os.PathLike[str], *, deadline_s: float = DEADLINE_S, storage_options: dict | None = None,
+         **torch_kwargs: Any) -> str:
+    """torch.save `obj` to `path`; returns where it went: "mount", "store" or
+    "plain" (not a ckptfs path: a plain torch.save).
+
+    On a ckptfs mount whose daemon answers within `deadline_s`, the save is
+    written under a temporary name and renamed (so a crash mid-save never
+    leaves a torn file to publish). If the daemon does not answer, the mount
+    is gone, or the write fails, the bytes go straight to the same relative
+    path in the store (staged, checksummed in the manifest, published in one
+    step), with a warning. Credentials for that come from `storage_options`
+    or $CKPTFS_STORE_OPTIONS.
+    """
+    r = fallback.route(path, deadline_s)
+    if r.kind == "plain":
+        torch.save(obj, r.path, **torch_kwargs)
+        return "plain"
+    if r.kind == "mount":
+        tmp = os.path.join(os.path.dirname(r.path), f".{os.path.basename(r.path)}.ckptfs-tmp-{os.getpid()}")
+        try:
+            os.makedirs(os.path.dirname(r.path), exist_ok=True)
+            torch.save(obj, tmp, **torch_kwargs)
+            os.replace(tmp, r.path)
+            return "mount"
+        except OSError as exc:
+            log.warning("saving %s into the mount failed (%s); writing it straight to the store", r.path, exc)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            r = fallback.route(path, 0.5)  # what now? (the store URL, in any case)
+            if r.kind == "mount":
+                info = _mount_info(r.path)
+                r = fallback.Route("store", r.path, r.relpath, info.store_url if info else "", str(exc))
+    else:
+        log.warning("ckptfs: %s; writing %s straight to the store %s", r.reason, r.relpath, r.store_url)
+    buf = io.BytesIO()
+    torch.save(obj, buf, **torch_kwargs)
+    backend = fallback.open_route_store(r, storage_options)
+    from ckptfs.writeback.storeio import write_file
+
+    digest = write_file(backend, r.relpath, buf.getbuffer())
+    log.warning("ckptfs: saved %s to the store directly (%d bytes, xxh3 %s)", r.relpath, digest.size, digest.xxh3)
+    return "store"
+
+
+def load(path: str | os.PathLike[str], *, deadline_s: float = DEADLINE_S, storage_options: dict | None = None,
+         **torch_kwargs: Any) -> Any:
+    """torch.load from the mount, or, if the mount cannot serve, from the same
+    relative path in the store, verified against its checksum."""
+    torch_kwargs.setdefault("weights_only", False)
+    r = fallback.route(path, deadline_s)
+    if r.kind in ("plain", "mount"):
+        try:
+            return torch.load(r.path, **torch_kwargs)
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            if r.kind == "plain":
+                raise
+            info = _mount_info(r.path)
+            if info is None:
+                raise
+            log.warning("loading %s from the mount failed (%s); reading it from the store", r.path, exc)
+            r = fallback.Route("store", r.path, r.relpath, info.store_url, str(exc))
+    else:
+        log.warning("ckptfs: %s; loading %s from the store %s", r.reason, r.relpath, r.store_url)
+    from ckptfs.writeback.storeio import read_file
+
+    data = read_file(fallback.open_route_store(r, storage_options), r.relpath)
+    return torch.load(io.BytesIO(data), **torch_kwargs)
+
+
+def _mount_info(path: str):
+    from ckptfs import runtime
+    from ckptfs.client import find_mount
+
+    try:
+        mp, _ = find_mount(path)
+    except CkptfsError:
+        return None
+    return runtime.MountInfo.read(mp)
+
+
+# -- checkpoint manager ---------------------------------------------------------------
+def _save_state(state: Any, directory: str) -> None:
+    save(state, os.path.join(directory, STATE_FILE))
+
+
+def _load_state(directory: str) -> Any:
+    return load(os.path.join(directory, STATE_FILE))
+
+
+class CheckpointManager(checkpoint.CheckpointManager):
+    """`ckptfs.checkpoint.CheckpointManager` saving with `save` (one
+    `state.pt` per step, fallback included) unless given another
+    `save_fn`/`load_fn` (e.g. torch.distributed.checkpoint into the step
+    directory). The default policy is continuous checkpointing."""
+
+    def __init__(self, directory: str | os.PathLike[str], policy: policies.SavePolicy | None = None,
+                 preservation: policies.PreservationPolicy | None = None, *, save_fn: Callable[[Any, str], None] = _save_state,
+                 load_fn: Callable[[str], Any] = _load_state, client_timeout: float = DEADLINE_S) -> None:
+        super().__init__(directory, policy or policies.ContinuousCheckpointing(), preservation,
+                         save_fn=save_fn, load_fn=load_fn, client_timeout=client_timeout)
+
+
+# -- dying gasp -----------------------------------------------------------------------
+def dying_gasp(state_fn: Callable[[], Any], directory: str | os.PathLike[str], *, deadline_s: float = 60.0,
+               filename: str = GASP_FILE) -> DyingGasp:
+    """See ckptfs.gasp. Saves `state_fn()` with `save` (fallback included) to
+    `directory/filename` and waits until it is published."""
+    path = os.path.join(os.path.abspath(directory), filename)
+
+    def save_gasp(state: Any, p: str) -> None:
+        save_gasp.where = save(state, p, deadline_s=min(DEADLINE_S, deadline_s))  # type: ignore[attr-defined]
+
+    def wait(p: str, timeout: float) -> None:
+        if getattr(save_gasp, "where", "") == "mount":  # the store and plain files are durable already
+            Client(p, timeout=min(DEADLINE_S, max(timeout, 0.5))).flush(p, timeout=timeout)
+
+    return DyingGasp(state_fn, save_gasp, path, deadline_s=deadline_s, wait_fn=wait)
+
+
+__all__ = ["CheckpointManager", "dying_gasp", "load", "preservation", "save", "save_policy"]

@@ -1,0 +1,280 @@
+"""ckptfs.torch on real mounts: fallback save/load, CheckpointManager with
+its policies, the dying gasp, and `ckptfs advise --measure`."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from ckptfs.writeback.backend import open_store
+from ckptfs.writeback.storeio import IntegrityError
+
+import ckptfs.torch as ct
+from tests.mountutil import run_cli
+from tests.storeutil import store_files, store_outage, verify_store, wait_until
+
+OUTAGE_LOG = ["failed (try", "Errno 20", "Not a directory", "FileExistsError", "NotADirectoryError"]
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def state(step: int) -> dict:
+    return {"step": step, "w": torch.full((64, 64), float(step))}
+
+
+def same(a: dict, b: dict) -> bool:
+    return a["step"] == b["step"] and torch.equal(a["w"], b["w"])
+
+
+# -- save / load with fallback ------------------------------------------------------
+def test_save_and_load_through_the_mount(fresh_mount):
+    m = fresh_mount
+    p = m.path("run", "model.pt")
+    assert ct.save(state(1), p) == "mount"
+    assert same(ct.load(p), state(1))
+    assert os.listdir(m.path("run")) == ["model.pt"]  # the temporary name is gone
+    ct.CheckpointManager(m.path("run")).wait_until_published(timeout=60)
+    assert "run/model.pt" in store_files(m.store) and verify_store(m.store).clean
+    assert ct.save(state(2), m.store.parent / "plain.pt") == "plain"  # not ckptfs: a plain torch.save
+
+
+@pytest.mark.parametrize("fault", ["killed", "hung"])
+def test_save_falls_back_to_the_store(fresh_mount, fault):
+    m = fresh_mount
+    p = m.path("run", "model.pt")
+    assert ct.save(state(1), p) == "mount"
+    if fault == "killed":
+        os.kill(m.pid, signal.SIGKILL)
+        m.proc.wait()
+    else:
+        os.kill(m.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        assert ct.save(state(2), m.path("run", "after.pt"), deadline_s=2.0) == "store"
+        assert time.monotonic() - t0 < 20
+        files = store_files(m.store)
+        assert "run/after.pt" in files and verify_store(m.store).clean
+        assert same(torch.load(m.store / "run" / "after.pt", weights_only=False), state(2))  # a plain file (C8)
+        assert same(ct.load(m.path("run", "after.pt"), deadline_s=2.0), state(2))  # from the store, verified
+        # corrupt it in the store: the fallback load must say so, not load garbage
+        data = bytearray((m.store / "run" / "after.pt").read_bytes())
+        data[-100] ^= 0xFF
+        (m.store / "run" / "after.pt").write_bytes(bytes(data))
+        with pytest.raises(IntegrityError, match="checksum mismatch"):
+            ct.load(m.path("run", "after.pt"), deadline_s=2.0)
+    finally:
+        if fault == "hung":
+            os.kill(m.pid, signal.SIGCONT)
+
+
+# -- CheckpointManager ----------------------------------------------------------------
+def test_manager_every_n_steps_latest_n(mnt):
+    mgr = ct.CheckpointManager(mnt / "run", ct.save_policy.EveryNSteps(5), ct.preservation.LatestN(2))
+    saved = [step for step in range(1, 21) if mgr.save(step, state(step))]
+    assert saved == [5, 10, 15, 20]
+    mgr.wait_until_published(timeout=60)
+    mgr.prune()
+    assert mgr.all_steps() == [15, 20] and mgr.latest_step() == 20
+    assert same(mgr.restore(), state(20)) and same(mgr.restore(15), state(15))
+    # a new manager over the same directory picks up where it was
+    again = ct.CheckpointManager(mnt / "run", ct.save_policy.EveryNSteps(5), ct.preservation.LatestN(2))
+    assert again.latest_step() == 20 and not again.should_save(20) and again.should_save(25)
+
+
+def test_manager_latest_step_ignores_an_incomplete_checkpoint(mnt):
+    mgr = ct.CheckpointManager(mnt / "run", ct.save_policy.EveryNSteps(1))
+    mgr.save(1, state(1))
+    (mnt / "run" / "step-2").mkdir()
+    torch.save(state(2), mnt / "run" / "step-2" / "state.pt")  # crashed before its commit marker
+    mgr.wait_until_published(timeout=60)
+    assert mgr.all_steps() == [1] and mgr.latest_step() == 1
+    assert same(mgr.restore(), state(1))
+    with pytest.raises(FileNotFoundError, match="incomplete"):
+        mgr.restore(2)
+
+
+def test_manager_pruning_keeps_the_last_published_until_its_successor_is(fresh_mount):
+    m = fresh_mount
+    m.allowed_log_errors += OUTAGE_LOG
+    mgr = ct.CheckpointManager(m.path("run"), ct.save_policy.EveryNSteps(1), ct.preservation.LatestN(1))
+    mgr.save(1, state(1))
+    mgr.wait_until_published(timeout=60)
+    with store_outage(m.store):
+        mgr.save(2, state(2))
+        mgr.save(3, state(3))
+        # 1 is the only published checkpoint: it stays, and restores, while 2 and 3 cannot be published
+        assert mgr.latest_step() == 1 and 1 in mgr.all_steps() and 3 in mgr.all_steps()
+        assert same(mgr.restore(), state(1))
+        assert 2 not in mgr.all_steps()  # unpublished and dropped by the policy: never reaches the store (C4)
+    mgr.wait_until_published(timeout=60)
+    mgr.prune()
+    assert mgr.all_steps() == [3] and mgr.latest_step() == 3
+    ct.CheckpointManager(m.path("run")).wait_until_published(timeout=60)
+    assert sorted(p for p in store_files(m.store) if p.startswith("run/")) == ["run/step-3/ckptfs-commit.json", "run/step-3/state.pt"]
+
+
+def test_continuous_checkpointing_never_has_two_in_flight(fresh_mount):
+    m = fresh_mount
+    m.allowed_log_errors += OUTAGE_LOG
+    mgr = ct.CheckpointManager(m.path("run"), ct.save_policy.ContinuousCheckpointing(minimum_interval_secs=0))
+    assert mgr.save(1, state(1))
+    mgr.wait_until_published(timeout=60)
+    with store_outage(m.store):
+        assert mgr.save(2, state(2))  # the previous one is published
+        time.sleep(0.5)
+        assert not any(mgr.should_save(s) for s in range(3, 10))  # 2 is still in flight
+    mgr.wait_until_published(timeout=60)
+    assert mgr.should_save(3) and mgr.save(3, state(3))
+    throttled = ct.CheckpointManager(m.path("slow"), ct.save_policy.ContinuousCheckpointing(minimum_interval_secs=3600))
+    assert throttled.save(1, state(1)) and not throttled.save(2, state(2))
+
+
+def test_manager_every_n_seconds_and_composed_preservation(mnt):
+    keep_evens = ct.preservation.Custom(lambda cps: [c.step for c in cps if c.step % 2 == 0])
+    mgr = ct.CheckpointManager(mnt / "run", ct.save_policy.EveryNSeconds(0.2), ct.preservation.any_of(ct.preservation.LatestN(1), keep_evens))
+    saved = []
+    for step in range(1, 40):
+        if mgr.save(step, state(step)):
+            saved.append(step)
+        time.sleep(0.05)
+    assert 3 <= len(saved) <= 15 and saved[0] == 1  # every ~0.2 s, not every step
+    mgr.wait_until_published(timeout=60)
+    mgr.prune()
+    assert mgr.all_steps() == sorted({s for s in saved if s % 2 == 0} | {saved[-1]})
+
+
+def test_manager_with_torch_distributed_checkpoint(mnt):
+    import torch.distributed.checkpoint as dcp
+
+    def save_fn(s, d):
+        dcp.save(s, checkpoint_id=d)
+
+    def load_fn(d):
+        target = {"w": torch.zeros(64, 64), "step": torch.tensor(0)}
+        dcp.load(target, checkpoint_id=d)
+        return target
+
+    mgr = ct.CheckpointManager(mnt / "dcp", ct.save_policy.EveryNSteps(2), ct.preservation.LatestN(2), save_fn=save_fn, load_fn=load_fn)
+    for step in range(1, 7):
+        mgr.save(step, {"w": torch.full((64, 64), float(step)), "step": torch.tensor(step)})
+    mgr.wait_until_published(timeout=60)
+    mgr.prune()
+    assert mgr.all_steps() == [4, 6]
+    got = mgr.restore()
+    assert int(got["step"]) == 6 and torch.equal(got["w"], torch.full((64, 64), 6.0))
+    assert {".metadata", "ckptfs-commit.json"} <= set(os.listdir(mnt / "dcp" / "step-6"))
+
+
+# -- dying gasp --------------------------------------------------------------------------
+def _trainer(directory: Path, mode: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(SCRIPTS / "gasp_trainer.py"), str(directory), mode],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_started(p: subprocess.Popen) -> None:
+    line = p.stdout.readline()
+    assert line.strip() == "started", line + p.stderr.read()
+
+
+def test_dying_gasp_on_sigterm_at_random_points(fresh_mount):
+    m = fresh_mount
+    rng = random.Random(20261121)
+    for run in range(6):
+        d = m.path(f"gasp-{run}")
+        p = _trainer(d, "run")
+        try:
+            _wait_started(p)
+            time.sleep(rng.uniform(0.05, 0.6))  # lands inside or outside the update section
+            p.send_signal(signal.SIGTERM)
+            out, err = p.communicate(timeout=120)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        assert p.returncode == 143, err  # 128 + SIGTERM, after the gasp
+        completed = [int(line.split()[1]) for line in out.splitlines() if line.startswith("completed")]
+        last = completed[-1] if completed else 0
+        assert "published" in err, err
+        # published and verified in the store before the process exited
+        stored = m.store / f"gasp-{run}" / "dying-gasp.pt"
+        assert stored.exists(), err
+        assert verify_store(m.store).clean
+        saved = torch.load(stored, weights_only=False)
+        # never torn: every element from one step, and that step is the last completed one
+        assert torch.all(saved["w"] == saved["step"]), f"torn state: {saved['w'].unique()}"
+        assert last <= saved["step"] <= last + 1, (last, saved["step"])
+
+
+def test_dying_gasp_saves_nothing_after_an_exception_inside_the_update(fresh_mount):
+    m = fresh_mount
+    p = _trainer(m.path("torn"), "raise-in-update")
+    _out, err = p.communicate(timeout=120)
+    assert p.returncode == 1
+    assert "NOT saving" in err and "torn" in err and "NaN in optimizer step" in err
+    assert not m.path("torn", "dying-gasp.pt").exists()
+
+
+def test_dying_gasp_saves_on_an_exception_outside_the_update_and_reraises(fresh_mount):
+    m = fresh_mount
+    p = _trainer(m.path("crash"), "raise-outside")
+    _out, err = p.communicate(timeout=120)
+    assert p.returncode == 1 and "ValueError: data loader failed" in err  # re-raised
+    saved = torch.load(m.store / "crash" / "dying-gasp.pt", weights_only=False)  # published before exit
+    assert saved["step"] == 4 and torch.all(saved["w"] == 4)
+
+
+def test_dying_gasp_second_signal_stops_the_wait(fresh_mount):
+    m = fresh_mount
+    m.allowed_log_errors += OUTAGE_LOG
+    with store_outage(m.store):
+        p = _trainer(m.path("abort"), "run")
+        try:
+            _wait_started(p)
+            time.sleep(0.2)
+            p.send_signal(signal.SIGTERM)
+            wait_until(lambda: m.path("abort", "dying-gasp.pt").exists(), 60, "the gasp saved into RAM")
+            time.sleep(0.5)
+            assert p.poll() is None  # waiting for the store
+            p.send_signal(signal.SIGTERM)
+            _out, err = p.communicate(timeout=30)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert p.returncode == 143 and "second signal" in err and "stopped waiting" in err
+
+
+# -- advise --measure --------------------------------------------------------------------
+def test_advise_measures_a_real_save(mnt):
+    r = run_cli("advise", "--measure", str(mnt), "--size", "64M", "--mtbf-hours", "12", "--json")
+    assert r.returncode == 0, r.stderr
+    import json
+
+    out = json.loads(r.stdout)
+    assert 0 < out["save_s"] < 60 and out["daly_s"] > 0 and os.listdir(mnt) == []
+
+
+def test_store_fallback_is_seen_after_a_remount(tmp_path):
+    """A file the fallback wrote to the store shows up in the next mount (C9)."""
+    from tests.mountutil import start_mount, stop_mount
+
+    m = start_mount(tmp_path)
+    try:
+        os.kill(m.pid, signal.SIGKILL)
+        m.proc.wait()
+        assert ct.save(state(7), m.path("ck", "s.pt"), deadline_s=1.0) == "store"
+    finally:
+        stop_mount(m)
+    m = start_mount(tmp_path)
+    try:
+        assert same(ct.load(m.path("ck", "s.pt")), state(7))
+        backend = open_store(str(m.store))
+        assert backend.exists("ck/s.pt")
+    finally:
+        stop_mount(m)
