@@ -1,19 +1,19 @@
-"""The ckptfs demo: checkpoint into RAM, crash, resume from RAM.
+"""The ckptfs demo: continuous checkpointing into RAM, crash, resume from RAM.
 
-    python -m ckptfs.demo [--workdir DIR]
+    python -m ckptfs.demo [--workdir DIR] [--keep]
 
-Mounts ckptfs at DIR/mnt over a local-directory store DIR/store, trains a
-small CPU model that saves a checkpoint every few steps into the mount, kills
-the trainer mid-run (as a crash would), restarts it, and resumes from the
-latest checkpoint, which loads straight from the daemon's RAM. Unmounting
-waits for write-back; the demo then checks every file in the store against
-its checksum.
+Mounts ckptfs at DIR/mnt over a local-directory store DIR/store and trains a
+small CPU model with `ckptfs.torch.CheckpointManager`: continuous
+checkpointing (a new checkpoint as soon as the previous one is published),
+keeping the latest two. It kills the trainer mid-run (as a crash would),
+restarts it, and resumes from the latest published checkpoint, which loads
+straight from the daemon's RAM. Then `ckptfs status`, `ckptfs flush`,
+`ckptfs verify` against the store's checksums, and `ckptfs umount`.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import signal
 import subprocess
@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 STEPS = 60
-SAVE_EVERY = 5
-CRASH_AFTER_CHECKPOINT = 6
+MIN_INTERVAL_S = 0.4  # continuous checkpointing, at most this often
+CRASH_AFTER_CHECKPOINT = 4
 
 
 def say(msg: str) -> None:
@@ -32,10 +32,11 @@ def say(msg: str) -> None:
 
 
 def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    say("ckptfs " + " ".join(args))
     r = subprocess.run([sys.executable, "-m", "ckptfs.tools.cli", *args], text=True, capture_output=True)
-    out = (r.stdout + r.stderr).strip()
+    out = (r.stdout + r.stderr).rstrip()
     if out:
-        print("    " + out.replace("\n", "\n    "))
+        print("    " + out.replace("\n", "\n    "), flush=True)
     if check and r.returncode != 0:
         raise SystemExit(f"ckptfs {args[0]} failed")
     return r
@@ -45,34 +46,34 @@ def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 def train(ckpt_dir: Path, steps: int) -> None:
     import torch
 
+    import ckptfs.torch as ct
+
+    mgr = ct.CheckpointManager(ckpt_dir, ct.save_policy.ContinuousCheckpointing(minimum_interval_secs=MIN_INTERVAL_S),
+                               ct.preservation.LatestN(2))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     start = 0
-    existing = sorted(ckpt_dir.glob("step-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
-    if existing:
+    if (latest := mgr.latest_step()) is not None:
         t = time.perf_counter()
-        state = torch.load(existing[-1], map_location="cpu")
+        state = mgr.restore()
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optim"])
         start = state["step"]
-        print(f"    trainer: resumed from {existing[-1].name} in {1000 * (time.perf_counter() - t):.0f} ms (from RAM)", flush=True)
+        print(f"    trainer: resumed from step {latest} in {1000 * (time.perf_counter() - t):.0f} ms (from RAM)", flush=True)
     x = torch.randn(512, 256)
     for step in range(start + 1, steps + 1):
         loss = ((model(x) - x) ** 2).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
-        if step % SAVE_EVERY == 0:
-            t = time.perf_counter()
-            tmp = ckpt_dir / f".step-{step}.pt.tmp"
-            torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": step}, tmp)
-            os.replace(tmp, ckpt_dir / f"step-{step}.pt")
-            for old in sorted(ckpt_dir.glob("step-*.pt"), key=lambda p: int(p.stem.split("-")[1]))[:-2]:
-                old.unlink()  # keep the latest two
+        t = time.perf_counter()
+        if mgr.save(step, {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}, force=step == steps):
             print(f"    trainer: step {step:3d} loss {loss.item():.4f}, checkpoint saved in "
                   f"{1000 * (time.perf_counter() - t):.0f} ms", flush=True)
         time.sleep(0.05)
+    mgr.wait_until_published(timeout=120)
+    print(f"    trainer: done; checkpoints {mgr.all_steps()}, latest published {mgr.latest_step()}", flush=True)
 
 
 def main() -> None:
@@ -88,12 +89,10 @@ def main() -> None:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="ckptfs-demo-"))
     mnt, store = work / "mnt", work / "store"
     mnt.mkdir(parents=True, exist_ok=True)
-    say(f"mounting ckptfs at {mnt} (store: {store})")
     cli("mount", str(mnt), "--store", str(store), "--memory-limit", "1G")
     try:
         ckpt = mnt / "run1"
-        ckpt.mkdir(exist_ok=True)
-        say(f"training; a checkpoint every {SAVE_EVERY} steps into {ckpt}")
+        say(f"training with continuous checkpointing into {ckpt} (keeping the latest 2)")
         trainer = subprocess.Popen([sys.executable, "-m", "ckptfs.demo", "--train", str(ckpt)], stdout=subprocess.PIPE, text=True)
         saved = 0
         assert trainer.stdout is not None
@@ -105,31 +104,18 @@ def main() -> None:
         say("simulating a crash: SIGKILL to the trainer")
         trainer.send_signal(signal.SIGKILL)
         trainer.wait()
-        say(f"checkpoints in the mount after the crash: {sorted(p.name for p in ckpt.iterdir())}")
-        say("restarting the trainer: it resumes from the latest checkpoint")
+        say(f"the mount after the crash: {sorted(p.name for p in ckpt.iterdir())}")
+        say("restarting the trainer: it resumes from the latest published checkpoint")
         r = subprocess.run([sys.executable, "-m", "ckptfs.demo", "--train", str(ckpt)], text=True)
         if r.returncode != 0:
             raise SystemExit("the restarted trainer failed")
-        st = os.statvfs(mnt)
-        used = (st.f_blocks - st.f_bfree) * st.f_frsize
-        say(f"status: {used / (1 << 20):.1f} MiB of RAM used of {st.f_blocks * st.f_frsize / (1 << 20):.0f} MiB")
+        cli("status", str(mnt), "--files")
+        cli("flush", str(mnt))
+        cli("verify", str(mnt))
     finally:
-        say("unmounting: waits until everything is published to the store")
         cli("umount", str(mnt), check=False)
-    try:
-        from ckptfs.writeback.backend import open_store
-        from ckptfs.writeback.verify import verify
-
-        files = sorted(str(p.relative_to(store)) for p in store.rglob("*") if p.is_file() and ".ckptfs" not in p.parts)
-        say(f"the store now holds plain files: {files}")
-        report = verify(open_store(str(store)))
-        say(f"verified against the manifest: {len(report.ok)} ok, {len(report.corrupt)} corrupt, "
-            f"{len(report.missing)} missing, {len(report.extra)} unrecorded")
-        if not report.clean:
-            raise SystemExit("the store does not verify")
-    finally:
-        if not args.keep and not args.workdir:
-            shutil.rmtree(work, ignore_errors=True)
+    if not args.keep and not args.workdir:
+        shutil.rmtree(work, ignore_errors=True)
     say("done")
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.mountutil import drop_caches
+from tests.mountutil import drop_caches, run_cli
+from tests.storeutil import store_files, verify_store
 
 torch = pytest.importorskip("torch")
 
@@ -127,3 +128,54 @@ def test_overwrite_in_place_gives_new_content(mnt: Path):
     for step in range(3):
         torch.save(_state(step), mnt / "latest.pt")
         _assert_same(_state(step), torch.load(mnt / "latest.pt"))
+
+
+def test_lightning_model_checkpoint_top_k_and_last_link(fresh_mount, monkeypatch):
+    """pytorch-lightning's ModelCheckpoint (save_top_k=2, save_last='link'),
+    with TMPDIR inside the mount as Lightning >= 2.4 wants; the store ends
+    up with exactly the top-k checkpoints and the `last` link, all verified."""
+    import warnings
+
+    import pytorch_lightning as pl
+
+    m = fresh_mount
+    tmp = m.path("tmp")
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch, _):
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.layer(x), y)
+            self.log("train_loss", loss, on_epoch=True, on_step=False)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 8)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=16)
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=str(m.path("ckpt")), monitor="train_loss", save_top_k=2, save_last="link",
+                                        filename="{epoch}-{train_loss:.4f}")
+    trainer = pl.Trainer(max_epochs=5, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[ckpt], default_root_dir=str(m.path("root")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Tiny(), data)
+    names = sorted(os.listdir(m.path("ckpt")))
+    assert len(names) == 3 and "last.ckpt" in names
+    assert os.path.islink(m.path("ckpt", "last.ckpt"))
+    best = Tiny.load_from_checkpoint(ckpt.best_model_path)
+    assert isinstance(best, Tiny)
+    r = run_cli("flush", str(m.mountpoint), "--timeout", "120")
+    assert r.returncode == 0, r.stderr
+    stored = sorted(p for p in store_files(m.store) if p.startswith("ckpt/"))
+    assert stored == sorted(f"ckpt/{n}" for n in names if n != "last.ckpt")  # the link is a manifest record (C8)
+    assert verify_store(m.store).clean
+    r = run_cli("verify", str(m.store))
+    assert r.returncode == 0, r.stdout
