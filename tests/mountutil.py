@@ -128,3 +128,15 @@ def read_uncached(path: Path | str) -> bytes:
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+def signal_and_wait(p: subprocess.Popen, sig: int, timeout: float = 60) -> tuple[str, str]:
+    """Send `sig` to a child started with pipes; its output once it exits
+    (killed, and the test failing, if it does not within `timeout`)."""
+    try:
+        p.send_signal(sig)
+        return p.communicate(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

@@ -18,7 +18,7 @@ import click
 from ckptfs import runtime
 from ckptfs.client import AccessDenied, CkptfsError, Client, DaemonUnavailable, FlushIncomplete, NotMounted, RequestFailed
 
-from .units import format_size
+from .units import format_duration, format_size
 
 EXIT_INCOMPLETE, EXIT_USAGE, EXIT_UNAVAILABLE = 1, 2, 3
 
@@ -118,7 +118,7 @@ def _print_status(console, r: dict) -> None:
         console.print(f"[bold]{m['mountpoint']}[/]: [red]unavailable[/]: {r['error']}", highlight=False)
         return
     t = r["totals"]
-    up = _duration(m["uptime_s"])
+    up = format_duration(m["uptime_s"])
     console.print(f"[bold]{m['mountpoint']}[/]  store {m['store']}  pid {m['pid']}  up {up}  fsync={m['fsync']}", highlight=False)
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="dim")
@@ -137,7 +137,7 @@ def _print_status(console, r: dict) -> None:
     grid.add_row("spilled to disk", *count(t["spilled"]))
     grid.add_row("evicted (store only)", *count(t["evicted"]))
     grid.add_row("RAM budget", f"{format_size(t['budget_used'])} used", f"of {format_size(t['budget_limit'])}")
-    grid.add_row("write-back queue", str(t["queue"]), f"oldest {_duration(t['oldest_unpublished_s'])}" if t["queue"] else "")
+    grid.add_row("write-back queue", str(t["queue"]), f"oldest {format_duration(t['oldest_unpublished_s'])}" if t["queue"] else "")
     grid.add_row("upload rate", f"{format_size(t['upload_bytes_per_s'])}/s", "")
     c = t["counters"]
     grid.add_row("since start", f"{c['published_files']} published", f"{c['retries']} retries, {c['failures']} failures")
@@ -155,14 +155,6 @@ def _print_status(console, r: dict) -> None:
             table.add_row(f["path"], format_size(f["size"]), state, str(f["generation"]), f["xxh3"] or "-", where,
                           str(f["tries"] or ""), f["error"])
         console.print(table)
-
-
-def _duration(s: float) -> str:
-    if s < 120:
-        return f"{s:.1f}s"
-    if s < 7200:
-        return f"{s / 60:.0f}m"
-    return f"{s / 3600:.1f}h"
 
 
 # -- flush ---------------------------------------------------------------------
@@ -219,16 +211,20 @@ def _flush_with_progress(client: Client, timeout: float | None) -> dict:
 
 
 # -- prefetch / evict ----------------------------------------------------------
+def _request(path: str, method) -> dict:
+    try:
+        return method(_client(path))
+    except CkptfsError as exc:
+        _fail(str(exc), _exit_code(exc))
+        raise AssertionError from None
+
+
 @click.command()
 @click.argument("path", type=click.Path())
 def prefetch(path: str) -> None:
     """Load PATH (a file or a directory, recursively) from the store into RAM,
     verified, ahead of a restart's reads."""
-    client = _client(path)
-    try:
-        r = client.prefetch()
-    except CkptfsError as exc:
-        _fail(str(exc), _exit_code(exc))
+    r = _request(path, Client.prefetch)
     click.echo(f"ckptfs: loaded {r['loaded']} files ({format_size(r['bytes'])}) into RAM")
 
 
@@ -238,11 +234,7 @@ def evict(path: str) -> None:
     """Drop PATH's published files (a file or a directory, recursively) from
     RAM; they load again from the store on next use. Unpublished files are
     refused (exit 1): their only copy is in RAM."""
-    client = _client(path)
-    try:
-        r = client.evict()
-    except CkptfsError as exc:
-        _fail(str(exc), _exit_code(exc))
+    r = _request(path, Client.evict)
     click.echo(f"ckptfs: evicted {r['evicted']} files ({format_size(r['bytes'])}) from RAM")
     if r["refused"]:
         click.echo(f"ckptfs: error: {len(r['refused'])} files not evicted, not published yet:", err=True)

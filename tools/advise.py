@@ -11,15 +11,7 @@ import click
 
 from ckptfs.advise import advise as compute
 
-from .units import format_size, parse_size
-
-
-def _duration(s: float) -> str:
-    if s < 120:
-        return f"{s:.1f} s"
-    if s < 7200:
-        return f"{s / 60:.1f} min"
-    return f"{s / 3600:.2f} h"
+from .units import format_duration, format_size, parse_size
 
 
 @click.command()
@@ -53,11 +45,11 @@ def advise(save_seconds: float | None, mtbf_hours: float, restart_seconds: float
                                "daly_s": a.daly_s, "waste_at_daly": a.waste_at_daly,
                                "table": [{"label": lbl, "interval_s": t, "waste": w} for lbl, t, w in a.table]}, indent=2))
         return
-    click.echo(f"checkpoint every {_duration(a.daly_s)} (Daly; Young: {_duration(a.young_s)}): "
+    click.echo(f"checkpoint every {format_duration(a.daly_s)} (Daly; Young: {format_duration(a.young_s)}): "
                f"expected {a.waste_at_daly:.2%} of the time wasted")
     click.echo(f"  {'interval':>12}  {'wasted':>8}  {'saves/day':>9}")
     for label, t, w in a.table:
-        click.echo(f"  {_duration(t):>12}  {w:>8.2%}  {86400 / (t + a.save_s):>9.1f}  {label}")
+        click.echo(f"  {format_duration(t):>12}  {w:>8.2%}  {86400 / (t + a.save_s):>9.1f}  {label}")
 
 
 def measure(directory: str, nbytes: int) -> float:

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ckptfs import runtime
 from ckptfs.client import AccessDenied, Client, DaemonUnavailable, FlushIncomplete, NotMounted
 from tests.integration.test_cli import assert_clean_error
-from tests.mountutil import run_cli, start_mount, stop_mount
+from tests.mountutil import run_cli, signal_and_wait, start_mount, stop_mount
 from tests.storeutil import store_files, store_outage, wait_until
 
 OUTAGE_LOG = ["failed (try", "Errno 20", "Not a directory", "FileExistsError", "NotADirectoryError"]
@@ -112,14 +112,8 @@ def test_status_shows_dirty_and_failed_while_the_store_is_down(fresh_mount):
 def test_status_watch_refreshes_until_interrupted(shared_mount):
     p = subprocess.Popen([sys.executable, "-m", "ckptfs.tools.cli", "status", str(shared_mount.mountpoint), "--watch", "--interval", "0.2"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        time.sleep(2.0)
-        p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=20)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+    time.sleep(2.0)
+    out, err = signal_and_wait(p, signal.SIGINT, 20)
     assert p.returncode == 0, err
     assert "Traceback" not in err
     assert out.count(str(shared_mount.mountpoint)) >= 3  # refreshed several times
@@ -349,7 +343,7 @@ def _scrape(port: int) -> dict[str, float]:
 
 def test_metrics_agree_with_status(tmp_path):
     port = free_port()
-    m = start_mount(tmp_path, extra=("--metrics-port", str(port)))
+    m = start_mount(tmp_path, extra=("--metrics-port", str(port), "--metrics-host", "127.0.0.1"))
     try:
         for i in range(4):
             write(m.path("ck", f"{i}.bin"), os.urandom(200_000 + i))

@@ -17,7 +17,7 @@ from ckptfs.writeback.backend import open_store
 from ckptfs.writeback.storeio import IntegrityError
 
 import ckptfs.torch as ct
-from tests.mountutil import run_cli
+from tests.mountutil import run_cli, signal_and_wait
 from tests.storeutil import store_files, store_outage, verify_store, wait_until
 
 OUTAGE_LOG = ["failed (try", "Errno 20", "Not a directory", "FileExistsError", "NotADirectoryError"]
@@ -179,7 +179,10 @@ def _trainer(directory: Path, mode: str) -> subprocess.Popen:
 
 def _wait_started(p: subprocess.Popen) -> None:
     line = p.stdout.readline()
-    assert line.strip() == "started", line + p.stderr.read()
+    if line.strip() != "started":
+        p.kill()
+        _, err = p.communicate()
+        raise AssertionError(f"the trainer did not start: {line}{err}")
 
 
 def test_dying_gasp_on_sigterm_at_random_points(fresh_mount):
@@ -188,15 +191,9 @@ def test_dying_gasp_on_sigterm_at_random_points(fresh_mount):
     for run in range(6):
         d = m.path(f"gasp-{run}")
         p = _trainer(d, "run")
-        try:
-            _wait_started(p)
-            time.sleep(rng.uniform(0.05, 0.6))  # lands inside or outside the update section
-            p.send_signal(signal.SIGTERM)
-            out, err = p.communicate(timeout=120)
-        finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        _wait_started(p)
+        time.sleep(rng.uniform(0.05, 0.6))  # lands inside or outside the update section
+        out, err = signal_and_wait(p, signal.SIGTERM, 120)
         assert p.returncode == 143, err  # 128 + SIGTERM, after the gasp
         completed = [int(line.split()[1]) for line in out.splitlines() if line.startswith("completed")]
         last = completed[-1] if completed else 0
@@ -241,8 +238,7 @@ def test_dying_gasp_second_signal_stops_the_wait(fresh_mount):
             wait_until(lambda: m.path("abort", "dying-gasp.pt").exists(), 60, "the gasp saved into RAM")
             time.sleep(0.5)
             assert p.poll() is None  # waiting for the store
-            p.send_signal(signal.SIGTERM)
-            _out, err = p.communicate(timeout=30)
+            _out, err = signal_and_wait(p, signal.SIGTERM, 30)
         finally:
             if p.poll() is None:
                 p.kill()
