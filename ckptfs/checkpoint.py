@@ -21,7 +21,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ckptfs import fallback
 from ckptfs.client import CkptfsError, Client, RequestFailed, find_mount
+from ckptfs.writeback import storeio
 
 from .policies import Checkpoint, KeepAll, PreservationPolicy, SaveContext, SavePolicy
 
@@ -40,9 +42,13 @@ class CheckpointManager:
         self.save_fn = save_fn
         self.load_fn = load_fn
         self.client_timeout = client_timeout
-        os.makedirs(self.directory, exist_ok=True)
         self._last_step: int | None = None
         self._last_time: float | None = None
+        r = fallback.route(self.directory, client_timeout)
+        if r.kind == "store":  # a hung or dead daemon: touching the mount could block forever
+            log.warning("%s: %s; checkpoints will go straight to the store", self.directory, r.reason)
+            return
+        os.makedirs(self.directory, exist_ok=True)
         latest = self._complete()
         if latest:
             self._last_step, self._last_time = latest[-1].step, latest[-1].time
@@ -60,13 +66,21 @@ class CheckpointManager:
         if not force and not self.should_save(step):
             return False
         d = self.step_dir(step)
+        now = time.time()
+        marker = json.dumps({"step": step, "time": now})
+        r = fallback.route(d, self.client_timeout)
+        if r.kind == "store":  # the daemon cannot serve: never touch the mount (C7)
+            log.warning("checkpoint %d goes straight to the store %s: %s", step, r.store_url, r.reason)
+            self.save_fn(state, d)  # the default (ckptfs.torch.save) takes the same route
+            storeio.write_file(fallback.open_route_store(r), f"{r.relpath}/{MARKER}", marker.encode())
+            self._last_step, self._last_time = step, now
+            return True
         if os.path.exists(d):
             shutil.rmtree(d)  # an incomplete one from a crash, or a re-save
         os.makedirs(d)
         self.save_fn(state, d)
-        now = time.time()
         with open(os.path.join(d, MARKER), "w") as f:  # last: makes it complete
-            json.dump({"step": step, "time": now}, f)
+            f.write(marker)
         self._last_step, self._last_time = step, now
         self.prune()
         return True

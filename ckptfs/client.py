@@ -107,8 +107,9 @@ class Client:
               progress: Callable[[dict], None] | None = None) -> dict:
         """Wait until everything sealed before the call (under `path`) is
         published. Raises FlushIncomplete when `timeout` passes first."""
+        # Progress lines arrive every PROGRESS_EVERY_S: silence, not length, means hung.
         result = self.call("flush", path=self._rel(path), timeout=timeout, progress=progress,
-                           deadline=None if timeout is None else timeout + self.timeout)
+                           deadline=math.inf if timeout is None else timeout + self.timeout)
         if not result["published"]:
             left = result["left"]
             raise FlushIncomplete(f"{len(left)} files not published after {timeout:g}s", left)

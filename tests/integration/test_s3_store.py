@@ -52,6 +52,6 @@ def test_s3_outage_then_back_drains_by_itself(s3, tmp_path):
         finally:
             s3.start()
         expected = {f"shard{i}.bin": bytes([i + 1]) * 300_000 for i in range(3)}
-        wait_until(lambda: objects(s3, "outage") == expected, 90, "the queue to drain")
+        wait_until(lambda: objects(s3, "outage") == expected, 180, "the queue to drain")
     finally:
         stop_mount(m)

@@ -62,6 +62,10 @@ def test_save_falls_back_to_the_store(fresh_mount, fault):
         assert "run/after.pt" in files and verify_store(m.store).clean
         assert same(torch.load(m.store / "run" / "after.pt", weights_only=False), state(2))  # a plain file (C8)
         assert same(ct.load(m.path("run", "after.pt"), deadline_s=2.0), state(2))  # from the store, verified
+        mgr = ct.CheckpointManager(m.path("run"), ct.save_policy.EveryNSteps(1), client_timeout=2.0)
+        assert mgr.save(7, state(7))  # the manager takes the same route, commit marker included
+        assert {"run/step-7/state.pt", "run/step-7/ckptfs-commit.json"} <= set(store_files(m.store))
+        assert verify_store(m.store).clean
         # corrupt it in the store: the fallback load must say so, not load garbage
         data = bytearray((m.store / "run" / "after.pt").read_bytes())
         data[-100] ^= 0xFF
