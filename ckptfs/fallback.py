@@ -9,14 +9,11 @@ outside the mount, left behind when a daemon dies) gives the store URL.
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 
 from ckptfs import runtime
 from ckptfs.client import CkptfsError, Client, find_mount
-
-log = logging.getLogger("ckptfs.fallback")
 
 
 @dataclass(frozen=True)

@@ -128,7 +128,8 @@ class DyingGasp:
             self.outcome = "aborted"
             log.error("dying gasp: a second signal: stopped waiting; %s may not be published", self.path)
         except Exception as e:
-            self.outcome = "failed" if self.outcome != "saved" else "saved"
+            if self.outcome != "saved":  # "saved": the save worked, confirming publication did not
+                self.outcome = "failed"
             log.error("dying gasp: %s (%s after %.2fs): %s", "not published" if self.outcome == "saved" else "save failed",
                       self.path, time.monotonic() - t0, e)
         finally:

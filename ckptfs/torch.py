@@ -72,10 +72,7 @@ def save(obj: Any, path: str | os.PathLike[str], *, deadline_s: float = DEADLINE
             log.warning("saving %s into the mount failed (%s); writing it straight to the store", r.path, exc)
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            r = fallback.route(path, 0.5)  # what now? (the store URL, in any case)
-            if r.kind == "mount":
-                info = _mount_info(r.path)
-                r = fallback.Route("store", r.path, r.relpath, info.store_url if info else "", str(exc))
+            r = _store_route(r, exc)
     else:
         log.warning("ckptfs: %s; writing %s straight to the store %s", r.reason, r.relpath, r.store_url)
     buf = io.BytesIO()
@@ -102,11 +99,8 @@ def load(path: str | os.PathLike[str], *, deadline_s: float = DEADLINE_S, storag
         except OSError as exc:
             if r.kind == "plain":
                 raise
-            info = _mount_info(r.path)
-            if info is None:
-                raise
             log.warning("loading %s from the mount failed (%s); reading it from the store", r.path, exc)
-            r = fallback.Route("store", r.path, r.relpath, info.store_url, str(exc))
+            r = _store_route(r, exc)
     else:
         log.warning("ckptfs: %s; loading %s from the store %s", r.reason, r.relpath, r.store_url)
     from ckptfs.writeback.storeio import read_file
@@ -115,15 +109,18 @@ def load(path: str | os.PathLike[str], *, deadline_s: float = DEADLINE_S, storag
     return torch.load(io.BytesIO(data), **torch_kwargs)
 
 
-def _mount_info(path: str):
+def _store_route(r: fallback.Route, exc: OSError) -> fallback.Route:
+    """The store behind a mount route whose I/O failed; re-raises `exc` if unknown."""
     from ckptfs import runtime
     from ckptfs.client import find_mount
 
     try:
-        mp, _ = find_mount(path)
+        info = runtime.MountInfo.read(find_mount(r.path)[0])
     except CkptfsError:
-        return None
-    return runtime.MountInfo.read(mp)
+        info = None
+    if info is None:
+        raise exc
+    return fallback.Route("store", r.path, r.relpath, info.store_url, str(exc))
 
 
 # -- checkpoint manager ---------------------------------------------------------------
