@@ -126,13 +126,15 @@ def _unref(chunk: _Chunk, pool: MemoryPool) -> None:
 class Snapshot:
     """The bytes of a file at one moment, shared copy-on-write with the file.
 
-    Safe to read from worker threads: nothing writes a frozen chunk, and the
-    chunks stay allocated until `release()` (called on the owning thread).
+    Safe to read from worker threads: nothing writes a frozen chunk's buffer,
+    each chunk's initialised length is taken now (a later shrinking truncate
+    of the file lowers the file's own `hw`, never this), and the chunks stay
+    allocated until `release()` (called on the owning thread).
     """
 
     def __init__(self, size: int, chunks: dict[int, _Chunk], pool: MemoryPool) -> None:
         self.size = size
-        self._chunks = chunks
+        self._chunks = {idx: (c, c.hw) for idx, c in chunks.items()}
         self._pool = pool
         for c in chunks.values():
             c.refs += 1
@@ -142,8 +144,8 @@ class Snapshot:
         zeros = memoryview(_ZEROS)
         for idx in range((self.size + CHUNK - 1) // CHUNK):
             length = min(CHUNK, self.size - idx * CHUNK)
-            chunk = self._chunks.get(idx)
-            valid = min(chunk.hw, length) if chunk is not None else 0
+            chunk, hw = self._chunks.get(idx, (None, 0))
+            valid = min(hw, length)
             if valid:
                 yield memoryview(chunk.buf)[:valid]  # type: ignore[union-attr]
             if length > valid:
@@ -151,33 +153,50 @@ class Snapshot:
 
     def release(self) -> None:
         chunks, self._chunks = self._chunks, {}
-        for c in chunks.values():
+        for c, _hw in chunks.values():
             _unref(c, self._pool)
 
 
-class SpillSnapshot:
-    """A sealed generation of a spilled file: its own descriptor on the
-    (unlinked) spill file, which nothing writes while this exists."""
+class _SpillFile:
+    """An unlinked file holding a spilled file's bytes; shared by the file and
+    the snapshots taken of it, closed when the last of them lets go."""
 
-    def __init__(self, fd: int, size: int, owner: FileData) -> None:
+    __slots__ = ("fd", "refs")
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.refs = 1
+
+    def unref(self) -> None:
+        self.refs -= 1
+        if self.refs == 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class SpillSnapshot:
+    """A sealed generation of a spilled file: a reference to its spill file,
+    which nothing writes while this exists (a writer copies it first)."""
+
+    def __init__(self, spill: _SpillFile, size: int) -> None:
         self.size = size
-        self._fd = os.dup(fd)
-        self._owner = owner
+        self._spill: _SpillFile | None = spill
+        spill.refs += 1
 
     def pieces(self) -> Iterator[bytes]:
+        assert self._spill is not None
         off = 0
         while off < self.size:
-            block = os.pread(self._fd, min(8 << 20, self.size - off), off)
+            block = os.pread(self._spill.fd, min(8 << 20, self.size - off), off)
             if not block:
                 raise OSError(errno.EIO, "spill file shorter than the file")
             off += len(block)
             yield block
 
     def release(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-            self._owner._frozen -= 1
+        if self._spill is not None:
+            self._spill.unref()
+            self._spill = None
 
 
 class FileData:
@@ -192,7 +211,7 @@ class FileData:
     file; a write while one exists first copies it.
     """
 
-    __slots__ = ("_chunks", "_frozen", "_pool", "_spill", "_spill_dir", "allocated", "resident", "size")
+    __slots__ = ("_chunks", "_pool", "_spill", "_spill_dir", "allocated", "resident", "size")
 
     def __init__(self, pool: MemoryPool) -> None:
         self.size = 0
@@ -200,19 +219,17 @@ class FileData:
         self.resident = True
         self._chunks: dict[int, _Chunk] = {}
         self._pool = pool
-        self._spill = -1
+        self._spill: _SpillFile | None = None
         self._spill_dir = ""
-        self._frozen = 0
 
     @property
     def spilled(self) -> bool:
-        return self._spill >= 0
+        return self._spill is not None
 
     def snapshot(self) -> Snapshot | SpillSnapshot:
         assert self.resident
-        if self.spilled:
-            self._frozen += 1
-            return SpillSnapshot(self._spill, self.size, self)
+        if self._spill is not None:
+            return SpillSnapshot(self._spill, self.size)
         return Snapshot(self.size, dict(self._chunks), self._pool)
 
     def spill(self, directory: str) -> None:
@@ -228,24 +245,30 @@ class FileData:
         size = self.size
         self.clear()
         self.size = size
-        self._spill, self._spill_dir = fd, directory
+        self._spill, self._spill_dir = _SpillFile(fd), directory
 
-    def _thaw(self) -> None:
-        """Before writing a spilled file that a snapshot shares: copy it."""
-        if not self._frozen:
-            return
-        src = self._spill
+    def _thaw(self) -> _SpillFile:
+        """Before changing a spilled file: if a snapshot shares its spill
+        file, continue in a copy (the snapshot keeps the original)."""
+        spill = self._spill
+        assert spill is not None
+        if spill.refs == 1:
+            return spill
         new = os.open(self._spill_dir, os.O_TMPFILE | os.O_RDWR, 0o600)
-        off = 0
-        while off < self.size:
-            n = os.copy_file_range(src, new, self.size - off, off, off)
-            if n <= 0:
-                break
-            off += n
-        os.ftruncate(new, self.size)
-        os.close(src)  # the snapshots hold their own descriptors
-        self._spill = new
-        self._frozen = 0
+        try:
+            off = 0
+            while off < self.size:
+                n = os.copy_file_range(spill.fd, new, self.size - off, off, off)
+                if n <= 0:
+                    break
+                off += n
+            os.ftruncate(new, self.size)
+        except BaseException:
+            os.close(new)
+            raise
+        spill.unref()
+        self._spill = _SpillFile(new)
+        return self._spill
 
     def evict(self) -> int:
         """Drop the bytes from RAM (the caller knows they are in the store)."""
@@ -258,6 +281,7 @@ class FileData:
 
     def fill(self, blocks: list[bytes]) -> None:
         """Make an evicted file resident again from its bytes, in order."""
+        assert not self.resident
         size = self.size
         self.size = 0
         self.resident = True
@@ -276,8 +300,8 @@ class FileData:
         end = min(off + size, self.size)
         if off >= end:
             return b""
-        if self.spilled:
-            data = os.pread(self._spill, end - off, off)
+        if self._spill is not None:
+            data = os.pread(self._spill.fd, end - off, off)
             return data + bytes(end - off - len(data))
         idx, lo = divmod(off, CHUNK)
         if lo + (end - off) <= CHUNK:  # the common case: one chunk, one copy
@@ -307,9 +331,8 @@ class FileData:
         if n == 0:
             return 0
         end = off + n
-        if self.spilled:
-            self._thaw()
-            _pwrite_all(self._spill, memoryview(data), off)
+        if self._spill is not None:
+            _pwrite_all(self._thaw().fd, memoryview(data), off)
             self.size = max(self.size, end)
             return n
         self._reserve_for(off, end)
@@ -365,9 +388,8 @@ class FileData:
         return chunk
 
     def truncate(self, size: int) -> None:
-        if self.spilled:
-            self._thaw()
-            os.ftruncate(self._spill, size)
+        if self._spill is not None:
+            os.ftruncate(self._thaw().fd, size)
             self.size = size
             return
         if size < self.size:
@@ -376,18 +398,19 @@ class FileData:
                 self._drop(idx)
             chunk = self._chunks.get(last)
             if chunk is not None and chunk.hw > lo:
-                chunk.hw = lo
+                chunk.hw = lo  # snapshots keep their own copy of `hw`; a write copies a shared chunk first
         self.size = size
 
     def clear(self) -> None:
-        """Free every chunk (the file was truncated to zero or deleted)."""
+        """Free every chunk (the file was truncated to zero or deleted). An
+        evicted file is resident again, and empty: nothing needs loading."""
         for idx in list(self._chunks):
             self._drop(idx)
-        if self.spilled:
-            os.close(self._spill)  # snapshots keep their own descriptors
-            self._spill = -1
-            self._frozen = 0
+        if self._spill is not None:
+            self._spill.unref()  # snapshots keep their own reference
+            self._spill = None
         self.size = 0
+        self.resident = True
 
     def _drop(self, idx: int) -> None:
         chunk = self._chunks.pop(idx)

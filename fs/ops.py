@@ -1,4 +1,4 @@
-"""The pyfuse3 adapter: translates kernel requests into `InodeStore` calls.
+"""The pyfuse3 adapter: translates kernel requests into `InodeTree` calls.
 
 Handlers stay thin: argument unpacking, errno mapping, `EntryAttributes`, and
 the page-cache policy. Only `pyfuse3.FUSEError` leaves a handler; anything
@@ -26,13 +26,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import pyfuse3
 
-from . import status
-from .store import Inode, InodeStore
+from .tree import Inode, InodeTree
 
 if TYPE_CHECKING:
+    from ckptfs.daemon.metrics import Metrics
     from ckptfs.writeback.engine import Engine
-
-    from .metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +38,7 @@ ATTR_TIMEOUT = 5.0  # every change goes through this mount, so attrs stay valid
 BLKSIZE = 1 << 20  # st_blksize: tools size their I/O buffers from it
 FILES_MAX = 1 << 32
 ROOM_PATIENCE_S = 2.0  # how long a write waits for write-back to free RAM before spilling
+XATTR_PREFIX = b"user.ckptfs."  # virtual, read-only: each file's write-back state
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
@@ -99,12 +98,14 @@ class Operations(pyfuse3.Operations):
     enable_writeback_cache = False
     enable_acl = False
 
-    def __init__(self, store: InodeStore, engine: Engine, fsync_durable: bool = False, metrics: Metrics | None = None) -> None:
+    def __init__(self, tree: InodeTree, engine: Engine, fsync_durable: bool = False, metrics: Metrics | None = None,
+                 virtual_xattr: Callable[[Inode, bytes], bytes] | None = None) -> None:
         super().__init__()
-        self.store = store
+        self.tree = tree
         self.engine = engine
         self.fsync_durable = fsync_durable
         self.metrics = metrics
+        self.virtual_xattr = virtual_xattr
         self._cached_version: dict[int, int] = {}
 
     async def _resident(self, inode: Inode) -> None:
@@ -113,7 +114,7 @@ class Operations(pyfuse3.Operations):
 
     def _entry(self, inode: Inode) -> pyfuse3.EntryAttributes:
         """Attributes for a reply that gives the kernel a new reference."""
-        return attributes(self.store.ref(inode))
+        return attributes(self.tree.ref(inode))
 
     def _file_info(self, inode: Inode, fh: int, flags: int) -> pyfuse3.FileInfo:
         fi = pyfuse3.FileInfo(fh=fh)
@@ -127,26 +128,26 @@ class Operations(pyfuse3.Operations):
     # -- names ---------------------------------------------------------------
     @_errors
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return self._entry(self.store.lookup(parent_inode, name))
+        return self._entry(self.tree.lookup(parent_inode, name))
 
     @_errors
     async def forget(self, inode_list: list[tuple[int, int]]) -> None:
         for ino, n in inode_list:
-            self.store.forget(ino, n)
-            if ino not in self.store.inodes:
+            self.tree.forget(ino, n)
+            if ino not in self.tree.inodes:
                 self._cached_version.pop(ino, None)
 
     @_errors
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return attributes(self.store.get(inode))
+        return attributes(self.tree.get(inode))
 
     @_errors
     async def setattr(
         self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields, fh: int | None, ctx: pyfuse3.RequestContext
     ) -> pyfuse3.EntryAttributes:
         if fields.update_size and attr.st_size:
-            await self._resident(self.store.get(inode))
-        node = self.store.setattr(
+            await self._resident(self.tree.get(inode))
+        node = self.tree.setattr(
             inode,
             size=attr.st_size if fields.update_size else None,
             mode=attr.st_mode if fields.update_mode else None,
@@ -159,104 +160,104 @@ class Operations(pyfuse3.Operations):
 
     @_errors
     async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
-        return self.store.readlink(inode)
+        return self.tree.readlink(inode)
 
     @_errors
     async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return self._entry(self.store.mknod(parent_inode, name, mode, ctx.uid, ctx.gid, rdev))
+        return self._entry(self.tree.mknod(parent_inode, name, mode, ctx.uid, ctx.gid, rdev))
 
     @_errors
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return self._entry(self.store.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
+        return self._entry(self.tree.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
 
     @_errors
     async def symlink(self, parent_inode: int, name: bytes, target: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return self._entry(self.store.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
+        return self._entry(self.tree.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
 
     @_errors
     async def link(self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return self._entry(self.store.link(inode, new_parent_inode, new_name))
+        return self._entry(self.tree.link(inode, new_parent_inode, new_name))
 
     @_errors
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        self.store.unlink(parent_inode, name)
+        self.tree.unlink(parent_inode, name)
 
     @_errors
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        self.store.rmdir(parent_inode, name)
+        self.tree.rmdir(parent_inode, name)
 
     @_errors
     async def rename(
         self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes, flags: int, ctx: pyfuse3.RequestContext
     ) -> None:
-        self.store.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
+        self.tree.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
 
     # -- files ---------------------------------------------------------------
     @_errors
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
-        node = self.store.get(inode)
+        node = self.tree.get(inode)
         if not (flags & os.O_TRUNC and flags & os.O_ACCMODE != os.O_RDONLY):
             await self._resident(node)
-        handle = self.store.open(inode, flags)
+        handle = self.tree.open(inode, flags)
         return self._file_info(handle.inode, handle.fh, flags)
 
     @_errors
     async def create(
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
-        handle = self.store.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
+        handle = self.tree.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
         return self._file_info(handle.inode, handle.fh, flags), self._entry(handle.inode)
 
     @_errors
     async def read(self, fh: int, off: int, size: int) -> bytes:
-        inode = self.store.handle(fh).inode
+        inode = self.tree.handle(fh).inode
         await self._resident(inode)  # evicted while open
         self.engine.touch(inode.ino)
-        return self.store.read(fh, off, size)
+        return self.tree.read(fh, off, size)
 
     @_errors
     async def write(self, fh: int, off: int, buf: bytes) -> int:
-        inode = self.store.handle(fh).inode
+        inode = self.tree.handle(fh).inode
         await self._resident(inode)
         try:
-            return self.store.write(fh, off, buf)
+            return self.tree.write(fh, off, buf)
         except OSError as exc:
             if exc.errno != errno.ENOSPC:
                 raise
         # RAM is full (C7): evict published files, give write-back a moment to
         # publish more, else continue this file on disk at store speed.
         if not await self.engine.make_room(len(buf) + (8 << 20), patience_s=ROOM_PATIENCE_S):
-            self.store.spill(inode)
-        return self.store.write(fh, off, buf)
+            self.tree.spill(inode)
+        return self.tree.write(fh, off, buf)
 
     @_errors
     async def flush(self, fh: int) -> None:
-        self.store.handle(fh)
+        self.tree.handle(fh)
 
     @_errors
     async def fsync(self, fh: int, datasync: bool) -> None:
-        inode = self.store.handle(fh).inode  # --fsync=ram: the data is in RAM already (C1)
+        inode = self.tree.handle(fh).inode  # --fsync=ram: the data is in RAM already (C1)
         if self.fsync_durable and inode.data is not None:
-            self.store.seal(inode)
+            self.tree.seal(inode)
             await self.engine.wait_published(inode.ino, inode.generation)
 
     @_errors
     async def release(self, fh: int) -> None:
-        self.store.release(fh)
+        self.tree.release(fh)
 
     # -- directories ---------------------------------------------------------
     @_errors
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
-        if not self.store.get(inode).is_dir:
+        if not self.tree.get(inode).is_dir:
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         return inode
 
     @_errors
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
-        for name, inode, cookie in self.store.readdir(fh, start_id):
+        for name, inode, cookie in self.tree.readdir(fh, start_id):
             if not pyfuse3.readdir_reply(token, name, attributes(inode), cookie):
                 break
-            self.store.ref(inode)  # readdirplus hands the kernel a reference
+            self.tree.ref(inode)  # readdirplus hands the kernel a reference
 
     @_errors
     async def releasedir(self, fh: int) -> None:
@@ -264,11 +265,11 @@ class Operations(pyfuse3.Operations):
 
     @_errors
     async def fsyncdir(self, fh: int, datasync: bool) -> None:
-        self.store.get(fh)
+        self.tree.get(fh)
 
     @_errors
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
-        usage = self.store.usage()
+        usage = self.tree.usage()
         s = pyfuse3.StatvfsData()
         s.f_bsize = s.f_frsize = 4096
         s.f_blocks = usage.limit // 4096
@@ -280,25 +281,27 @@ class Operations(pyfuse3.Operations):
 
     # -- extended attributes -------------------------------------------------
     # `user.ckptfs.*` are virtual and read-only: each file's write-back state
-    # (see status.xattr). Not listed, so `cp -a`/`rsync -X` do not copy them.
+    # (see daemon/status.py). Not listed, so `cp -a`/`rsync -X` do not copy them.
     @_errors
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
-        if name.startswith(status.XATTR_PREFIX):
-            return status.xattr(self.store, self.engine, self.store.get(inode), name)
-        return self.store.getxattr(inode, name)
+        if name.startswith(XATTR_PREFIX):
+            if self.virtual_xattr is None:
+                raise pyfuse3.FUSEError(errno.ENODATA)
+            return self.virtual_xattr(self.tree.get(inode), name)
+        return self.tree.getxattr(inode, name)
 
     @_errors
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:
-        if name.startswith(status.XATTR_PREFIX):
+        if name.startswith(XATTR_PREFIX):
             raise pyfuse3.FUSEError(errno.EPERM)
-        self.store.setxattr(inode, name, value)
+        self.tree.setxattr(inode, name, value)
 
     @_errors
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
-        return self.store.listxattr(inode)
+        return self.tree.listxattr(inode)
 
     @_errors
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        if name.startswith(status.XATTR_PREFIX):
+        if name.startswith(XATTR_PREFIX):
             raise pyfuse3.FUSEError(errno.EPERM)
-        self.store.removexattr(inode, name)
+        self.tree.removexattr(inode, name)

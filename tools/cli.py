@@ -99,7 +99,7 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, foreground: bool, 
                          fsync=fsync_mode, drain_timeout=drain_timeout, storage_options=options,
                          spill_dir=os.path.abspath(spill_dir) if spill_dir else None, metrics_port=metrics_port, metrics_host=metrics_host)
     _setup_logging(config)
-    from ckptfs.fs.mount import serve
+    from ckptfs.daemon.mount import serve
 
     def ready() -> None:
         if ready_fd is not None:

@@ -6,22 +6,33 @@ its final path in one step (rename, multipart completion, server-side move).
 Every method is blocking and is called from worker threads, never from the
 trio thread. Paths are relative to the store root, with "/" separators.
 
-- `LocalBackend` (file://): temp file in `.ckptfs/staging/`, fsync, rename.
-- `S3Backend` (s3://): small objects are kept staged in memory and PUT whole
-  at publish; large ones are multipart uploads to the final key, completed at
-  publish.
+Staging is never visible and never bound to a final name, so a file renamed
+before its turn is published under its new name without uploading it again:
+
+- `LocalBackend` (file://): a temp file in the daemon's staging directory,
+  fsynced; published by rename(2). Directories move by one rename(2).
+- `S3Backend` (s3://): small files are not uploaded ahead: publication PUTs
+  them whole from the sealed snapshot. Large ones are multipart uploads to a
+  staging key, published by a server-side copy.
 - `FsspecBackend` (anything else, e.g. memory://): staging object + move.
+
+Each daemon stages under `.ckptfs/staging/<daemon id>/` and proves it is
+alive with a heartbeat object in `.ckptfs/daemons/`; a starting daemon
+removes only the staging (and S3 multipart uploads) of daemons that are not.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import json
 import logging
 import os
+import socket
+import time
 import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import fsspec
 from fsspec.core import split_protocol
@@ -30,7 +41,10 @@ log = logging.getLogger(__name__)
 
 META = ".ckptfs"  # ckptfs's own objects live under this prefix only (C8)
 STAGING = f"{META}/staging"
+DAEMONS = f"{META}/daemons"  # one heartbeat object per live daemon
 SPILL = f"{META}/spill"  # files too big for RAM, on local stores (unlinked, O_TMPFILE)
+HEARTBEAT_S = 20.0  # a daemon rewrites its heartbeat this often
+HEARTBEAT_DEAD_S = 4 * HEARTBEAT_S  # older than this: the daemon is gone
 PART_SIZE = 16 << 20  # grown for huge files to stay under S3's 10,000 parts
 SMALL_PUT = 8 << 20  # object stores: up to this size, one PUT at publish time
 
@@ -41,12 +55,15 @@ class StoreError(Exception):
 
 @dataclass
 class Staged:
-    """Data uploaded but not yet visible at `path`."""
+    """Data uploaded but not yet visible anywhere."""
 
-    path: str
     size: int
-    token: Any = None  # backend-specific: temp path, multipart upload id
+    token: str | None  # the hidden staging path; None: not uploaded ahead (published from the snapshot)
     parts: list[dict] = field(default_factory=list)
+
+
+def new_daemon_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{time.time_ns():x}"
 
 
 @dataclass(frozen=True)
@@ -58,29 +75,75 @@ class Entry:
 
 class Backend:
     url: str
+    dirs = False  # real directories, movable in one step (local stores)
+    daemon_id: str = ""  # set by `prepare`: this daemon stages under its own prefix
 
-    def prepare(self) -> None:
-        """Called once by the daemon that will write: create what staging
-        needs and clear what a daemon that died left there. Nothing else
-        (verify, watchers) may do this: it would delete live uploads."""
+    @property
+    def staging(self) -> str:
+        return f"{STAGING}/{self.daemon_id or 'shared'}"
 
-    def stage(self, path: str, pieces: Iterable[memoryview | bytes], size: int) -> Staged:
+    def _staging_name(self) -> str:
+        return f"{self.staging}/{uuid.uuid4().hex}"
+
+    # -- the daemon's own namespace --------------------------------------------
+    def prepare(self, daemon_id: str, started: float) -> None:
+        """Called once by the daemon that will write: claim a staging prefix,
+        and clear what dead daemons left (staging, multipart uploads). Never
+        another live daemon's: verify and watchers must not call this."""
+        self.daemon_id = daemon_id
+        self.heartbeat()
+        live = self.live_daemons()
+        for path in self.find(STAGING):
+            owner = path[len(STAGING) + 1 :].split("/", 1)[0] if "/" in path[len(STAGING) + 1 :] else ""
+            if owner not in live:
+                self.delete(path)
+        self._clean_uploads(live, started)
+
+    def heartbeat(self) -> None:
+        self.put(f"{DAEMONS}/{self.daemon_id}", json.dumps({"time": time.time(), "pid": os.getpid()}).encode())
+
+    def retire(self) -> None:
+        """The daemon exits: its staging and heartbeat go."""
+        for path in self.find(self.staging):
+            self.delete(path)
+        self.delete(f"{DAEMONS}/{self.daemon_id}")
+
+    def live_daemons(self) -> set[str]:
+        live = set()
+        now = time.time()
+        for path in self.find(DAEMONS):
+            try:
+                beat = json.loads(self.read_all(path))["time"]
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if now - beat < HEARTBEAT_DEAD_S:
+                live.add(path.rsplit("/", 1)[-1])
+            else:
+                self.delete(path)
+        return live
+
+    def _clean_uploads(self, live: set[str], started: float) -> None:
+        """Abort incomplete multipart uploads that no live daemon owns."""
+
+    # -- data --------------------------------------------------------------------
+    def stage(self, pieces: Iterable[memoryview | bytes], size: int) -> Staged:
+        """Upload `pieces` (`size` bytes) under a hidden name of its own."""
         raise NotImplementedError
 
-    def publish(self, staged: Staged, path: str) -> None:
-        """Make `staged` visible at `path` atomically (replacing what is there)."""
+    def publish(self, staged: Staged, path: str, pieces: Iterable[memoryview | bytes] = ()) -> None:
+        """Make `staged` visible at `path` atomically (replacing what is
+        there). `pieces` are the bytes again, for a `Staged` with no token.
+        FileNotFoundError: the staged data is gone (published already, or
+        cleaned away): the caller checks which."""
         raise NotImplementedError
-
-    def publishable_at(self, staged: Staged, path: str) -> bool:
-        """Whether `staged` can be published at `path` (else: stage again)."""
-        return True
 
     def discard(self, staged: Staged) -> None:
-        raise NotImplementedError
+        if staged.token is not None:
+            self.delete(staged.token)
 
     def put(self, path: str, data: bytes) -> None:
-        """Write a small object whole (used for ckptfs's own records)."""
-        self.publish(self.stage(path, [data], len(data)), path)
+        """Write a small object whole (ckptfs's own records)."""
+        raise NotImplementedError
 
     def read(self, path: str) -> Iterator[bytes]:
         raise NotImplementedError
@@ -98,11 +161,27 @@ class Backend:
     def copy(self, src: str, dst: str) -> None:
         raise NotImplementedError
 
+    def exchange(self, a: str, b: str) -> None:
+        """Swap two files (atomically where the store can)."""
+        tmp = self._staging_name()
+        self.copy(a, tmp)
+        self.move(b, a)
+        self.move(tmp, b)
+
     def mkdir(self, path: str) -> None:
         """Create a directory where directories exist (local stores only)."""
 
     def rmdir(self, path: str) -> None:
         """Remove an empty directory where directories exist."""
+
+    def move_dir(self, src: str, dst: str) -> bool:
+        """Move a whole directory in one step, if this store can (True)."""
+        return False
+
+    def unit_dir(self) -> str | None:
+        """A hidden, empty directory to assemble a directory in before
+        `move_dir` shows it whole; None where directories are not real."""
+        return None
 
     def walk(self, prefix: str = "") -> Iterator[Entry]:
         """Files and directories under `prefix`, ckptfs's own prefix excluded."""
@@ -117,23 +196,25 @@ class Backend:
 
 
 class LocalBackend(Backend):
+    dirs = True
+
     def __init__(self, root: str, url: str) -> None:
         self.root = root
         self.url = url
 
-    def prepare(self) -> None:
-        os.makedirs(self._abs(STAGING), exist_ok=True)
+    def prepare(self, daemon_id: str, started: float) -> None:
         os.makedirs(self._abs(SPILL), exist_ok=True)
-        for leftover in os.listdir(self._abs(STAGING)):  # from a daemon that died
+        super().prepare(daemon_id, started)
+        for path in os.listdir(self._abs(STAGING)):  # emptied directories of dead daemons
             with contextlib.suppress(OSError):
-                os.unlink(os.path.join(self._abs(STAGING), leftover))
+                os.rmdir(self._abs(f"{STAGING}/{path}"))
 
     def _abs(self, path: str) -> str:
         return os.path.join(self.root, path) if path else self.root
 
-    def stage(self, path: str, pieces: Iterable[memoryview | bytes], size: int) -> Staged:
-        tmp = f"{STAGING}/{uuid.uuid4().hex}"
-        os.makedirs(self._abs(STAGING), exist_ok=True)
+    def stage(self, pieces: Iterable[memoryview | bytes], size: int) -> Staged:
+        tmp = self._staging_name()
+        os.makedirs(self._abs(self.staging), exist_ok=True)
         fd = os.open(self._abs(tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             for piece in pieces:
@@ -147,20 +228,23 @@ class LocalBackend(Backend):
                 os.unlink(self._abs(tmp))
             raise
         os.close(fd)
-        return Staged(path, size, tmp)
+        return Staged(size, tmp)
 
-    def publish(self, staged: Staged, path: str) -> None:
-        dst = self._abs(path)
-        parent = os.path.dirname(dst)
+    def publish(self, staged: Staged, path: str, pieces: Iterable[memoryview | bytes] = ()) -> None:
+        assert staged.token is not None
+        self._replace(staged.token, path)
+
+    def _replace(self, src: str, dst: str) -> None:
+        full = self._abs(dst)
+        parent = os.path.dirname(full)
         os.makedirs(parent, exist_ok=True)
-        if os.path.isdir(dst) and not os.path.islink(dst):
-            os.rmdir(dst)  # an empty directory left where a file now goes
-        os.rename(self._abs(staged.token), dst)
+        if os.path.isdir(full) and not os.path.islink(full):
+            os.rmdir(full)  # an empty directory left where a file now goes
+        os.rename(self._abs(src), full)
         _fsync_dir(parent)
 
-    def discard(self, staged: Staged) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._abs(staged.token))
+    def put(self, path: str, data: bytes) -> None:
+        self.publish(self.stage([data], len(data)), path)
 
     def read(self, path: str) -> Iterator[bytes]:
         with open(self._abs(path), "rb", buffering=0) as f:
@@ -172,13 +256,15 @@ class LocalBackend(Backend):
             os.unlink(self._abs(path))
 
     def move(self, src: str, dst: str) -> None:
-        os.makedirs(os.path.dirname(self._abs(dst)), exist_ok=True)
-        os.rename(self._abs(src), self._abs(dst))
-        _fsync_dir(os.path.dirname(self._abs(dst)))
+        self._replace(src, dst)
 
     def copy(self, src: str, dst: str) -> None:
-        staged = self.stage(dst, self.read(src), -1)
-        self.publish(staged, dst)
+        self.publish(self.stage(self.read(src), -1), dst)
+
+    def exchange(self, a: str, b: str) -> None:
+        _renameat2(self._abs(a), self._abs(b), RENAME_EXCHANGE)
+        _fsync_dir(os.path.dirname(self._abs(a)))
+        _fsync_dir(os.path.dirname(self._abs(b)))
 
     def mkdir(self, path: str) -> None:
         os.makedirs(self._abs(path), exist_ok=True)
@@ -186,6 +272,24 @@ class LocalBackend(Backend):
     def rmdir(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError, OSError):
             os.rmdir(self._abs(path))
+
+    def move_dir(self, src: str, dst: str) -> bool:
+        full = self._abs(dst)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        try:
+            os.rename(self._abs(src), full)  # replaces an empty directory
+        except OSError as exc:
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                return False  # something is in the way: the caller moves members
+            raise
+        _fsync_dir(os.path.dirname(full))
+        _fsync_dir(os.path.dirname(self._abs(src)))
+        return True
+
+    def unit_dir(self) -> str:
+        path = f"{self.staging}/d-{uuid.uuid4().hex}"
+        os.makedirs(self._abs(path))
+        return path
 
     def walk(self, prefix: str = "") -> Iterator[Entry]:
         base = self._abs(prefix)
@@ -217,6 +321,19 @@ class LocalBackend(Backend):
         return os.path.lexists(self._abs(path))
 
 
+RENAME_EXCHANGE = 2
+
+
+def _renameat2(a: str, b: str, flags: int) -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    at_fdcwd = -100
+    if libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), flags) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), a)
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -236,18 +353,19 @@ class FsspecBackend(Backend):
     def _abs(self, path: str) -> str:
         return f"{self.root}/{path}" if path else self.root
 
-    def stage(self, path: str, pieces: Iterable[memoryview | bytes], size: int) -> Staged:
-        tmp = f"{STAGING}/{uuid.uuid4().hex}"
+    def stage(self, pieces: Iterable[memoryview | bytes], size: int) -> Staged:
+        tmp = self._staging_name()
         with self.fs.open(self._abs(tmp), "wb") as f:
             for piece in pieces:
                 f.write(piece)
-        return Staged(path, size, tmp)
+        return Staged(size, tmp)
 
-    def publish(self, staged: Staged, path: str) -> None:
+    def publish(self, staged: Staged, path: str, pieces: Iterable[memoryview | bytes] = ()) -> None:
+        assert staged.token is not None
         self.fs.mv(self._abs(staged.token), self._abs(path))
 
-    def discard(self, staged: Staged) -> None:
-        self.delete(staged.token)
+    def put(self, path: str, data: bytes) -> None:
+        self.fs.pipe_file(self._abs(path), data)
 
     def read(self, path: str) -> Iterator[bytes]:
         with self.fs.open(self._abs(path), "rb") as f:
@@ -278,76 +396,89 @@ class FsspecBackend(Backend):
 
     def find(self, prefix: str) -> list[str]:
         try:
-            return [p[len(self.root) :].lstrip("/") for p in self.fs.find(self._abs(prefix))]
+            found = self.fs.find(self._abs(prefix), detail=True)
         except FileNotFoundError:
             return []
+        # Stores with folders (SeaweedFS) list an emptied folder as an entry.
+        return [p[len(self.root) :].lstrip("/") for p, info in found.items() if info.get("type") != "directory"]
 
     def exists(self, path: str) -> bool:
         return self.fs.exists(self._abs(path))
 
 
 class S3Backend(FsspecBackend):
-    """S3: multipart uploads to the final key, invisible until completed (C2).
-
-    A rename before publication means the staged upload is for the wrong key:
-    it is aborted and the data re-staged under the final name (C4).
-    """
+    """S3: small files are PUT whole at publication (from the snapshot, so
+    nothing is uploaded twice); large ones are multipart uploads to a hidden
+    staging key, published by a server-side copy (CopyObject is atomic)."""
 
     def _bucket_key(self, path: str) -> tuple[str, str]:
         bucket, _, key = self._abs(path).partition("/")
         return bucket, key
 
-    def stage(self, path: str, pieces: Iterable[memoryview | bytes], size: int) -> Staged:
+    def stage(self, pieces: Iterable[memoryview | bytes], size: int) -> Staged:
         if 0 <= size <= SMALL_PUT:
-            return Staged(path, size, b"".join(bytes(p) for p in pieces))
-        bucket, key = self._bucket_key(path)
+            for _ in pieces:  # hashed on the way by the caller; published from the snapshot
+                pass
+            return Staged(size, None)
+        tmp = self._staging_name()
+        bucket, key = self._bucket_key(tmp)
         mpu = self.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
-        staged = Staged(path, size, mpu["UploadId"])
+        upload_id = mpu["UploadId"]
         part_size = max(PART_SIZE, -(-size // 9000))
+        parts: list[dict] = []
         try:
             buf = bytearray()
             for piece in pieces:
                 buf += piece
                 while len(buf) >= part_size:
-                    self._part(staged, bytes(buf[:part_size]))
+                    parts.append(self._part(bucket, key, upload_id, len(parts) + 1, bytes(buf[:part_size])))
                     del buf[:part_size]
-            if buf or not staged.parts:
-                self._part(staged, bytes(buf))
+            if buf or not parts:
+                parts.append(self._part(bucket, key, upload_id, len(parts) + 1, bytes(buf)))
+            self.fs.call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id,
+                            MultipartUpload={"Parts": parts})
         except BaseException:
-            self.discard(staged)
+            with contextlib.suppress(Exception):
+                self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
             raise
-        return staged
+        return Staged(size, tmp, parts)
 
-    def _part(self, staged: Staged, data: bytes) -> None:
-        bucket, key = self._bucket_key(staged.path)
-        n = len(staged.parts) + 1
-        r = self.fs.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=staged.token, PartNumber=n, Body=data)
-        staged.parts.append({"PartNumber": n, "ETag": r["ETag"]})
+    def _part(self, bucket: str, key: str, upload_id: str, n: int, data: bytes) -> dict:
+        r = self.fs.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=n, Body=data)
+        return {"PartNumber": n, "ETag": r["ETag"]}
 
-    def publishable_at(self, staged: Staged, path: str) -> bool:
-        return isinstance(staged.token, bytes) or path == staged.path
-
-    def publish(self, staged: Staged, path: str) -> None:
-        if isinstance(staged.token, bytes):  # a single PUT is atomic too
-            self.fs.pipe_file(self._abs(path), staged.token)
-            return
-        if path != staged.path:
-            raise ValueError("an S3 upload can only be published under the key it was staged for")
-        bucket, key = self._bucket_key(path)
-        self.fs.call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=staged.token,
-                        MultipartUpload={"Parts": staged.parts})
+    def publish(self, staged: Staged, path: str, pieces: Iterable[memoryview | bytes] = ()) -> None:
+        if staged.token is None:  # a single PUT is atomic too
+            self.fs.pipe_file(self._abs(path), b"".join(bytes(p) for p in pieces))
+        else:
+            self.fs.invalidate_cache(self._abs(staged.token))
+            self.fs.copy(self._abs(staged.token), self._abs(path))
+            self.delete(staged.token)
         self.fs.invalidate_cache(self._abs(path))
-
-    def discard(self, staged: Staged) -> None:
-        if isinstance(staged.token, bytes):
-            return
-        bucket, key = self._bucket_key(staged.path)
-        with contextlib.suppress(Exception):
-            self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=staged.token)
 
     def move(self, src: str, dst: str) -> None:
         self.fs.copy(self._abs(src), self._abs(dst))
         self.fs.rm_file(self._abs(src))
+
+    def _clean_uploads(self, live: set[str], started: float) -> None:
+        bucket, prefix = self._bucket_key("")
+        prefix = f"{prefix}/" if prefix else ""
+        staging = f"{prefix}{STAGING}/"
+        kwargs = {"Bucket": bucket, "Prefix": prefix}
+        while True:
+            page = self.fs.call_s3("list_multipart_uploads", **kwargs)
+            for up in page.get("Uploads", []):
+                key = up["Key"]
+                owner = key[len(staging) :].split("/", 1)[0] if key.startswith(staging) else ""
+                initiated = up.get("Initiated")
+                old = initiated is None or initiated.timestamp() < started
+                if owner not in live and old:
+                    log.info("aborting an abandoned multipart upload of %s", key)
+                    with contextlib.suppress(Exception):
+                        self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=up["UploadId"])
+            if not page.get("IsTruncated"):
+                return
+            kwargs.update(KeyMarker=page.get("NextKeyMarker", ""), UploadIdMarker=page.get("NextUploadIdMarker", ""))
 
     def walk(self, prefix: str = "") -> Iterator[Entry]:
         self.fs.invalidate_cache()

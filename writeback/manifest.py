@@ -37,6 +37,8 @@ class Record:
     mode: int = 0o644
     mtime_ns: int = 0
     target: str = ""  # symlinks
+    written_ns: int = 0  # when the bytes were sealed (daemon) or written (store fallback): the newer wins
+    source: str = ""  # where the bytes come from while being published: "staged:<path>", "move:<path>", "copy:<path>", "put:<daemon>"
 
     def matches(self, size: int, xxh3: str | None = None) -> Digest | None:
         """The digest (current or previous) that data of this size/hash matches."""
@@ -52,10 +54,14 @@ class Record:
     def decode(cls, raw: bytes) -> Record:
         d = json.loads(raw)
         d.pop("version", None)
+        d = {k: v for k, v in d.items() if k in _FIELDS}  # fields of later versions are ignored
         for k in ("current", "previous"):
             if d.get(k) is not None:
                 d[k] = Digest(**d[k])
         return cls(**d)
+
+
+_FIELDS = {f for f in Record.__dataclass_fields__}
 
 
 def record_path(path: str) -> str:
@@ -78,18 +84,23 @@ def delete(backend: Backend, path: str) -> None:
     backend.delete(record_path(path))
 
 
-def read_all(backend: Backend) -> dict[str, Record]:
-    """Every record in the store, by path (unreadable records are skipped)."""
+def read_all(backend: Backend) -> tuple[dict[str, Record], list[str]]:
+    """Every record in the store, by path, and the record objects that could
+    not be read (their files cannot be verified: reading them is an error)."""
     out = {}
+    unreadable = []
     for entry in backend.find(PREFIX):
         if not entry.endswith(".json"):
             continue
         try:
             rec = Record.decode(backend.read_all(entry))
-        except (FileNotFoundError, ValueError, TypeError, KeyError):
+        except FileNotFoundError:
+            continue
+        except (ValueError, TypeError, KeyError):
+            unreadable.append(entry)
             continue
         out[rec.path] = rec
-    return out
+    return out, unreadable
 
 
 def hasher() -> xxhash.xxh3_128:

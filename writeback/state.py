@@ -3,7 +3,11 @@
     DIRTY ──> UPLOADING ──> STAGED ──> PUBLISHED
                  │  ^          │
                  v  │          v
-                FAILED <───────┘      (retried with backoff, forever)
+                FAILED <───────┘      (transient errors: retried with backoff, forever)
+                 │  ^
+                 v  │
+                PARKED                (permanent errors, after a few tries: retried
+                                       rarely; it no longer blocks the queue)
 
     any state but PUBLISHED ──> DROPPED   (superseded by a newer generation,
                                            or deleted before publication)
@@ -20,14 +24,16 @@ class State(enum.Enum):
     STAGED = "staged"  # in the store, invisible, waiting for its turn
     PUBLISHED = "published"  # visible in the store, recorded in the manifest
     FAILED = "failed"  # the last attempt failed; retrying
+    PARKED = "parked"  # failed permanently (e.g. a name the store cannot take); retried rarely
     DROPPED = "dropped"  # never to be published (superseded or deleted)
 
 
 _MOVES = {
     State.DIRTY: {State.UPLOADING, State.DROPPED},
-    State.UPLOADING: {State.STAGED, State.FAILED, State.DROPPED},
-    State.STAGED: {State.PUBLISHED, State.FAILED, State.UPLOADING, State.DROPPED},
-    State.FAILED: {State.UPLOADING, State.STAGED, State.PUBLISHED, State.DROPPED},
+    State.UPLOADING: {State.STAGED, State.FAILED, State.PARKED, State.DROPPED},
+    State.STAGED: {State.PUBLISHED, State.FAILED, State.PARKED, State.DROPPED},
+    State.FAILED: {State.UPLOADING, State.STAGED, State.PUBLISHED, State.PARKED, State.DROPPED},
+    State.PARKED: {State.FAILED, State.DROPPED},
     State.PUBLISHED: set(),
     State.DROPPED: set(),
 }

@@ -9,6 +9,9 @@ vouch for.
 
 from __future__ import annotations
 
+import dataclasses
+import errno
+import logging
 import time
 from collections.abc import Callable, Iterable
 
@@ -16,47 +19,67 @@ from . import manifest
 from .backend import Backend, Staged
 from .manifest import Digest, Record
 
+log = logging.getLogger(__name__)
+
 PIECE = 8 << 20
 
 
 class Cancelled(Exception):
-    """The generation being staged was dropped: stop reading its snapshot."""
+    """The staging attempt was dropped or abandoned: stop reading its snapshot."""
 
 
 class IntegrityError(OSError):
     """Bytes read from the store do not match their manifest record."""
 
 
-def stage(backend: Backend, pieces: Iterable[memoryview | bytes], size: int, path: str,
+def stage(backend: Backend, pieces: Iterable[memoryview | bytes], size: int,
           cancelled: Callable[[], bool] | None = None) -> tuple[Staged, Digest]:
-    """Upload `pieces` invisibly for `path`, hashing them on the way."""
+    """Upload `pieces` invisibly, hashing them on the way."""
     h = manifest.hasher()
+    n = 0
 
     def hashed():
+        nonlocal n
         for piece in pieces:
             if cancelled is not None and cancelled():
-                raise Cancelled(path)  # checked per piece: a dropped upload stops promptly
+                raise Cancelled()  # checked per piece: a dropped or abandoned upload stops promptly
             h.update(piece)
+            n += len(piece)
             yield piece
 
-    staged = backend.stage(path, hashed(), size)
+    staged = backend.stage(hashed(), size)
+    if n != size:
+        backend.discard(staged)
+        raise OSError(errno.EIO, f"snapshot yielded {n} bytes, expected {size}")
     return staged, Digest(size, h.hexdigest())
 
 
-def publish(backend: Backend, rec: Record, staged: Staged, path: str) -> None:
+def publish(backend: Backend, rec: Record, staged: Staged, path: str, pieces: Callable[[], Iterable] | None = None) -> None:
+    """Record, then make visible (see manifest.py). Idempotent: if the staged
+    data is gone because an earlier attempt published it, that is success."""
     manifest.write(backend, rec)  # first: see manifest.py
-    backend.publish(staged, path)
+    try:
+        backend.publish(staged, path, pieces() if pieces is not None else ())
+    except FileNotFoundError:
+        if rec.current is None or not holds(backend, path, rec.current):
+            raise
+        log.info("%s was published already by an earlier attempt", path)
 
 
-def copy(backend: Backend, rec: Record, src: str, dst: str) -> None:
-    manifest.write(backend, rec)
-    backend.copy(src, dst)
+def holds(backend: Backend, path: str, digest: Digest) -> bool:
+    """Whether the store's bytes at `path` are exactly `digest`."""
+    try:
+        return manifest.digest_of(backend.read(path)) == digest
+    except FileNotFoundError:
+        return False
 
 
-def carry(backend: Backend, rec: Record, src: str, dst: str, move: bool) -> None:
-    manifest.write(backend, rec)
+def show(backend: Backend, rec: Record, src: str, dst: str, move: bool) -> None:
+    """Give published bytes at `src` the name `dst` too (copy) or instead (move)."""
+    manifest.write(backend, dataclasses.replace(rec, source=f"{'move' if move else 'copy'}:{src}"))
     if move:
         backend.move(src, dst)
+        manifest.delete(backend, src)
     else:
         backend.copy(src, dst)
 
@@ -78,7 +101,31 @@ def fetch(backend: Backend, path: str) -> tuple[list[bytes], Digest]:
 
 
 def scan(backend: Backend):
-    return list(backend.walk()), manifest.read_all(backend)
+    """What the store holds, and its records. Called before this daemon
+    claims the store (`Backend.prepare`), while dead daemons' staging is still
+    there: a record whose data is missing is a crash leftover (removed) if the
+    bytes it was being published from still exist; otherwise the file was
+    lost from the store, and its record stays so `verify` reports it."""
+    entries = list(backend.walk())
+    records, unreadable = manifest.read_all(backend)
+    files = {e.path for e in entries if not e.is_dir}
+    live = None
+    for path, rec in list(records.items()):
+        if rec.kind != "file" or path in files:
+            continue
+        kind, _, where = rec.source.partition(":")
+        if kind == "put":  # a small object PUT whole: nothing was staged to prove it
+            live = backend.live_daemons() if live is None else live
+            leftover = where not in live
+        else:
+            leftover = kind in ("staged", "move", "copy") and backend.exists(where)
+        if leftover:
+            log.info("removing the record of %s: its data never reached the store (an earlier crash)", path)
+            manifest.delete(backend, path)
+            del records[path]
+        else:
+            log.warning("%s is recorded but missing from the store", path)
+    return entries, records, unreadable
 
 
 # -- whole files, straight to and from the store --------------------------------
@@ -87,11 +134,12 @@ def write_file(backend: Backend, path: str, data: bytes | memoryview, mode: int 
     visible in one step (C2), checksummed (C6)."""
     view = memoryview(data).cast("B")
     pieces = (view[i : i + PIECE] for i in range(0, len(view), PIECE))
-    staged, digest = stage(backend, pieces, len(view), path)
+    staged, digest = stage(backend, pieces, len(view))
     try:
         old = manifest.read(backend, path)
-        rec = Record(path, "file", digest, old.current if old is not None and old.kind == "file" else None, mode, time.time_ns())
-        publish(backend, rec, staged, path)
+        rec = Record(path, "file", digest, old.current if old is not None and old.kind == "file" else None, mode, time.time_ns(),
+                     written_ns=time.time_ns(), source=f"staged:{staged.token}" if staged.token else f"put:{backend.daemon_id}")
+        publish(backend, rec, staged, path, lambda: (view[i : i + PIECE] for i in range(0, len(view), PIECE)))
     except BaseException:
         backend.discard(staged)
         raise

@@ -24,7 +24,9 @@ class Report:
 def verify(backend: Backend, prefix: str = "", progress: Callable[[str, int], None] | None = None) -> Report:
     """Check size and xxh3-128 of every file under `prefix` against its record;
     `progress(path, size)` is called before each file is read."""
-    records = {p: r for p, r in manifest.read_all(backend).items() if _under(p, prefix)}
+    all_records, unreadable = manifest.read_all(backend)
+    records = {p: r for p, r in all_records.items() if _under(p, prefix)}
+    unreadable_set = set(unreadable)
     report = Report()
     seen = set()
     for entry in backend.walk(prefix):
@@ -34,6 +36,9 @@ def verify(backend: Backend, prefix: str = "", progress: Callable[[str, int], No
             progress(entry.path, entry.size)
         seen.add(entry.path)
         rec = records.get(entry.path)
+        if rec is None and manifest.record_path(entry.path) in unreadable_set:
+            report.corrupt.append((entry.path, "its record cannot be read"))
+            continue
         if rec is None or rec.kind != "file":
             report.extra.append(entry.path)
             continue

@@ -47,6 +47,11 @@ def test_C1_fsync_ram_returns_while_the_store_is_down(m):
 
 
 def test_C1_fsync_durable_waits_for_publication(tmp_path):
+    """--fsync=durable returns once the file is published: through a store
+    outage it waits (a retryable error is not a failure: no EIO), and returns
+    once the store is back and the file is in it."""
+    import threading
+
     mount = start_mount(tmp_path, extra=("--fsync", "durable"))
     mount.allowed_log_errors += RETRY_LOG
     try:
@@ -55,13 +60,26 @@ def test_C1_fsync_durable_waits_for_publication(tmp_path):
             f.flush()
             os.fsync(f.fileno())
             assert store_files(mount.store) == {"shard.distcp": b"s" * 100_000}  # before close
+            result: list = []
             with store_outage(mount.store):
                 f.write(b"more")
                 f.flush()
-                with pytest.raises(OSError):  # cannot be published: EIO, not a silent success
-                    os.fsync(f.fileno())
+                t = threading.Thread(target=lambda: result.append(_fsync(f.fileno())), daemon=True)
+                t.start()
+                t.join(2.0)
+                assert t.is_alive(), f"fsync returned {result} while the store was down"
+            t.join(120)
+            assert result == [None]
+            assert store_files(mount.store) == {"shard.distcp": b"s" * 100_000 + b"more"}
     finally:
         stop_mount(mount)
+
+
+def _fsync(fd: int):
+    try:
+        return os.fsync(fd)
+    except OSError as exc:
+        return exc
 
 
 # -- C2, C3, C4 under real framework save patterns ----------------------------------

@@ -1,4 +1,4 @@
-"""ckptfs over a real S3 server (rclone serve s3 on loopback)."""
+"""ckptfs over a real S3 server (SeaweedFS, weed server -s3, on loopback)."""
 
 from __future__ import annotations
 

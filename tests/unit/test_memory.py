@@ -171,3 +171,59 @@ def test_spill_moves_bytes_out_of_ram_and_keeps_working(tmp_path):
     snap.release()
     f.clear()
     assert not f.spilled
+
+
+def _bytes(snap) -> bytes:
+    return b"".join(bytes(p) for p in snap.pieces())
+
+
+@pytest.mark.parametrize("size", [1000, CHUNK + 1000])
+def test_shrinking_truncate_never_changes_a_snapshot(size):
+    """A sealed snapshot is what gets hashed and published: a truncate of the
+    live file after the seal must not alter it (it used to: the shared chunk's
+    initialised length was lowered in place)."""
+    f = FileData(MemoryPool(1 << 30))
+    f.write(0, b"s" * size)
+    snap = f.snapshot()
+    f.truncate(size - 500)
+    f.truncate(size)  # grow back: the tail must read as zeros in the file...
+    assert f.read(size - 600, 600) == b"s" * 100 + bytes(500)
+    assert _bytes(snap) == b"s" * size  # ...and as the old bytes in the snapshot
+    snap.release()
+
+
+def test_truncate_of_a_spilled_file_never_changes_a_snapshot(tmp_path):
+    f = FileData(MemoryPool(64 << 20))
+    f.write(0, b"a" * 5000)
+    f.spill(str(tmp_path))
+    snap = f.snapshot()
+    f.truncate(10)
+    assert _bytes(snap) == b"a" * 5000
+    snap.release()
+
+
+def test_older_spill_snapshot_released_late_does_not_unfreeze_a_newer_one(tmp_path):
+    """Generation 1 and 2 of a spilled file are both queued; releasing 1 must
+    not let the next write modify the spill file that 2 still reads."""
+    f = FileData(MemoryPool(64 << 20))
+    f.write(0, b"1" * 5000)
+    f.spill(str(tmp_path))
+    snap1 = f.snapshot()
+    f.write(0, b"2" * 5000)  # copies: snap1 keeps the first spill file
+    snap2 = f.snapshot()
+    snap1.release()
+    f.write(0, b"3" * 5000)  # snap2 still shares the spill file: must copy again
+    assert _bytes(snap2) == b"2" * 5000
+    snap2.release()
+    assert f.read(0, 5000) == b"3" * 5000
+
+
+def test_truncating_an_evicted_file_to_zero_makes_it_resident_and_empty():
+    pool = MemoryPool(1 << 30)
+    f = FileData(pool)
+    f.write(0, b"q" * 10000)
+    f.evict()
+    f.clear()
+    assert f.resident and f.size == 0
+    f.write(0, b"new")
+    assert f.read(0, 10) == b"new"

@@ -1,7 +1,7 @@
 """The daemon's control endpoint: a Unix socket answering `ckptfs.client`.
 
 Runs on the trio thread beside the FUSE handlers, so every answer is a
-consistent view of the store and the engine. See ckptfs/client.py for the
+consistent view of the inode tree and the engine. See ckptfs/client.py for the
 protocol and why the endpoint is a socket outside the mount.
 """
 
@@ -20,16 +20,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
-from ckptfs.writeback.engine import FileGen, NameOp
-from ckptfs.writeback.state import State
+from ckptfs.fs.tree import InodeTree
+from ckptfs.writeback.journal import FileGen, Op, kind
 
 from ckptfs.client import MAX_LINE, PROTOCOL_VERSION
 
 from . import status
-from .store import InodeStore
 
 if TYPE_CHECKING:
-    from ckptfs.writeback.engine import Engine, Op
+    from ckptfs.writeback.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +41,9 @@ class RequestError(Exception):
 
 
 class ControlServer:
-    def __init__(self, path: Path, store: InodeStore, engine: Engine, mount: dict[str, Any]) -> None:
+    def __init__(self, path: Path, tree: InodeTree, engine: Engine, mount: dict[str, Any]) -> None:
         self.path = path
-        self.store = store
+        self.tree = tree
         self.engine = engine
         self.mount = mount  # mountpoint, store, pid, started: echoed in status
 
@@ -109,10 +108,10 @@ class ControlServer:
     # -- requests ------------------------------------------------------------
     def status(self, with_files: bool, path: str) -> dict:
         out: dict[str, Any] = {"mount": {**self.mount, "uptime_s": time.time() - self.mount["started"]},
-                               "totals": status.totals(self.store, self.engine).as_dict()}
+                               "totals": status.totals(self.tree, self.engine).as_dict()}
         if with_files:
             self._check_exists(path)
-            out["files"] = [_row(f) for f in status.files(self.store, self.engine, path)]
+            out["files"] = [_row(f) for f in status.files(self.tree, self.engine, path)]
         return out
 
     async def flush(self, stream: trio.SocketStream, path: str, timeout: float) -> dict:
@@ -121,23 +120,22 @@ class ControlServer:
         total_files, total_bytes = _left(ops)
         with trio.move_on_after(timeout):
             while True:
-                ops = [op for op in ops if _waiting(op)]
-                if not ops:
-                    break
+                ops = [op for op in ops if self.engine.waiting(op)]
+                if all(self.engine.stuck(op) for op in ops):
+                    break  # nothing left, or only what waits for a parked file: never by itself
                 files, nbytes = _left(ops)
                 await _send(stream, {"progress": {"files_left": files, "bytes_left": nbytes, "files": total_files,
                                                   "bytes": total_bytes, "failed": _failed(ops)}})
                 with trio.move_on_after(PROGRESS_EVERY_S):
                     await self.engine.wait_change()
-        left = [self._describe(op) for op in ops if _waiting(op)]
+        left = [self._describe(op) for op in ops if self.engine.waiting(op)]
         return {"published": not left, "files": total_files, "bytes": total_bytes, "left": left}
 
     def _describe(self, op: Op) -> dict:
         if isinstance(op, FileGen):
-            paths = self.store.paths_of(op.ino)
+            paths = self.tree.paths_of(op.ino)
             return {"path": paths[0] if paths else op.path, "size": op.size, "state": op.state.value, "error": op.error, "tries": op.tries}
-        assert isinstance(op, NameOp)
-        return {"path": op.path, "size": 0, "state": f"{op.kind} pending", "error": op.error, "tries": op.tries}
+        return {"path": op.path, "size": 0, "state": f"{kind(op)} pending", "error": op.error, "tries": op.tries}
 
     async def prefetch(self, stream: trio.SocketStream, path: str) -> dict:
         self._check_exists(path)
@@ -159,7 +157,7 @@ class ControlServer:
     def evict(self, path: str) -> dict:
         self._check_exists(path)
         evicted, freed, refused = 0, 0, []
-        for f in status.files(self.store, self.engine, path):
+        for f in status.files(self.tree, self.engine, path):
             if f.state != "published":
                 refused.append({"path": f.path, "state": f.state})
             elif f.resident and not f.spilled:
@@ -170,17 +168,12 @@ class ControlServer:
         return {"evicted": evicted, "bytes": freed, "refused": refused}
 
     def _check_exists(self, path: str) -> None:
-        if path and self.store.inode_at(path) is None:
+        if path and self.tree.inode_at(path) is None:
             raise RequestError(f"{path}: no such file or directory in the mount")
 
 
 def _row(f: status.FileStatus) -> dict:
     return {k: v for k, v in asdict(f).items() if k != "ino"}
-
-
-def _waiting(op: Op) -> bool:
-    """Not applied yet (a generation dropped meanwhile needs nothing more)."""
-    return not op.done.is_set() and not (isinstance(op, FileGen) and op.state is State.DROPPED)
 
 
 def _left(ops: list[Op]) -> tuple[int, int]:
@@ -189,7 +182,7 @@ def _left(ops: list[Op]) -> tuple[int, int]:
 
 
 def _failed(ops: list[Op]) -> list[dict]:
-    return [{"path": op.path, "error": op.error, "tries": op.tries} for op in ops if isinstance(op, FileGen | NameOp) and op.error]
+    return [{"path": op.path, "error": op.error, "tries": op.tries} for op in ops if op.error]
 
 
 def _peer_uid(sock: trio.socket.SocketType) -> int:

@@ -1,4 +1,4 @@
-"""The inode store: the mount's namespace and file contents, FUSE-free.
+"""The inode tree: the mount's namespace and file contents, FUSE-free.
 
 Owns inodes (files, directories, symlinks, device/fifo/socket nodes), their
 attributes, directory entries, open handles and the reference counts that
@@ -40,14 +40,16 @@ RESERVED = b".ckptfs"  # the store's hidden prefix: not a name at the root
 
 
 class Journal(Protocol):
-    """What the store tells the write-back engine, as it happens. Paths are
+    """What the tree tells the write-back engine, as it happens. Paths are
     relative to the root, as of the moment of the event."""
 
     def sealed(self, ino: int, generation: int, snapshot: Snapshot, mode: int, mtime_ns: int) -> None: ...
-    def renamed(self, src: str, dst: str, is_dir: bool) -> None: ...
+    def renamed(self, src: str, dst: str, ino: int, is_dir: bool, replaced: int | None = None) -> None: ...
+    def exchanged(self, a: str, b: str) -> None: ...
+    def linked(self, ino: int, path: str) -> None: ...
     def removed(self, path: str, ino: int, is_dir: bool) -> None: ...
-    def made_dir(self, path: str) -> None: ...
-    def made_symlink(self, path: str, target: str) -> None: ...
+    def made_dir(self, path: str, ino: int) -> None: ...
+    def made_symlink(self, path: str, ino: int, target: str) -> None: ...
     def changed_mode(self, ino: int, mode: int) -> None: ...
 
 
@@ -119,7 +121,7 @@ class Usage:
     inodes: int
 
 
-class InodeStore:
+class InodeTree:
     def __init__(self, pool: MemoryPool, uid: int = 0, gid: int = 0, journal: Journal | None = None,
                  spill_dir: str | None = None) -> None:
         self.pool = pool
@@ -216,7 +218,7 @@ class InodeStore:
         self._link(d, name, inode)
         d.nlink += 1
         if self.journal is not None:
-            self.journal.made_dir(self._path(parent, name))
+            self.journal.made_dir(self._path(parent, name), inode.ino)
         return inode
 
     def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Inode:
@@ -225,7 +227,7 @@ class InodeStore:
         inode.target = target
         self._link(d, name, inode)
         if self.journal is not None:
-            self.journal.made_symlink(self._path(parent, name), os.fsdecode(target))
+            self.journal.made_symlink(self._path(parent, name), inode.ino, os.fsdecode(target))
         return inode
 
     def link(self, ino: int, parent: int, name: bytes) -> Inode:
@@ -236,6 +238,8 @@ class InodeStore:
         self._link(d, name, inode)
         inode.nlink += 1
         inode.ctime_ns = time.time_ns()
+        if self.journal is not None:
+            self.journal.linked(inode.ino, self._path(parent, name))
         return inode
 
     # -- removal -------------------------------------------------------------
@@ -324,7 +328,7 @@ class InodeStore:
             inode.parent = dst_dir.ino
         inode.ctime_ns = now
         if self.journal is not None:
-            self.journal.renamed(src_path, dst_path, inode.is_dir)
+            self.journal.renamed(src_path, dst_path, inode.ino, inode.is_dir, target.ino if target is not None else None)
         if target is not None:
             self._maybe_free(target)
         return target
@@ -351,11 +355,7 @@ class InodeStore:
             i.mtime_ns = i.ctime_ns = now
         a.ctime_ns = b.ctime_ns = now
         if self.journal is not None:
-            # Both files now live under the other's name: the engine re-files
-            # whatever it published under either name.
-            pa, pb = self._path(src_dir.ino, a_name), self._path(dst_dir.ino, b_name)
-            self.journal.renamed(pa, pb, a.is_dir)
-            self.journal.renamed(pb, pa, b.is_dir)
+            self.journal.exchanged(self._path(src_dir.ino, a_name), self._path(dst_dir.ino, b_name))
 
     # -- attributes ----------------------------------------------------------
     def setattr(
@@ -377,6 +377,8 @@ class InodeStore:
             if inode.data is None:
                 raise _err(errno.EINVAL)
             self.truncate(inode, size)
+            if not inode.writers:  # a truncate by path: no close will seal it
+                self.seal(inode)
         if mode is not None:
             inode.mode = stat.S_IFMT(inode.mode) | (mode & 0o7777)
             if self.journal is not None and inode.is_reg:

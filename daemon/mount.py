@@ -2,25 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
+import time
 from collections.abc import Callable
 
 import pyfuse3
 import trio
-from ckptfs.writeback.backend import open_store
+from ckptfs.fs.memory import MemoryPool
+from ckptfs.fs.ops import Operations
+from ckptfs.fs.tree import InodeTree
+from ckptfs.writeback.backend import new_daemon_id, open_store
 from ckptfs.writeback.engine import Engine
+from ckptfs.writeback.journal import FileGen, Op, kind
 
 from ckptfs import runtime
 from ckptfs.config import MountConfig
 
 from . import status
 from .control import ControlServer
-from .memory import MemoryPool
 from .metrics import Metrics
-from .ops import Operations
-from .store import InodeStore
 
 log = logging.getLogger(__name__)
 
@@ -48,18 +51,18 @@ def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
     """Mount, serve until unmounted or signalled, drain write-back, unmount.
     Returns 0, or 1 if anything was left unpublished."""
     backend = open_store(config.store_url, config.storage_options)
-    backend.prepare()
     spill_dir = config.spill_dir or default_spill_dir(backend)
-    store = InodeStore(MemoryPool(config.memory_limit), uid=os.getuid(), gid=os.getgid(), spill_dir=spill_dir)
-    engine = Engine(backend, store, workers=config.upload_workers)
-    store.journal = engine
+    tree = InodeTree(MemoryPool(config.memory_limit), uid=os.getuid(), gid=os.getgid(), spill_dir=spill_dir)
+    engine = Engine(backend, tree, workers=config.upload_workers)
+    tree.journal = engine
     metrics = Metrics()
     if config.metrics_port is not None:
         try:
             metrics.serve(config.metrics_port, config.metrics_host)
         except OSError as exc:
             raise RuntimeError(f"cannot serve metrics on {config.metrics_host}:{config.metrics_port}: {exc.strerror or exc}") from None
-    ops = Operations(store, engine, fsync_durable=config.fsync == "durable", metrics=metrics)
+    ops = Operations(tree, engine, fsync_durable=config.fsync == "durable", metrics=metrics,
+                     virtual_xattr=lambda inode, name: status.xattr(tree, engine, inode, name))
     mountpoint = str(config.mountpoint)
     try:
         pyfuse3.init(ops, mountpoint, fuse_options(f"ckptfs:{config.store_url}"[:200]))
@@ -67,7 +70,7 @@ def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
         metrics.close()
         raise
     info = runtime.MountInfo.new(mountpoint, config.store_url, str(config.log_file or ""))
-    control = ControlServer(runtime.control_socket(mountpoint), store, engine,
+    control = ControlServer(runtime.control_socket(mountpoint), tree, engine,
                             {"mountpoint": info.mountpoint, "store": config.store_url, "pid": info.pid, "started": info.started,
                              "log_file": info.log_file, "fsync": config.fsync, "memory_limit": config.memory_limit,
                              "metrics_port": config.metrics_port})
@@ -82,28 +85,48 @@ def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
     try:
         info.write()
         log.info("mounted %s (store %s, RAM budget %d bytes, fsync=%s)", mountpoint, config.store_url, config.memory_limit, config.fsync)
-        left = trio.run(_main, config, store, engine, control, metrics, unmount, ready)
+        left = trio.run(_main, config, tree, engine, control, metrics, unmount, ready)
     finally:
         unmount()
         metrics.close()
         runtime.remove(mountpoint)
-    runtime.write_exit_report(mountpoint, [f"{g.path} ({g.size} bytes, {g.state.value}{': ' + g.error if g.error else ''})" for g in left])
+    lines = [_describe(op) for op in left]
+    runtime.write_exit_report(mountpoint, lines)
     if left:
-        for g in left:
-            log.error("NOT PUBLISHED: %s generation %d, %d bytes, %s %s", g.path, g.generation, g.size, g.state.value, g.error)
-        log.error("unmounted %s with %d files not published", mountpoint, len(left))
+        for line in lines:
+            log.error("NOT PUBLISHED: %s", line)
+        log.error("unmounted %s with %d changes not published", mountpoint, len(left))
         return 1
     log.info("unmounted %s; everything published", mountpoint)
     return 0
 
 
-async def _main(config: MountConfig, store: InodeStore, engine: Engine, control: ControlServer, metrics: Metrics,
+def _crash_point() -> tuple[int, str] | None:
+    """CKPTFS_TEST_CRASH_AT=N:before|after kills the daemon (SIGKILL) at its
+    N-th store call after claiming the store: the crash-point test's hook."""
+    raw = os.environ.get("CKPTFS_TEST_CRASH_AT", "")
+    n, _, when = raw.partition(":")
+    if not n.isdigit() or when not in ("before", "after"):
+        return None
+    return int(n), when
+
+
+def _describe(op: Op) -> str:
+    if isinstance(op, FileGen):
+        return f"{op.path} ({op.size} bytes, generation {op.generation}, {op.state.value}{': ' + op.error if op.error else ''})"
+    return f"{op.path} ({kind(op)} not applied{': ' + op.error if op.error else ''})"
+
+
+async def _main(config: MountConfig, tree: InodeTree, engine: Engine, control: ControlServer, metrics: Metrics,
                 unmount: Callable[[], None], ready: Callable[[], None] | None) -> list:
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)
         await nursery.start(control.serve)  # answers during the drain too: `ckptfs status` shows it
-        metrics.watch(lambda: status.totals(store, engine), trio.lowlevel.current_trio_token())
-        n = await engine.scan(store.restore)
+        metrics.watch(lambda: status.totals(tree, engine), trio.lowlevel.current_trio_token())
+        started = time.time()
+        n = await engine.scan(tree.restore)  # first: it tells crash leftovers by dead daemons' staging
+        await engine.calls.run("claim the store", engine.backend.prepare, new_daemon_id(), started)
+        engine.calls.crash_at = _crash_point()
         if n:
             log.info("the store holds %d files: shown now, loaded on first use", n)
         signals = _Signals()
@@ -112,14 +135,18 @@ async def _main(config: MountConfig, store: InodeStore, engine: Engine, control:
         # Idle workers are kept: each new one would malloc a fresh 1 MiB buffer.
         await pyfuse3.main(min_tasks=8, max_tasks=64)
         unmount()  # no new work from here on
-        for inode in store.open_for_write():  # still open: their bytes now are what we have
-            store.seal(inode)
+        for inode in tree.open_for_write():  # still open: their bytes now are what we have
+            tree.seal(inode)
         pending = engine.unpublished()
         if pending:
-            log.info("draining write-back: %d files, %d bytes (timeout %.0fs)", len(pending), sum(g.size for g in pending), config.drain_timeout)
+            gens = [g for g in pending if isinstance(g, FileGen)]
+            log.info("draining write-back: %d files, %d bytes, %d namespace changes (timeout %.0fs)", len(gens),
+                     sum(g.size for g in gens), len(pending) - len(gens), config.drain_timeout)
         with signals.abort_scope:  # a second signal stops waiting
             await engine.drain(config.drain_timeout)
         left = engine.unpublished()
+        with contextlib.suppress(Exception):  # this daemon's staging and heartbeat go; a dead store must not hold the exit
+            await engine.calls.run("retire", engine.backend.retire)
         nursery.cancel_scope.cancel()
     return left
 

@@ -13,9 +13,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
+from ckptfs.fs.ops import XATTR_PREFIX
+from ckptfs.fs.tree import Inode, InodeTree
+from ckptfs.writeback.journal import FileGen
 from ckptfs.writeback.state import State
-
-from .store import Inode, InodeStore
 
 if TYPE_CHECKING:
     from ckptfs.writeback.engine import Engine
@@ -40,19 +41,20 @@ class FileStatus:
     open_for_write: bool
 
 
-def file_status(store: InodeStore, engine: Engine, inode: Inode, path: str) -> FileStatus:
+def file_status(tree: InodeTree, engine: Engine, inode: Inode, path: str) -> FileStatus:
     assert inode.data is not None
-    gen = engine.pending.get(inode.ino)
+    d = engine.durability(inode.ino)
     digest = None
     tries, error = 0, ""
-    if inode.version != inode.sealed_version:
+    if inode.version != inode.sealed_version or d is None:
         state = "dirty"
-    elif gen is not None and gen.generation == inode.generation:
-        state = gen.state.value
-        digest, tries, error = gen.digest, gen.tries, gen.error
-    elif engine.published_gen.get(inode.ino, 0) >= inode.generation:
+    elif d.generation == inode.generation:
+        state = "failed" if d.state is State.PARKED else d.state.value
+        digest, tries, error = d.digest, d.tries, d.error
+        if d.state is State.PARKED:
+            error = f"parked (failed for good, retried rarely): {error}"
+    elif d.published_generation >= inode.generation:
         state = State.PUBLISHED.value
-        digest = engine.published_digest(inode.ino, path)
     else:
         state = "dirty"
     data = inode.data
@@ -60,31 +62,30 @@ def file_status(store: InodeStore, engine: Engine, inode: Inode, path: str) -> F
                       data.resident, data.spilled, inode.writers > 0)
 
 
-XATTR_PREFIX = b"user.ckptfs."
 XATTRS = ("state", "xxh3", "generation", "error")
 
 
-def xattr(store: InodeStore, engine: Engine, inode: Inode, name: bytes) -> bytes:
+def xattr(tree: InodeTree, engine: Engine, inode: Inode, name: bytes) -> bytes:
     """`user.ckptfs.<field>` of a regular file; OSError(ENODATA) if none."""
     field_name = name.removeprefix(XATTR_PREFIX).decode(errors="replace")
-    paths = store.paths_of(inode.ino)
+    paths = tree.paths_of(inode.ino)
     if not inode.is_reg or inode.data is None or field_name not in XATTRS or not paths:
         raise OSError(errno.ENODATA, "no such attribute")
-    value = str(getattr(file_status(store, engine, inode, paths[0]), field_name))
+    value = str(getattr(file_status(tree, engine, inode, paths[0]), field_name))
     if not value:
         raise OSError(errno.ENODATA, "not known yet")
     return value.encode()
 
 
-def files(store: InodeStore, engine: Engine, prefix: str = "") -> list[FileStatus]:
+def files(tree: InodeTree, engine: Engine, prefix: str = "") -> list[FileStatus]:
     """Every regular file (under `prefix`), by path."""
     out = []
-    for inode in list(store.inodes.values()):
+    for inode in list(tree.inodes.values()):
         if not inode.is_reg or inode.data is None:
             continue
-        for path in store.paths_of(inode.ino):
+        for path in tree.paths_of(inode.ino):
             if not prefix or path == prefix or path.startswith(prefix + "/"):
-                out.append(file_status(store, engine, inode, path))
+                out.append(file_status(tree, engine, inode, path))
     out.sort(key=lambda f: f.path)
     return out
 
@@ -120,10 +121,10 @@ class Totals:
         return d
 
 
-def totals(store: InodeStore, engine: Engine) -> Totals:
+def totals(tree: InodeTree, engine: Engine) -> Totals:
     t = Totals()
     seen: set[int] = set()
-    for f in files(store, engine):
+    for f in files(tree, engine):
         if f.ino in seen:  # hard links: the file once
             continue
         seen.add(f.ino)
@@ -135,10 +136,11 @@ def totals(store: InodeStore, engine: Engine) -> Totals:
             t.spilled.add(f.size)
         else:
             t.in_ram.add(f.size)
-    usage = store.usage()
+    usage = tree.usage()
     t.budget_limit, t.budget_used = usage.limit, usage.used
-    t.queue = len(engine.queue)
-    sealed = [g.sealed_at for g in engine.unpublished()]
+    left = engine.unpublished()
+    t.queue = len(left)
+    sealed = [g.sealed_at for g in left if isinstance(g, FileGen)]
     t.oldest_unpublished_s = time.time() - min(sealed) if sealed else 0.0
     t.upload_bytes_per_s = engine.throughput()
     t.last_error = engine.last_error

@@ -6,7 +6,7 @@ import stat
 
 import pytest
 from ckptfs.fs.memory import MemoryPool
-from ckptfs.fs.store import RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT, InodeStore
+from ckptfs.fs.tree import RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT, InodeTree
 
 W = os.O_WRONLY
 RW = os.O_RDWR
@@ -14,7 +14,7 @@ RW = os.O_RDWR
 
 @pytest.fixture
 def s():
-    return InodeStore(MemoryPool(1 << 30))
+    return InodeTree(MemoryPool(1 << 30))
 
 
 def errno_of(fn, *args, **kwargs):
@@ -232,7 +232,7 @@ def test_setgid_directory_inheritance(s):
 
 
 def test_budget_exhaustion_is_enospc(s):
-    small = InodeStore(MemoryPool(1 << 20))
+    small = InodeTree(MemoryPool(1 << 20))
     h = small.create(ROOT, b"f", 0o644, W | os.O_CREAT, 0, 0)
     assert errno_of(small.write, h.fh, 0, b"x" * (2 << 20)) == errno.ENOSPC
     small.write(h.fh, 0, b"x" * 1000)
@@ -246,16 +246,22 @@ class Recorder:
         self.events.append(("sealed", ino, generation, b"".join(bytes(p) for p in snapshot.pieces())))
         snapshot.release()
 
-    def renamed(self, src, dst, is_dir):
+    def renamed(self, src, dst, ino, is_dir, replaced=None):
         self.events.append(("renamed", src, dst, is_dir))
+
+    def exchanged(self, a, b):
+        self.events.append(("exchanged", a, b))
+
+    def linked(self, ino, path):
+        self.events.append(("linked", ino, path))
 
     def removed(self, path, ino, is_dir):
         self.events.append(("removed", path, is_dir))
 
-    def made_dir(self, path):
+    def made_dir(self, path, ino):
         self.events.append(("mkdir", path))
 
-    def made_symlink(self, path, target):
+    def made_symlink(self, path, ino, target):
         self.events.append(("symlink", path, target))
 
     def changed_mode(self, ino, mode):
@@ -264,7 +270,7 @@ class Recorder:
 
 def test_journal_events_carry_paths_at_event_time():
     rec = Recorder()
-    s = InodeStore(MemoryPool(1 << 30), journal=rec)
+    s = InodeTree(MemoryPool(1 << 30), journal=rec)
     d = s.mkdir(ROOT, b"ckpt.tmp", 0o755, 0, 0)
     f = new_file(s, b"shard", b"data", parent=d.ino)
     s.rename(ROOT, b"ckpt.tmp", ROOT, b"ckpt")
@@ -279,6 +285,20 @@ def test_journal_events_carry_paths_at_event_time():
         ("removed", "ckpt/shard", False),
         ("removed", "ckpt", True),
     ]
+
+
+def test_journal_has_hard_links_exchanges_and_path_truncates():
+    """Hard links and RENAME_EXCHANGE reach the journal as what they are, and a
+    truncate by path (no open handle, so no release) seals at once."""
+    rec = Recorder()
+    s = InodeTree(MemoryPool(1 << 30), journal=rec)
+    a = new_file(s, b"a", b"AAAA")
+    new_file(s, b"b", b"BB")
+    rec.events.clear()
+    s.link(a.ino, ROOT, b"a2")
+    s.rename(ROOT, b"a", ROOT, b"b", RENAME_EXCHANGE)
+    s.setattr(a.ino, size=0)
+    assert rec.events == [("linked", a.ino, "a2"), ("exchanged", "a", "b"), ("sealed", a.ino, 2, b"")]
 
 
 def test_paths_of_and_inode_at(s):

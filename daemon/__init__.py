@@ -1,0 +1,1 @@
+"""The daemon: mount lifecycle, control socket, status and metrics (wiring, no FUSE logic)."""

@@ -1,0 +1,401 @@
+"""The second-generation engine against the failures it was built for (each
+of these failed on the first engine): ordering of directory commits and
+rotations, namespace cases, permanent errors, hung calls, crash leftovers,
+verified restarts. Real inode tree, real local store, in-process."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+
+import pytest
+import trio
+from ckptfs.fs.tree import RENAME_EXCHANGE, ROOT
+from ckptfs.writeback import manifest
+from ckptfs.writeback.backend import STAGING, open_store
+from ckptfs.writeback.calls import Deadlines
+from ckptfs.writeback.engine import Retry
+from ckptfs.writeback.state import State
+from ckptfs.writeback.verify import verify
+
+from tests.unit.test_engine import FaultyBackend, Rig, run_until_flushed
+
+
+class Checked:
+    """Wraps a backend: after every call that changes the store, `check`
+    sees the store as a reader would at that moment."""
+
+    MUTATING = {"publish", "move", "move_dir", "copy", "delete", "exchange", "rmdir", "put"}
+
+    def __init__(self, inner, check) -> None:
+        self.inner, self.check = inner, check
+        self.violations: list[str] = []
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if name not in self.MUTATING:
+            return attr
+
+        def call(*args, **kwargs):
+            out = attr(*args, **kwargs)
+            self.violations += self.check()
+            return out
+
+        return call
+
+
+async def test_directory_commit_becomes_visible_as_a_unit(tmp_path):
+    """Orbax: files written into `N.orbax-checkpoint-tmp`, the directory
+    renamed to `N` before their turn, then `N/commit_success.txt`. The store
+    must never show `N/` with only some of its files, nor the marker early."""
+    rig = Rig(tmp_path / "store")
+    members = {"manifest.ocdbt", "d/params.0", "d/params.1", "_METADATA"}
+
+    def check():
+        out = []
+        for step in ("1", "2"):
+            d = tmp_path / "store" / step
+            if d.exists():
+                have = {os.path.relpath(os.path.join(p, n), d) for p, _, ns in os.walk(d) for n in ns}
+                if not members <= have:
+                    out.append(f"{step}/ visible with only {sorted(have)}")
+        return out
+
+    checked = Checked(rig.backend, check)
+    rig.engine.backend = checked
+    for step in ("1", "2"):
+        tmp = f"{step}.orbax-checkpoint-tmp-123"
+        rig.mkdir(tmp)
+        rig.mkdir(f"{tmp}/d")
+        for m in sorted(members):
+            rig.write(f"{tmp}/{m}", os.urandom(1000))
+        rig.rename(tmp, step)  # before any of its files' turn
+        rig.write(f"{step}/commit_success.txt", b"ok")
+    await run_until_flushed(rig)
+    assert not checked.violations, checked.violations
+    assert set(rig.files()) == {f"{s}/{m}" for s in ("1", "2") for m in [*members, "commit_success.txt"]}
+    assert not any("orbax-checkpoint-tmp" in p for p in os.listdir(tmp_path / "store"))
+    assert verify(rig.backend).clean
+
+
+async def test_directory_commit_on_an_object_store_shows_markers_last(tmp_path):
+    """memory:// has no directories: members move first, markers last."""
+    import fsspec
+
+    rig = Rig(tmp_path / "store")
+    rig.backend = rig.engine.backend = open_store(f"memory://{tmp_path.name}/obj")
+    rig.backend.prepare("test-obj", time.time())
+    mem = fsspec.filesystem("memory")
+    order = []
+    real_move = rig.backend.move
+    rig.backend.move = lambda s, d: (order.append(d.rsplit("/", 1)[-1]), real_move(s, d))
+    rig.mkdir("5.tmp")
+    rig.write("5.tmp/a", b"A")
+    rig.write("5.tmp/commit_success.txt", b"ok")
+    await run_until_flushed(rig)  # both published under the tmp name
+    rig.write("5.tmp/b", b"B")
+    rig.rename("5.tmp", "5")
+    await run_until_flushed(rig)
+    assert order[-1] == "commit_success.txt" and "a" in order
+    names = sorted(p.rsplit("/", 1)[-1] for p in mem.find(f"/{tmp_path.name}/obj/5"))
+    assert names == ["a", "b", "commit_success.txt"]
+    mem.rm(f"/{tmp_path.name}", recursive=True)
+
+
+async def test_rotation_never_leaves_the_store_without_a_complete_checkpoint(tmp_path):
+    """keep-2 rotation through an outage: c3 and c4 are written and deleted
+    again before the store comes back. The deletions of c1 and c2 must wait
+    until a newer complete checkpoint is in the store."""
+    rig = Rig(tmp_path / "store")
+    files = ("model", "optim", "done")
+
+    def complete():
+        root = tmp_path / "store"
+        return [c for c in os.listdir(root) if c.startswith("c") and all((root / c / f).exists() for f in files)]
+
+    def save(c):
+        rig.mkdir(c)
+        for f in files:
+            rig.write(f"{c}/{f}", c.encode() * 100)
+
+    def delete(c):
+        for f in files:
+            rig.unlink(f"{c}/{f}")
+        rig.store.rmdir(ROOT, c.encode())
+
+    save("c1")
+    save("c2")
+    await run_until_flushed(rig)
+    ever = [False]
+
+    def check():
+        have = complete()
+        if have:
+            ever[0] = True
+            return []
+        return ["no complete checkpoint in the store"] if ever[0] else []
+
+    faulty = FaultyBackend(Checked(rig.backend, check), error_rate=0.0, latency_s=0.0)
+    rig.engine.backend = faulty
+    faulty.down = True
+    for n in range(3, 7):  # keep 2: save c{n}, delete c{n-2}
+        save(f"c{n}")
+        delete(f"c{n - 2}")
+
+    async def outage():
+        await trio.sleep(0.5)
+        faulty.down = False
+
+    await run_until_flushed(rig, outage)
+    assert not faulty.inner.violations, faulty.inner.violations
+    assert sorted(complete()) == ["c5", "c6"] and sorted(os.listdir(tmp_path / "store")) == [".ckptfs", "c5", "c6"]
+
+
+async def test_exchange_of_two_published_files_swaps_them_in_the_store(tmp_path):
+    rig = Rig(tmp_path / "store")
+    rig.write("a", b"AAAA")
+    rig.write("b", b"BB")
+    await run_until_flushed(rig)
+    rig.store.rename(ROOT, b"a", ROOT, b"b", RENAME_EXCHANGE)
+    await run_until_flushed(rig)
+    assert rig.files() == {"a": b"BB", "b": b"AAAA"}
+    assert verify(rig.backend).clean
+    # evicting and reading back both must give the swapped bytes
+    rig.engine.evict(1 << 40)
+    for path, want in (("a", b"BB"), ("b", b"AAAA")):
+        node = rig.store.inode_at(path)
+        await rig.engine.load(node.ino)
+        assert node.data.read(0, 10) == want
+
+
+async def test_hard_links_reach_the_store_and_survive_the_loss_of_one_name(tmp_path):
+    rig = Rig(tmp_path / "store")
+    h = rig.write("a", b"linked")
+    await run_until_flushed(rig)
+    rig.store.link(h.inode.ino, ROOT, b"b")
+    await run_until_flushed(rig)
+    assert rig.files() == {"a": b"linked", "b": b"linked"}
+    rig.write("c", b"other")
+    rig.rename("c", "a")  # over a name whose file has another link
+    await run_until_flushed(rig)
+    assert rig.files() == {"a": b"other", "b": b"linked"}
+    assert verify(rig.backend).clean
+
+
+async def test_truncate_to_zero_of_an_evicted_file_is_published(tmp_path):
+    rig = Rig(tmp_path / "store")
+    h = rig.write("f", b"x" * 5000)
+    await run_until_flushed(rig)
+    assert rig.engine.evict(1 << 40) and not h.inode.data.resident
+    h2 = rig.store.open(h.inode.ino, os.O_WRONLY | os.O_TRUNC)
+    rig.store.release(h2.fh)
+    await run_until_flushed(rig)
+    assert rig.files() == {"f": b""}
+    rig.engine.evict(1 << 40)
+    rig.store.setattr(h.inode.ino, size=0)  # truncate by path, no handle
+    await run_until_flushed(rig)
+    assert rig.files() == {"f": b""}
+
+
+async def test_truncate_after_seal_never_changes_what_is_published(tmp_path):
+    rig = Rig(tmp_path / "store")
+    h = rig.write("f", b"sealed" * 1000)
+    rig.store.setattr(h.inode.ino, size=10)  # seals generation 2 at once
+    await run_until_flushed(rig)
+    assert rig.files() == {"f": b"sealedseal"}
+    rec = manifest.read(rig.backend, "f")
+    assert rec.current.size == 10 and verify(rig.backend).clean
+
+
+async def test_queued_renames_and_removals_count_as_unpublished(tmp_path):
+    rig = Rig(tmp_path / "store")
+    rig.write("a", b"A")
+    await run_until_flushed(rig)
+    faulty = FaultyBackend(rig.backend, error_rate=0.0, latency_s=0.0)
+    faulty.down = True
+    rig.engine.backend = faulty
+    rig.rename("a", "b")
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        left = await rig.engine.drain(0.5)
+        n.cancel_scope.cancel()
+    assert [type(op).__name__ for op in left] == ["Rename"]
+
+
+async def test_a_name_the_store_cannot_take_is_parked_and_blocks_nothing_it_does_not_order(tmp_path):
+    """The store's root is so deep that one file's path passes PATH_MAX there
+    (the mount takes it). It is parked after a few tries; files sealed after
+    it are published; a completion marker in its directory is held back; its
+    fsync=durable waiter gets EIO; a rename to a shorter name publishes it."""
+    deep = tmp_path
+    for _ in range(12):
+        deep = deep / ("s" * 250)
+    rig = Rig(deep, retry=Retry(first_s=0.01, max_s=0.05, park_after=2, parked_s=3600))
+    long_dir = "/".join(["d" * 200] * 6)
+    parent = ""
+    for part in long_dir.split("/"):
+        parent = f"{parent}/{part}" if parent else part
+        rig.mkdir(parent)
+    h = rig.write(f"{long_dir}/big", b"B" * 100)
+    rig.write("after", b"later file")
+    rig.write(f"{long_dir.split('/')[0]}/commit_success.txt", b"ok")
+
+    async def body():
+        with pytest.raises(OSError) as exc:
+            with trio.fail_after(10):
+                await rig.engine.wait_published(h.inode.ino, h.inode.generation)
+        assert exc.value.errno == errno.EIO
+
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        await body()
+        with trio.fail_after(10):
+            await rig.engine.flush()  # returns: what is left is stuck behind the parked file
+        files = rig.files()
+        assert files.get("after") == b"later file"
+        assert not any(p.endswith("commit_success.txt") for p in files)
+        left = rig.engine.unpublished()
+        assert any(getattr(op, "state", None) is State.PARKED for op in left)
+        n.cancel_scope.cancel()
+
+
+async def test_a_publish_that_half_succeeded_is_success_on_retry(tmp_path):
+    """The data was made visible, then the call failed: the retry finds its
+    staged copy gone and the final bytes right, and moves on."""
+    rig = Rig(tmp_path / "store")
+    real = rig.backend.publish
+    calls = []
+
+    def publish_then_fail(staged, path, pieces=()):
+        real(staged, path, pieces)
+        calls.append(path)
+        if len(calls) == 1:
+            raise ConnectionError("reply lost")
+
+    rig.backend.publish = publish_then_fail
+    rig.write("a", b"A" * 10)
+    rig.write("b", b"B" * 10)
+    await run_until_flushed(rig)
+    assert rig.files() == {"a": b"A" * 10, "b": b"B" * 10} and verify(rig.backend).clean
+
+
+async def test_a_hung_store_call_is_abandoned_and_retried(tmp_path):
+    rig = Rig(tmp_path / "store")
+    rig.engine.calls.deadlines = Deadlines(call_s=0.3, min_rate=1 << 40)
+    release = threading.Event()
+    real = rig.backend.publish
+    hung = []
+
+    def publish(staged, path, pieces=()):
+        if not hung:
+            hung.append(path)
+            release.wait(30)  # hangs far past its deadline
+        real(staged, path, pieces)
+
+    rig.backend.publish = publish
+    rig.write("a", b"A")
+    rig.write("b", b"B")
+    try:
+        with trio.fail_after(10):
+            await run_until_flushed(rig)
+    finally:
+        release.set()
+    assert rig.files() == {"a": b"A", "b": b"B"}
+    assert rig.engine.calls.abandoned == 1
+
+
+async def test_durable_fsync_waits_through_transient_errors(tmp_path):
+    rig = Rig(tmp_path / "store")
+    faulty = FaultyBackend(rig.backend, error_rate=0.5, latency_s=0.0, seed=3)
+    rig.engine.backend = faulty
+    handles = [rig.write(f"f{i}", b"x" * 100, keep_open=True) for i in range(8)]
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        for h in handles:
+            assert rig.store.seal(h.inode)
+        with trio.fail_after(20):
+            for h in handles:
+                await rig.engine.wait_published(h.inode.ino, h.inode.generation)  # no EIO on retryable errors
+        n.cancel_scope.cancel()
+    assert faulty.failures > 0
+    for h in handles:
+        rig.store.release(h.fh)
+
+
+async def test_restart_refuses_bytes_that_do_not_match_their_record(tmp_path):
+    rig = Rig(tmp_path / "store")
+    rig.write("appended", b"good" * 100)
+    rig.write("norecord", b"fine" * 100)
+    await run_until_flushed(rig)
+    with open(tmp_path / "store" / "appended", "ab") as f:
+        f.write(b"extra")  # same prefix, different size: must not be served
+    (tmp_path / "store" / manifest.record_path("norecord")).write_bytes(b"{not json")
+    rig2 = Rig(tmp_path / "store")
+    await rig2.engine.scan(rig2.store.restore)
+    for path in ("appended", "norecord"):
+        with pytest.raises(OSError) as exc:
+            await rig2.engine.load(rig2.store.inode_at(path).ino)
+        assert exc.value.errno == errno.EIO
+        assert path in rig2.engine.verify_failures
+
+
+async def test_crash_leftovers_are_cleaned_at_the_next_mount_and_real_losses_are_not_hidden(tmp_path):
+    """A record written just before a crash kept its data from being
+    published (its staged bytes are still there): removed at the next mount.
+    A recorded file deleted from the store behind ckptfs's back: its record
+    stays, so verify reports it. A dead daemon's staging goes, a live one's
+    stays."""
+    store = tmp_path / "store"
+    rig = Rig(store)
+    rig.write("kept", b"k")
+    rig.write("lost", b"l")
+    await run_until_flushed(rig)
+    backend = rig.backend
+    (store / STAGING / "dead-daemon").mkdir(parents=True)
+    (store / STAGING / "dead-daemon" / "partial").write_bytes(b"x")
+    manifest.write(backend, manifest.Record("ghost", "file", manifest.Digest(1, "00"), None,
+                                            source=f"staged:{STAGING}/dead-daemon/partial"))
+    (store / STAGING / "old-format-file").write_bytes(b"y")
+    (store / "lost").unlink()
+    rig2 = Rig(store, claim=False)
+    await rig2.engine.scan(rig2.store.restore)
+    live = open_store(str(store))  # another daemon on the same store, alive
+    live.prepare("live-daemon", time.time())
+    live_staged = live.stage([b"in flight"], 9)
+    rig2.backend.prepare("next-daemon", time.time())
+    report = verify(rig2.backend)
+    assert report.missing == ["lost"] and not report.corrupt and not report.extra
+    assert manifest.read(rig2.backend, "ghost") is None
+    assert not (store / STAGING / "dead-daemon").exists() and not (store / STAGING / "old-format-file").exists()
+    assert (store / live_staged.token).exists()
+
+
+async def test_snapshot_memory_is_kept_while_an_abandoned_upload_still_reads_it(tmp_path):
+    rig = Rig(tmp_path / "store")
+    rig.engine.calls.deadlines = Deadlines(call_s=0.2, min_rate=1 << 40)
+    release = threading.Event()
+    real = rig.backend.stage
+    seen = []
+
+    def stage(pieces, size):
+        if not seen:
+            seen.append(size)
+            release.wait(20)
+        return real(pieces, size)
+
+    rig.backend.stage = stage
+    h = rig.write("f", b"z" * 5000)
+    gen = rig.engine.pending[h.inode.ino]
+    try:
+        with trio.fail_after(10):
+            await run_until_flushed(rig)
+        assert gen.state is State.PUBLISHED and gen.readers == 1 and gen.snapshot is not None
+    finally:
+        release.set()
+    with trio.fail_after(10):
+        while gen.readers:
+            await trio.sleep(0.02)
+    assert gen.snapshot is None  # released once the abandoned thread let go
+    assert rig.files() == {"f": b"z" * 5000}

@@ -1,0 +1,98 @@
+"""Every store call the engine makes: in a thread, with a deadline (C11).
+
+A store call that hangs (a dead TCP connection, an S3 server that stops
+answering, an NFS mount gone away) must not stall publication, durable
+fsyncs or the daemon's exit. Each call runs in its own worker thread; past
+its deadline the caller stops waiting and gets `StoreTimeout`, which the
+engine retries like any other failure. The thread is *abandoned*: it is left
+to finish on its own, holding no limiter slot, and whatever it does late is
+fenced by the caller (a staging attempt writes under a name of its own that
+nothing publishes once the attempt is given up; see `Engine`).
+
+Uploads, the publisher and loads do not share a limiter: each stage bounds
+its own concurrency by its number of tasks, so a 1 KB cold open never waits
+behind multi-gigabyte uploads.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import trio
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """How long a store call may take: `call_s`, plus `nbytes / min_rate`
+    for calls that move data."""
+
+    call_s: float = 60.0
+    min_rate: float = 4 << 20  # bytes/s: a 2 GiB upload may take 60 s + 512 s
+
+    def for_bytes(self, nbytes: int) -> float:
+        return self.call_s + max(0, nbytes) / self.min_rate
+
+
+class StoreTimeout(OSError):
+    """A store call gave no answer within its deadline (and was abandoned)."""
+
+    def __init__(self, what: str, seconds: float) -> None:
+        super().__init__(errno.ETIMEDOUT, f"no answer within {seconds:.0f}s (abandoned)")
+        self.what = what
+
+
+# Errors that retrying cannot fix: the name can never exist in this store, or
+# the store refuses the request itself. Anything else (timeouts, connection
+# errors, throttling, 5xx, a full disk) is transient and retried.
+PERMANENT_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.EINVAL, errno.EILSEQ, errno.EACCES, errno.EPERM, errno.EROFS})
+
+
+def permanent(exc: BaseException) -> bool:
+    if isinstance(exc, StoreTimeout):
+        return False
+    if isinstance(exc, OSError):
+        return exc.errno in PERMANENT_ERRNOS or isinstance(exc, PermissionError)
+    if isinstance(exc, ValueError | UnicodeError):
+        return True
+    status = getattr(exc, "response", {}) or {}
+    code = status.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) if isinstance(status, dict) else 0
+    return 400 <= code < 500 and code not in (408, 429)
+
+
+class StoreCalls:
+    def __init__(self, deadlines: Deadlines = Deadlines()) -> None:
+        self.deadlines = deadlines
+        # Only so that abandoned threads never exhaust trio's default limiter;
+        # concurrency is bounded by the engine's tasks, not here.
+        self._threads = trio.CapacityLimiter(10_000)
+        self.abandoned = 0
+        self.count = 0
+        self.crash_at: tuple[int, str] | None = None  # fault injection for the crash-point test: (call number, "before"/"after")
+
+    async def run(self, what: str, fn: Callable[..., T], *args, nbytes: int = 0) -> T:
+        self.count += 1
+        self._maybe_crash("before", what)
+        seconds = self.deadlines.for_bytes(nbytes)
+        with trio.move_on_after(seconds):
+            result = await trio.to_thread.run_sync(functools.partial(fn, *args), abandon_on_cancel=True, limiter=self._threads)
+            self._maybe_crash("after", what)
+            return result
+        self.abandoned += 1
+        log.warning("store call %s gave no answer within %.0fs: abandoned, will be retried", what, seconds)
+        raise StoreTimeout(what, seconds)
+
+    def _maybe_crash(self, when: str, what: str) -> None:
+        if self.crash_at is not None and self.crash_at == (self.count, when):
+            log.warning("crash-point test: SIGKILL %s store call %d (%s)", when, self.count, what)
+            os.kill(os.getpid(), signal.SIGKILL)

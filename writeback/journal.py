@@ -1,0 +1,153 @@
+"""The journal: what happened on the mount, as ops in one sequence.
+
+The inode tree (fs/) reports seals and namespace changes as they happen; each
+becomes an `Op` with the next sequence number. The publisher applies them in
+that order (C3). Paths are relative to the mount's root, as of the event.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import trio
+
+from .backend import Staged
+from .manifest import Digest
+from .state import State, transition
+
+
+class Snapshot(Protocol):
+    size: int
+
+    def pieces(self): ...
+    def release(self) -> None: ...
+
+
+@dataclass(eq=False)
+class Op:
+    seq: int
+    done: trio.Event = field(default_factory=trio.Event, init=False)
+    tries: int = field(default=0, init=False)
+    error: str = field(default="", init=False)
+
+    @property
+    def path(self) -> str:  # for humans: logs, status, flush
+        return ""
+
+
+@dataclass(eq=False)
+class FileGen(Op):
+    """One sealed generation of a file on its way to the store."""
+
+    ino: int
+    generation: int
+    snapshot: Snapshot | None
+    mode: int
+    mtime_ns: int
+    size: int
+    names: list[str]  # the file's paths when it was sealed
+    state: State = State.DIRTY
+    digest: Digest | None = None
+    staged: Staged | None = None
+    sealed_at: float = field(default_factory=time.time)
+    attempt: int = 0  # bumped per staging attempt: a late, abandoned attempt sees it changed and stops
+    readers: int = 0  # threads reading the snapshot (abandoned ones included)
+    publishing: bool = False  # the publisher is showing it: it can no longer be dropped
+    dropped_by: int = 0  # the seq of the op that deleted the file, if that dropped it
+    superseded_by: FileGen | None = None
+    retry_at: float = 0.0  # trio time before which a failed step is not retried
+
+    @property
+    def path(self) -> str:
+        return self.names[0] if self.names else ""
+
+    def move(self, new: State) -> None:
+        self.state = transition(self.state, new)
+
+    @property
+    def settled(self) -> bool:
+        """Nothing more will happen to it: published, or dropped for good."""
+        if self.state is State.PUBLISHED:
+            return True
+        if self.state is State.DROPPED:
+            return self.superseded_by is None or self.superseded_by.settled
+        return False
+
+
+@dataclass(eq=False)
+class Rename(Op):
+    src: str
+    dst: str
+    ino: int
+    is_dir: bool
+
+    @property
+    def path(self) -> str:
+        return self.src
+
+
+@dataclass(eq=False)
+class Exchange(Op):
+    a: str
+    b: str
+
+    @property
+    def path(self) -> str:
+        return self.a
+
+
+@dataclass(eq=False)
+class Link(Op):
+    name: str
+    ino: int
+
+    @property
+    def path(self) -> str:
+        return self.name
+
+
+@dataclass(eq=False)
+class Remove(Op):
+    name: str
+    ino: int
+    is_dir: bool
+
+    @property
+    def path(self) -> str:
+        return self.name
+
+
+@dataclass(eq=False)
+class Mkdir(Op):
+    name: str
+    ino: int
+
+    @property
+    def path(self) -> str:
+        return self.name
+
+
+@dataclass(eq=False)
+class Symlink(Op):
+    name: str
+    ino: int
+    target: str
+
+    @property
+    def path(self) -> str:
+        return self.name
+
+
+@dataclass(eq=False)
+class Chmod(Op):
+    ino: int
+    mode: int
+
+
+NameOp = Rename | Exchange | Link | Remove | Mkdir | Symlink | Chmod
+
+
+def kind(op: Op) -> str:
+    return type(op).__name__.lower()

@@ -1,0 +1,485 @@
+"""The publisher: applies the journal to the store, strictly in order (C3).
+
+It replays each op on the `Replica` (the store's namespace at the journal
+position reached) and makes the store agree:
+
+- A sealed generation's turn: it is bound to the names it had when sealed.
+  Under each name the live mount still gives it, it is published (record
+  first, then the data, made visible in one step). Under a name the file no
+  longer has, it is *held*: not visible (C4), kept staged, and shown when a
+  later rename or link gives it a live name (or dropped with its file).
+- A rename moves what the store shows, in the store, at its turn. A directory
+  becomes visible as a unit: on a local store its held members are put in
+  place and the directory moves with one rename(2); on an object store
+  members move first and completion markers (`markers`) last.
+- Removals wait (see `_gated`): a removal is applied only once every
+  generation sealed before it is settled (published, or dropped for good by
+  an op the publisher has already passed), so rotation never removes an old
+  checkpoint before the newer one is in the store, even when the newer one
+  was itself deleted before its turn.
+- A generation that fails permanently (a name the store cannot take) is
+  *parked* after `Retry.park_after` tries: loud, retried rarely, and it no
+  longer blocks the queue. It still blocks later removals and completion
+  markers in its directory tree, so nothing vouches for it or replaces it.
+
+Every store call goes through `StoreCalls` (deadlines, C11). Publication is
+idempotent: after any crash or abandoned call, doing it again is correct.
+"""
+
+from __future__ import annotations
+
+import collections
+import fnmatch
+import logging
+import stat
+from typing import TYPE_CHECKING
+
+import trio
+
+from . import manifest, storeio
+from .backend import META
+from .journal import Chmod, Exchange, FileGen, Link, Mkdir, Op, Remove, Rename, Symlink
+from .manifest import Record
+from .replica import Dir, File, Node, Replica, Shown
+from .replica import Link as RLink
+from .state import State
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+log = logging.getLogger(__name__)
+
+# Files that vouch for others: shown last when a directory moves on an object
+# store, and held back while a file in their directory tree is parked.
+MARKERS = ("commit_success.txt", ".metadata", "ckptfs-commit.json", "latest", "latest_*", "*.latest", "latest_checkpointed_iteration.txt")
+
+
+class Publisher:
+    def __init__(self, engine: Engine, markers: tuple[str, ...] = MARKERS) -> None:
+        self.e = engine
+        self.replica = Replica()
+        self.markers = markers
+        self.position = 0  # seq of the last op applied (or deferred)
+        self.deferred: collections.deque[tuple[Node | None, Remove]] = collections.deque()
+        self.parked: set[FileGen] = set()
+        self.retry_parked_at = 0.0
+
+    # -- the loop --------------------------------------------------------------
+    async def run(self) -> None:
+        e = self.e
+        while True:
+            try:
+                await self._release_deferred()
+                if self.parked and trio.current_time() >= self.retry_parked_at:
+                    await self._retry_parked()
+                if not e.queue:
+                    await self._idle()
+                    continue
+                op = e.queue[0]
+                if isinstance(op, FileGen):
+                    if not await self._turn(op):
+                        await self._idle()
+                        continue
+                else:
+                    await self._apply(op)
+                self._complete(op)
+            except trio.Cancelled:
+                raise
+            except Exception as exc:  # a failed step is retried at the head of the queue
+                op = e.queue[0] if e.queue else None
+                if op is not None and self.e.failed(op, "publish", exc):
+                    self._complete(op)  # parked: it no longer blocks the queue
+                    continue
+                await trio.sleep_until(op.retry_at if isinstance(op, FileGen) else trio.current_time() + e.retry.delay(op.tries if op else 1))
+
+    async def _idle(self) -> None:
+        with trio.move_on_at(self.retry_parked_at if self.parked else float("inf")):
+            await self.e.wait_change()
+
+    def _complete(self, op: Op) -> None:
+        popped = self.e.queue.popleft()
+        assert popped is op
+        self.position = op.seq
+        if not (isinstance(op, Remove) and any(o is op for _, o in self.deferred)):
+            op.done.set()
+        self.e.notify()
+
+    # -- a sealed generation's turn ------------------------------------------
+    async def _turn(self, gen: FileGen) -> bool:
+        """False: not ready yet (staging), wait."""
+        if gen.state is State.DROPPED:
+            return True
+        if gen.state is State.PARKED:
+            self._hold(gen, gen.names)
+            return True
+        if gen.staged is None and gen.state is not State.PUBLISHED:
+            return False  # still uploading, or its upload failed and is scheduled again
+        if gen.retry_at > trio.current_time():
+            await trio.sleep_until(gen.retry_at)
+            return False
+        nodes = []
+        for name in gen.names:
+            node = self.replica.lookup(name)
+            if not isinstance(node, File):
+                node = File(gen.ino)
+                self.replica.bind(name, node)
+            elif node.ino != gen.ino:
+                self.replica.rebind_ino(node, gen.ino)
+            nodes.append((name, node))
+        for _, node in nodes:
+            node.held = gen
+        for name, node in nodes:
+            await self._materialize(name, node)
+        return True
+
+    def _hold(self, gen: FileGen, names: list[str]) -> None:
+        for name in names:
+            node = self.replica.lookup(name)
+            if not isinstance(node, File):
+                node = File(gen.ino)
+                self.replica.bind(name, node)
+            node.held = gen
+
+    def live_at(self, path: str, ino: int) -> bool:
+        node = self.e.ns.inode_at(path)
+        return node is not None and node.ino == ino
+
+    async def _materialize(self, path: str, node: File, into: str | None = None) -> bool:
+        """Show `node`'s held generation at `path` if the live mount has it
+        there (at `into` instead: assembling a directory). True if shown."""
+        gen = node.held
+        if gen is None:
+            return False
+        if gen.state is State.DROPPED or gen.ino != node.ino:
+            node.held = None
+            return False
+        if gen.state is State.PARKED or not self.live_at(path, gen.ino) or self._marker_blocked(path):
+            return False
+        at = into or path
+        rec = self._record(path, gen, node)
+        source = self._shown_source(gen, exclude=node)
+        publishing = gen.staged is not None and source is None
+        if publishing:
+            gen.publishing = True
+            try:
+                staged = gen.staged
+                await self.e.read_snapshot(gen, f"publish {path}", storeio.publish, self.e.backend, rec, staged, at,
+                                           (lambda: gen.snapshot.pieces()) if staged.token is None else None)
+            finally:
+                gen.publishing = False
+            if staged.token is not None:
+                gen.staged = None  # consumed: the staging object is now the file
+        elif source is not None:
+            await self.e.calls.run(f"copy {source} to {path}", storeio.show, self.e.backend, rec, source, at, False, nbytes=gen.size)
+        else:  # its staged copy was consumed under another name since unshown: stage again
+            gen.move(State.FAILED)
+            self.e.upload_again(gen)
+            return False
+        if into is not None and not into.startswith(META):  # visible under `into` until the directory moves
+            await self.e.calls.run(f"record {into}", manifest.write, self.e.backend,
+                                   Record(into, "file", rec.current, None, rec.mode, rec.mtime_ns, source=rec.source))
+        node.shown = Shown(gen.ino, gen.generation, gen.digest, stat.S_IMODE(gen.mode), gen.mtime_ns)
+        node.held = None
+        self._made_parents(path)
+        self.e.published(gen, path)
+        return True
+
+    def _shown_source(self, gen: FileGen, exclude: Node) -> str | None:
+        for path, other in self.replica.nodes_of(gen.ino):
+            if (other is not exclude and isinstance(other, File) and other.shown and other.shown.ino == gen.ino
+                    and other.shown.generation == gen.generation):
+                return path
+        return None
+
+    def _record(self, path: str, gen: FileGen, node: File) -> Record:
+        previous = node.shown.digest if node.shown is not None else None
+        staged = gen.staged
+        source = f"staged:{staged.token}" if staged is not None and staged.token else f"put:{self.e.backend.daemon_id}"
+        return Record(path, "file", gen.digest, previous, stat.S_IMODE(gen.mode), gen.mtime_ns, written_ns=int(gen.sealed_at * 1e9),
+                      source=source)
+
+    def _made_parents(self, path: str) -> None:
+        d = self.replica.lookup(path.rsplit("/", 1)[0]) if "/" in path else self.replica.root
+        while isinstance(d, Dir) and not d.made:
+            d.made = True
+            d = d.parent
+
+    def _marker_blocked(self, path: str) -> bool:
+        name = path.rsplit("/", 1)[-1]
+        if not self.parked or not any(fnmatch.fnmatchcase(name, m) for m in self.markers):
+            return False
+        base = path.rsplit("/", 1)[0] if "/" in path else ""
+        for gen in self.parked:
+            for p in self.e.ns.paths_of(gen.ino):
+                if not base or p.startswith(base + "/"):
+                    return True
+        return False
+
+    def held_back(self, gen: FileGen) -> bool:
+        """A completion marker whose turn came while a file it may vouch for is parked."""
+        return gen.seq <= self.position and any(self._marker_blocked(p) for p in self.e.ns.paths_of(gen.ino))
+
+    # -- namespace ops ----------------------------------------------------------
+    async def _apply(self, op: Op) -> None:
+        if isinstance(op, Rename):
+            await self._rename(op)
+        elif isinstance(op, Remove):
+            node = self.replica.lookup(op.name)
+            if node is None or (node.ino and node.ino != op.ino):
+                return  # nothing of that file in the replica (never sealed)
+            if self.deferred or self._gated(op.seq):
+                log.debug("removal of %s waits for earlier generations", op.name)
+                self.deferred.append((node, op))
+                return
+            await self._remove(node, op)
+        elif isinstance(op, Mkdir):
+            node = self.replica.lookup(op.name)
+            if not isinstance(node, Dir):
+                node = Dir(op.ino)
+                self.replica.bind(op.name, node)
+            elif node.ino != op.ino:
+                self.replica.rebind_ino(node, op.ino)
+            live = self.e.ns.inode_at(op.name)
+            if live is not None and live.ino == op.ino and not node.made:  # C4: only if it still exists
+                await self.e.calls.run(f"mkdir {op.name}", self.e.backend.mkdir, op.name)
+                node.made = True
+                self._made_parents(op.name)
+        elif isinstance(op, Symlink):
+            node = RLink(op.ino, target=op.target)
+            self.replica.bind(op.name, node)
+            if self.live_at(op.name, op.ino):
+                await self.e.calls.run(f"record {op.name}", manifest.write, self.e.backend, Record(op.name, "symlink", target=op.target, mode=0o777))
+                node.shown = True
+        elif isinstance(op, Link):
+            node = File(op.ino)
+            self.replica.bind(op.name, node)
+            source = next((p for p, n in self.replica.nodes_of(op.ino) if isinstance(n, File) and n is not node and n.shown), None)
+            if source is not None and self.live_at(op.name, op.ino):
+                src = self.replica.lookup(source)
+                assert isinstance(src, File) and src.shown is not None
+                shown = src.shown
+                rec = Record(op.name, "file", shown.digest, None, shown.mode, shown.mtime_ns)
+                await self.e.calls.run(f"copy {source} to {op.name}", storeio.show, self.e.backend, rec, source, op.name, False)
+                node.shown = Shown(shown.ino, shown.generation, shown.digest, shown.mode, shown.mtime_ns)
+            else:
+                held = next((n.held for _, n in self.replica.nodes_of(op.ino) if isinstance(n, File) and n.held is not None), None)
+                node.held = held
+                await self._materialize(op.name, node)
+        elif isinstance(op, Exchange):
+            await self._exchange(op)
+        elif isinstance(op, Chmod):  # the manifest keeps modes (C8: the data is plain)
+            for path, node in self.replica.nodes_of(op.ino):
+                if isinstance(node, File) and node.shown is not None and node.shown.mode != op.mode:
+                    rec = Record(path, "file", node.shown.digest, None, op.mode, node.shown.mtime_ns)
+                    await self.e.calls.run(f"record {path}", manifest.write, self.e.backend, rec)
+                    node.shown.mode = op.mode
+
+    async def _rename(self, op: Rename) -> None:
+        node = self.replica.lookup(op.src)
+        if node is None:
+            # Never sealed under that name (a rename before the release that
+            # seals it): the store keeps what it shows at dst until the new
+            # file's generation replaces it, so there is no window without it.
+            target = self.replica.lookup(op.dst)
+            if isinstance(target, File):
+                self.replica.rebind_ino(target, op.ino)
+            elif not op.is_dir:
+                self.replica.bind(op.dst, File(op.ino))
+            return
+        if isinstance(node, Dir):
+            await self._rename_dir(op, node)
+            return
+        target = self.replica.lookup(op.dst)
+        backend = self.e.backend
+        if isinstance(node, File):
+            if node.shown is not None:
+                rec = Record(op.dst, "file", node.shown.digest, None, node.shown.mode, node.shown.mtime_ns)
+                await self.e.calls.run(f"move {op.src} to {op.dst}", storeio.show, backend, rec, op.src, op.dst, True, nbytes=self._size(node))
+            elif isinstance(target, File) and target.shown is not None:
+                node.shown = target.shown  # the old bytes stay until the new ones are sealed
+        elif isinstance(node, RLink) and node.shown:
+            await self.e.calls.run(f"record {op.dst}", manifest.write, backend, Record(op.dst, "symlink", target=node.target, mode=0o777))
+            await self.e.calls.run(f"record {op.src}", manifest.delete, backend, op.src)
+        self.replica.bind(op.dst, node)
+        if isinstance(node, File):
+            await self._materialize(op.dst, node)
+
+    @staticmethod
+    def _size(node: File) -> int:
+        return node.shown.digest.size if node.shown is not None and node.shown.digest is not None else 0
+
+    def _is_marker(self, path: str) -> bool:
+        name = path.rsplit("/", 1)[-1]
+        return any(fnmatch.fnmatchcase(name, m) for m in self.markers)
+
+    def _showable(self, path: str, f: Node) -> bool:
+        return (isinstance(f, File) and f.held is not None and f.held.state not in (State.DROPPED, State.PARKED)
+                and self.live_at(path, f.ino) and not self._marker_blocked(path))
+
+    async def _rename_dir(self, op: Rename, node: Dir) -> None:
+        """A directory becomes visible under its new name as a unit."""
+        backend, calls = self.e.backend, self.e.calls
+        members = list(self.replica.walk(node))
+        show = [(rel, f) for rel, f in members if self._showable(f"{op.dst}/{rel}", f)]
+        if backend.dirs:
+            # Assemble everything under the old name (or, if the store never
+            # had it, a hidden directory), then one rename(2).
+            base = op.src if node.made else await calls.run(f"assemble {op.dst}", backend.unit_dir)
+            for rel, f in show:
+                assert isinstance(f, File)
+                await self._materialize(f"{op.dst}/{rel}", f, into=f"{base}/{rel}")
+            shown = [(rel, f) for rel, f in members if isinstance(f, File) and f.shown is not None]
+            for rel, f in shown:  # records first: a crash leaves data with records (stray records are cleaned at mount)
+                assert isinstance(f, File) and f.shown is not None
+                rec = Record(f"{op.dst}/{rel}", "file", f.shown.digest, None, f.shown.mode, f.shown.mtime_ns, source=f"move:{base}/{rel}")
+                await calls.run(f"record {rec.path}", manifest.write, backend, rec)
+            links = [(rel, f) for rel, f in members if isinstance(f, RLink) and f.shown]
+            for rel, f in links:
+                assert isinstance(f, RLink)
+                await calls.run(f"record {op.dst}/{rel}", manifest.write, backend, Record(f"{op.dst}/{rel}", "symlink", target=f.target, mode=0o777))
+            if not await calls.run(f"move {base} to {op.dst}", backend.move_dir, base, op.dst):
+                log.info("moving %s to %s member by member (the store has something in the way)", base, op.dst)
+                for rel, _f in sorted(shown, key=lambda rf: self._is_marker(rf[0])):
+                    await calls.run(f"move {base}/{rel}", backend.move, f"{base}/{rel}", f"{op.dst}/{rel}")
+                for rel, f in sorted(members, key=lambda rf: -rf[0].count("/")):
+                    if isinstance(f, Dir):
+                        await calls.run(f"rmdir {base}/{rel}", backend.rmdir, f"{base}/{rel}")
+                await calls.run(f"rmdir {base}", backend.rmdir, base)
+            if base == op.src:
+                for rel, _f in shown + links:
+                    await calls.run(f"record {op.src}/{rel}", manifest.delete, backend, f"{op.src}/{rel}")
+            node.made = True
+        else:
+            # Object stores: members first, completion markers last.
+            for rel, f in sorted(members, key=lambda rf: self._is_marker(rf[0])):
+                src, dst = f"{op.src}/{rel}", f"{op.dst}/{rel}"
+                if isinstance(f, File) and any(f is g for _, g in show):
+                    was = f.shown
+                    if await self._materialize(dst, f) and was is not None:
+                        await calls.run(f"delete {src}", storeio.delete, backend, src)
+                elif isinstance(f, File) and f.shown is not None:
+                    rec = Record(dst, "file", f.shown.digest, None, f.shown.mode, f.shown.mtime_ns)
+                    await calls.run(f"move {src} to {dst}", storeio.show, backend, rec, src, dst, True, nbytes=self._size(f))
+                elif isinstance(f, RLink) and f.shown:
+                    await calls.run(f"record {dst}", manifest.write, backend, Record(dst, "symlink", target=f.target, mode=0o777))
+                    await calls.run(f"record {src}", manifest.delete, backend, src)
+        self.replica.bind(op.dst, node)
+        self._made_parents(op.dst)
+
+    async def _exchange(self, op: Exchange) -> None:
+        a, b = self.replica.lookup(op.a), self.replica.lookup(op.b)
+        backend = self.e.backend
+        shown_a = isinstance(a, File) and a.shown is not None
+        shown_b = isinstance(b, File) and b.shown is not None
+        if shown_a and shown_b:
+            assert isinstance(a, File) and isinstance(b, File) and a.shown and b.shown
+            await self.e.calls.run(f"exchange {op.a} and {op.b}", backend.exchange, op.a, op.b)
+            for path, shown in ((op.a, b.shown), (op.b, a.shown)):
+                rec = Record(path, "file", shown.digest, None, shown.mode, shown.mtime_ns)
+                await self.e.calls.run(f"record {path}", manifest.write, backend, rec)
+        elif shown_a or shown_b:
+            src, dst = (op.a, op.b) if shown_a else (op.b, op.a)
+            node = a if shown_a else b
+            assert isinstance(node, File) and node.shown is not None
+            rec = Record(dst, "file", node.shown.digest, None, node.shown.mode, node.shown.mtime_ns)
+            await self.e.calls.run(f"move {src} to {dst}", storeio.show, backend, rec, src, dst, True)
+        if a is not None:
+            self.replica.detach(a)
+        if b is not None:
+            self.replica.detach(b)
+        if a is not None:
+            self.replica.bind(op.b, a)
+        if b is not None:
+            self.replica.bind(op.a, b)
+
+    # -- removals wait ----------------------------------------------------------
+    def _gated(self, seq: int) -> bool:
+        """Whether a generation sealed before `seq` is not settled yet."""
+        e = self.e
+        while e.unsettled:
+            first = next(iter(e.unsettled.values()))
+            if not self.settled(first):
+                return first.seq < seq
+            del e.unsettled[first.seq]
+        return False
+
+    def settled(self, gen: FileGen) -> bool:
+        if gen.state is State.PUBLISHED:
+            return True
+        if gen.state is State.DROPPED:
+            if gen.superseded_by is not None:
+                return self.settled(gen.superseded_by)
+            return gen.dropped_by <= self.position
+        return False
+
+    def blocked_by_parked(self) -> bool:
+        e = self.e
+        return bool(e.unsettled) and next(iter(e.unsettled.values())).state is State.PARKED
+
+    async def _release_deferred(self) -> None:
+        while self.deferred and not self._gated(self.deferred[0][1].seq):
+            node, op = self.deferred[0]
+            if node is not None and self.replica.attached(node):
+                await self._remove(node, op)
+            self.deferred.popleft()
+            op.done.set()
+            self.e.notify()
+        if self.deferred and not self.e.queue:
+            self.e.notify()  # flushes waiting on them learn that they are stuck
+
+    async def _remove(self, node: Node, op: Remove) -> None:
+        path = self.replica.path_of(node)
+        if path is None:
+            return
+        backend = self.e.backend
+        if isinstance(node, File):
+            if node.shown is not None:
+                await self.e.calls.run(f"delete {path}", storeio.delete, backend, path)
+        elif isinstance(node, RLink):
+            if node.shown:
+                await self.e.calls.run(f"record {path}", manifest.delete, backend, path)
+        elif isinstance(node, Dir):
+            await self.e.calls.run(f"rmdir {path}", backend.rmdir, path)
+        self.replica.detach(node)
+
+    # -- parked generations -----------------------------------------------------
+    def park(self, gen: FileGen) -> None:
+        self.parked.add(gen)
+        self.retry_parked_at = trio.current_time() + self.e.retry.parked_s
+
+    async def _retry_parked(self) -> None:
+        self.retry_parked_at = trio.current_time() + self.e.retry.parked_s
+        for gen in list(self.parked):
+            if gen.state is not State.PARKED:
+                self.parked.discard(gen)
+                continue
+            log.info("retrying parked %s", gen.path)
+            self.parked.discard(gen)
+            gen.move(State.FAILED)
+            if gen.staged is None:
+                self.e.upload_again(gen)
+                continue
+            for path, node in self.replica.nodes_of(gen.ino):
+                if isinstance(node, File) and node.held is gen:
+                    try:
+                        await self._materialize(path, node)
+                    except Exception as exc:
+                        self.e.failed(gen, "publish", exc)
+                        break
+
+    # -- restart ----------------------------------------------------------------
+    def restored(self, path: str, node: Node) -> None:
+        self.replica.bind(path, node)
+        if isinstance(node, Dir):
+            node.made = True
+
+
+def shown_digest(replica: Replica, ino: int) -> tuple[str, Shown] | None:
+    """A path where the store shows `ino`'s newest published bytes."""
+    best = None
+    for path, node in replica.nodes_of(ino):
+        if (isinstance(node, File) and node.shown is not None and node.shown.ino == ino
+                and (best is None or node.shown.generation > best[1].generation)):
+            best = (path, node.shown)
+    return best
+

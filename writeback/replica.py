@@ -1,0 +1,145 @@
+"""The replica: the store's namespace as the publisher has replayed it.
+
+The publisher applies the journal strictly in order. The replica is the
+namespace the mount had at the journal position the publisher has reached,
+each name bound to the inode the mount bound it to then. For every file name
+it also knows what the store *shows* there (`Shown`: which inode, generation
+and digest, or nothing), and whether a sealed, staged generation is *held*
+there: its turn came while that name no longer existed in the live mount, so
+it is not made visible under it (C4); it becomes visible when a later rename
+or link gives it a name the live mount still has, or is dropped when its file
+is deleted.
+
+Nodes are objects with parent links, so a removal that has to wait (see
+`Engine`, "removals wait") still finds its node after renames of its parents.
+Pure data, no I/O: the engine decides, the backend acts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .journal import FileGen
+    from .manifest import Digest
+
+
+@dataclass
+class Shown:
+    """What the store holds at a path: one published generation of a file."""
+
+    ino: int
+    generation: int
+    digest: Digest | None  # None: found in the store with no record
+    mode: int = 0o644
+    mtime_ns: int = 0
+
+
+@dataclass(eq=False)
+class Node:
+    ino: int
+    name: str = ""
+    parent: Dir | None = None
+
+
+@dataclass(eq=False)
+class Dir(Node):
+    children: dict[str, Node] = field(default_factory=dict)
+    made: bool = False  # exists in the store as a directory (local stores)
+
+
+@dataclass(eq=False)
+class File(Node):
+    shown: Shown | None = None
+    held: FileGen | None = None
+
+
+@dataclass(eq=False)
+class Link(Node):
+    target: str = ""
+    shown: bool = False
+
+
+class Replica:
+    def __init__(self) -> None:
+        self.root = Dir(ino=1, made=True)
+        self._by_ino: dict[int, set[Node]] = {}
+
+    def nodes_of(self, ino: int) -> list[tuple[str, Node]]:
+        """The attached nodes bound to `ino`, with their paths, by path."""
+        out = []
+        for node in list(self._by_ino.get(ino, ())):
+            path = self.path_of(node)
+            if path is None:
+                self._by_ino[ino].discard(node)
+            else:
+                out.append((path, node))
+        if not self._by_ino.get(ino, True):
+            del self._by_ino[ino]
+        return sorted(out, key=lambda pn: pn[0])
+
+    def rebind_ino(self, node: Node, ino: int) -> None:
+        """The mount now binds `node`'s name to another inode."""
+        self._by_ino.get(node.ino, set()).discard(node)
+        node.ino = ino
+        self._by_ino.setdefault(ino, set()).add(node)
+
+    def lookup(self, path: str) -> Node | None:
+        node: Node = self.root
+        for part in path.split("/") if path else []:
+            if not isinstance(node, Dir) or (node := node.children.get(part)) is None:  # type: ignore[assignment]
+                return None
+        return node
+
+    def path_of(self, node: Node) -> str | None:
+        """The node's path now, or None once it is detached."""
+        parts = []
+        while node is not self.root:
+            if node.parent is None or node.parent.children.get(node.name) is not node:
+                return None
+            parts.append(node.name)
+            node = node.parent
+        return "/".join(reversed(parts))
+
+    def attached(self, node: Node) -> bool:
+        return self.path_of(node) is not None
+
+    def parent_dir(self, path: str) -> Dir:
+        """The directory that holds `path`, created (not made) if missing."""
+        d = self.root
+        for part in path.split("/")[:-1]:
+            child = d.children.get(part)
+            if not isinstance(child, Dir):
+                child = Dir(ino=0, name=part, parent=d)
+                d.children[part] = child
+            d = child
+        return d
+
+    def bind(self, path: str, node: Node) -> Node | None:
+        """Put `node` at `path`; returns the node it replaced, detached."""
+        d = self.parent_dir(path)
+        name = path.rsplit("/", 1)[-1]
+        old = d.children.get(name)
+        if old is not None:
+            old.parent = None
+        node.name, node.parent = name, d
+        d.children[name] = node
+        if node.ino:
+            self._by_ino.setdefault(node.ino, set()).add(node)
+        return old
+
+    def detach(self, node: Node) -> None:
+        if node.parent is not None and node.parent.children.get(node.name) is node:
+            del node.parent.children[node.name]
+        node.parent = None
+
+    def walk(self, node: Node, prefix: str = "") -> Iterator[tuple[str, Node]]:
+        """Every node under `node` (itself excluded), with its path relative to it."""
+        if isinstance(node, Dir):
+            for name, child in list(node.children.items()):
+                rel = f"{prefix}/{name}" if prefix else name
+                yield rel, child
+                yield from self.walk(child, rel)
+
