@@ -66,6 +66,22 @@ def new_daemon_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{time.time_ns():x}"
 
 
+def _dead_here(daemon: str) -> bool:
+    """Whether `daemon` (an id from `new_daemon_id`) ran on this host and its
+    process is gone."""
+    host, _, rest = daemon.rpartition("-")[0].rpartition("-")
+    pid = rest
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
 @dataclass(frozen=True)
 class Entry:
     path: str
@@ -109,15 +125,18 @@ class Backend:
         self.delete(f"{DAEMONS}/{self.daemon_id}")
 
     def live_daemons(self) -> set[str]:
+        """Daemons using this store: a recent heartbeat, and on this host a
+        running process (a daemon killed a second ago has a fresh heartbeat)."""
         live = set()
         now = time.time()
         for path in self.find(DAEMONS):
+            daemon = path.rsplit("/", 1)[-1]
             try:
                 beat = json.loads(self.read_all(path))["time"]
             except (OSError, ValueError, KeyError, TypeError):
                 continue
-            if now - beat < HEARTBEAT_DEAD_S:
-                live.add(path.rsplit("/", 1)[-1])
+            if now - beat < HEARTBEAT_DEAD_S and not _dead_here(daemon):
+                live.add(daemon)
             else:
                 self.delete(path)
         return live
@@ -279,8 +298,8 @@ class LocalBackend(Backend):
         try:
             os.rename(self._abs(src), full)  # replaces an empty directory
         except OSError as exc:
-            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
-                return False  # something is in the way: the caller moves members
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR, errno.ENOENT):
+                return False  # something is in the way, or nothing to move: the caller moves members
             raise
         _fsync_dir(os.path.dirname(full))
         _fsync_dir(os.path.dirname(self._abs(src)))

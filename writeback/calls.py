@@ -82,17 +82,18 @@ class StoreCalls:
 
     async def run(self, what: str, fn: Callable[..., T], *args, nbytes: int = 0) -> T:
         self.count += 1
-        self._maybe_crash("before", what)
+        number = self.count
+        self._maybe_crash(number, "before", what)
         seconds = self.deadlines.for_bytes(nbytes)
         with trio.move_on_after(seconds):
             result = await trio.to_thread.run_sync(functools.partial(fn, *args), abandon_on_cancel=True, limiter=self._threads)
-            self._maybe_crash("after", what)
+            self._maybe_crash(number, "after", what)
             return result
         self.abandoned += 1
         log.warning("store call %s gave no answer within %.0fs: abandoned, will be retried", what, seconds)
         raise StoreTimeout(what, seconds)
 
-    def _maybe_crash(self, when: str, what: str) -> None:
-        if self.crash_at is not None and self.crash_at == (self.count, when):
-            log.warning("crash-point test: SIGKILL %s store call %d (%s)", when, self.count, what)
+    def _maybe_crash(self, number: int, when: str, what: str) -> None:
+        if self.crash_at is not None and self.crash_at == (number, when):
+            log.warning("crash-point test: SIGKILL %s store call %d (%s)", when, number, what)
             os.kill(os.getpid(), signal.SIGKILL)

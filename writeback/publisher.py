@@ -117,6 +117,7 @@ class Publisher:
         if gen.retry_at > trio.current_time():
             await trio.sleep_until(gen.retry_at)
             return False
+        log.debug("turn of %s generation %d (seq %d) as %s", gen.path, gen.generation, gen.seq, gen.names)
         nodes = []
         for name in gen.names:
             node = self.replica.lookup(name)
@@ -156,31 +157,34 @@ class Publisher:
         if gen.state is State.PARKED or not self.live_at(path, gen.ino) or self._marker_blocked(path):
             return False
         at = into or path
-        rec = self._record(path, gen, node)
+        # The record names where the bytes land; none inside a hidden assembly
+        # directory (the directory move writes the records for the final paths).
+        rec = None if at.startswith(META + "/") else self._record(at, gen, node)
         source = self._shown_source(gen, exclude=node)
-        publishing = gen.staged is not None and source is None
-        if publishing:
+        if gen.staged is not None and source is None:
             gen.publishing = True
             try:
                 staged = gen.staged
-                await self.e.read_snapshot(gen, f"publish {path}", storeio.publish, self.e.backend, rec, staged, at,
-                                           (lambda: gen.snapshot.pieces()) if staged.token is None else None)
+                await self.e.read_snapshot(gen, f"publish {at}", storeio.publish, self.e.backend, rec, staged, at, gen.digest,
+                                           (lambda: gen.snapshot.pieces()) if staged.token is None else None, nbytes=gen.size)
             finally:
                 gen.publishing = False
             if staged.token is not None:
                 gen.staged = None  # consumed: the staging object is now the file
         elif source is not None:
-            await self.e.calls.run(f"copy {source} to {path}", storeio.show, self.e.backend, rec, source, at, False, nbytes=gen.size)
+            await self.e.calls.run(f"copy {source} to {at}", storeio.show, self.e.backend, rec, source, at, False, nbytes=gen.size)
+        elif gen.state is State.PUBLISHED:  # shown under another name, since gone: nothing left to show it from
+            log.warning("%s: its bytes are no longer staged nor shown anywhere; the next generation will be", path)
+            node.held = None
+            return False
         else:  # its staged copy was consumed under another name since unshown: stage again
             gen.move(State.FAILED)
             self.e.upload_again(gen)
             return False
-        if into is not None and not into.startswith(META):  # visible under `into` until the directory moves
-            await self.e.calls.run(f"record {into}", manifest.write, self.e.backend,
-                                   Record(into, "file", rec.current, None, rec.mode, rec.mtime_ns, source=rec.source))
         node.shown = Shown(gen.ino, gen.generation, gen.digest, stat.S_IMODE(gen.mode), gen.mtime_ns)
         node.held = None
-        self._made_parents(path)
+        if not at.startswith(META + "/"):
+            self._made_parents(at)  # where the bytes landed: their directories exist in the store now
         self.e.published(gen, path)
         return True
 
@@ -199,6 +203,8 @@ class Publisher:
                       source=source)
 
     def _made_parents(self, path: str) -> None:
+        """The directories holding `path` exist in the store (a publication
+        creates them)."""
         d = self.replica.lookup(path.rsplit("/", 1)[0]) if "/" in path else self.replica.root
         while isinstance(d, Dir) and not d.made:
             d.made = True
@@ -221,6 +227,7 @@ class Publisher:
 
     # -- namespace ops ----------------------------------------------------------
     async def _apply(self, op: Op) -> None:
+        log.debug("apply %s", op)
         if isinstance(op, Rename):
             await self._rename(op)
         elif isinstance(op, Remove):
@@ -324,7 +331,8 @@ class Publisher:
         if backend.dirs:
             # Assemble everything under the old name (or, if the store never
             # had it, a hidden directory), then one rename(2).
-            base = op.src if node.made else await calls.run(f"assemble {op.dst}", backend.unit_dir)
+            in_store = node.made or any(isinstance(f, File) and f.shown is not None for _, f in members)
+            base = op.src if in_store else await calls.run(f"assemble {op.dst}", backend.unit_dir)
             for rel, f in show:
                 assert isinstance(f, File)
                 await self._materialize(f"{op.dst}/{rel}", f, into=f"{base}/{rel}")

@@ -118,7 +118,9 @@ class Replica:
         return d
 
     def bind(self, path: str, node: Node) -> Node | None:
-        """Put `node` at `path`; returns the node it replaced, detached."""
+        """Put `node` at `path` (moving it from where it was); returns the
+        node it replaced, detached."""
+        self.detach(node)
         d = self.parent_dir(path)
         name = path.rsplit("/", 1)[-1]
         old = d.children.get(name)

@@ -54,14 +54,17 @@ def stage(backend: Backend, pieces: Iterable[memoryview | bytes], size: int,
     return staged, Digest(size, h.hexdigest())
 
 
-def publish(backend: Backend, rec: Record, staged: Staged, path: str, pieces: Callable[[], Iterable] | None = None) -> None:
-    """Record, then make visible (see manifest.py). Idempotent: if the staged
-    data is gone because an earlier attempt published it, that is success."""
-    manifest.write(backend, rec)  # first: see manifest.py
+def publish(backend: Backend, rec: Record | None, staged: Staged, path: str, digest: Digest,
+            pieces: Callable[[], Iterable] | None = None) -> None:
+    """Record (if any), then make visible (see manifest.py). Idempotent: if
+    the staged data is gone because an earlier attempt published it, that is
+    success."""
+    if rec is not None:
+        manifest.write(backend, rec)  # first: see manifest.py
     try:
         backend.publish(staged, path, pieces() if pieces is not None else ())
     except FileNotFoundError:
-        if rec.current is None or not holds(backend, path, rec.current):
+        if not holds(backend, path, digest):
             raise
         log.info("%s was published already by an earlier attempt", path)
 
@@ -74,9 +77,10 @@ def holds(backend: Backend, path: str, digest: Digest) -> bool:
         return False
 
 
-def show(backend: Backend, rec: Record, src: str, dst: str, move: bool) -> None:
+def show(backend: Backend, rec: Record | None, src: str, dst: str, move: bool) -> None:
     """Give published bytes at `src` the name `dst` too (copy) or instead (move)."""
-    manifest.write(backend, dataclasses.replace(rec, source=f"{'move' if move else 'copy'}:{src}"))
+    if rec is not None:
+        manifest.write(backend, dataclasses.replace(rec, source=f"{'move' if move else 'copy'}:{src}"))
     if move:
         backend.move(src, dst)
         manifest.delete(backend, src)
@@ -109,12 +113,15 @@ def scan(backend: Backend):
     entries = list(backend.walk())
     records, unreadable = manifest.read_all(backend)
     files = {e.path for e in entries if not e.is_dir}
+    moved_to = {r.source[len("move:") :]: p for p, r in records.items() if r.source.startswith("move:") and p in files}
     live = None
     for path, rec in list(records.items()):
         if rec.kind != "file" or path in files:
             continue
         kind, _, where = rec.source.partition(":")
-        if kind == "put":  # a small object PUT whole: nothing was staged to prove it
+        if path in moved_to and records[moved_to[path]].current == rec.current:
+            leftover = True  # moved away (a directory move), its old record not yet deleted
+        elif kind == "put":  # a small object PUT whole: nothing was staged to prove it
             live = backend.live_daemons() if live is None else live
             leftover = where not in live
         else:
@@ -139,7 +146,7 @@ def write_file(backend: Backend, path: str, data: bytes | memoryview, mode: int 
         old = manifest.read(backend, path)
         rec = Record(path, "file", digest, old.current if old is not None and old.kind == "file" else None, mode, time.time_ns(),
                      written_ns=time.time_ns(), source=f"staged:{staged.token}" if staged.token else f"put:{backend.daemon_id}")
-        publish(backend, rec, staged, path, lambda: (view[i : i + PIECE] for i in range(0, len(view), PIECE)))
+        publish(backend, rec, staged, path, digest, lambda: (view[i : i + PIECE] for i in range(0, len(view), PIECE)))
     except BaseException:
         backend.discard(staged)
         raise

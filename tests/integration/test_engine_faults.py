@@ -1,0 +1,275 @@
+"""The write-back engine's promise on real mounts, in the cases where the
+first engine broke it: directory commits, rotation through an outage,
+exchanges, hard links, truncates of evicted files, namespace changes left at
+unmount, names a store cannot take, and bytes that changed in the store."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import threading
+import time
+
+import pytest
+
+from tests.mountutil import drop_caches, run_cli, start_mount, stop_mount
+from tests.storeutil import StoreWatcher, store_files, store_outage, verify_store, wait_store_matches, wait_until
+
+RETRY_LOG = ("failed (try", "retrying", "NOT PUBLISHED", "not published", "heartbeat", "failed for good", "parked",
+             "cannot be applied", "is recorded but missing")
+
+
+@pytest.fixture
+def m(tmp_path):
+    mount = start_mount(tmp_path)
+    try:
+        yield mount
+    finally:
+        stop_mount(mount)
+
+
+def umount(mount, *args: str):
+    return run_cli("umount", str(mount.mountpoint), *args, timeout=300)
+
+
+def test_orbax_directory_commit_appears_in_the_store_as_a_unit(m):
+    """Orbax on a local path: files into `N.orbax-checkpoint-tmp-*`, the
+    directory renamed to `N`, then `N/commit_success.txt`. A reader of the
+    store never sees `N/` with only part of its files, nor the marker early."""
+    members = ("manifest.ocdbt", "_METADATA", "d/0", "d/1")
+
+    def check(snap: dict) -> list[str]:
+        out = []
+        for step in range(1, 6):
+            have = {p.split("/", 1)[1] for p in snap if p.startswith(f"{step}/")}
+            if have and not set(members) <= have:
+                out.append(f"{step}/ visible with only {sorted(have)}")
+        return out
+
+    with StoreWatcher(m.store, check) as w:
+        for step in range(1, 6):
+            tmp = m.path(f"{step}.orbax-checkpoint-tmp-1700000000")
+            (tmp / "d").mkdir(parents=True)
+            for name in members:
+                with open(tmp / name, "wb") as f:
+                    f.write(os.urandom(300_000))
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.rename(tmp, m.path(str(step)))
+            m.path(str(step), "commit_success.txt").write_text("ok")
+        assert umount(m).returncode == 0
+    assert w.polls > 10
+    assert not w.violations, w.violations[:5]
+    assert sorted(store_files(m.store)) == sorted(f"{s}/{n}" for s in range(1, 6) for n in (*members, "commit_success.txt"))
+    assert verify_store(m.store).clean
+
+
+def test_rotation_through_an_outage_always_leaves_a_complete_checkpoint(tmp_path):
+    """keep-2 rotation; during an outage checkpoints 3..6 are saved and 1..4
+    deleted (3 and 4 never reach the store). Once the store held a complete
+    checkpoint it must hold one at every moment after."""
+    mount = start_mount(tmp_path)
+    mount.allowed_log_errors += RETRY_LOG
+    files = ("model.safetensors", "optimizer.pt", "trainer_state.json")
+    ever = threading.Event()
+
+    def check(snap: dict) -> list[str]:
+        names = {p.split("/")[0] for p in snap}
+        complete = [n for n in names if all(f"{n}/{f}" in snap for f in files)]
+        if complete:
+            ever.set()
+            return []
+        return ["no complete checkpoint in the store"] if ever.is_set() else []
+
+    def save(n: int) -> None:
+        d = mount.path(f"checkpoint-{n}")
+        d.mkdir()
+        for f in files:
+            (d / f).write_bytes(os.urandom(200_000))
+
+    try:
+        with StoreWatcher(mount.store, check) as w:
+            save(1)
+            save(2)
+            wait_until(lambda: len(store_files(mount.store)) == 6, what="checkpoints 1 and 2 in the store")
+            with store_outage(mount.store):
+                for n in range(3, 7):
+                    save(n)
+                    shutil.rmtree(mount.path(f"checkpoint-{n - 2}"))
+                time.sleep(2)
+            assert umount(mount).returncode == 0
+        assert not w.violations, w.violations[:3]
+        assert sorted(store_files(mount.store)) == [f"checkpoint-{n}/{f}" for n in (5, 6) for f in files]
+        assert verify_store(mount.store).clean
+    finally:
+        stop_mount(mount)
+
+
+def _renameat2(a, b, flags: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.renameat2(-100, os.fsencode(a), -100, os.fsencode(b), flags) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+
+
+def test_exchange_hard_links_and_truncating_an_evicted_file(m):
+    m.path("a").write_bytes(b"A" * 1000)
+    m.path("b").write_bytes(b"B" * 10)
+    os.link(m.path("a"), m.path("a.link"))
+    assert run_cli("flush", str(m.mountpoint)).returncode == 0
+    assert store_files(m.store) == {"a": b"A" * 1000, "b": b"B" * 10, "a.link": b"A" * 1000}
+    _renameat2(m.path("a"), m.path("b"), 2)  # RENAME_EXCHANGE
+    assert run_cli("flush", str(m.mountpoint)).returncode == 0
+    assert store_files(m.store) == {"a": b"B" * 10, "b": b"A" * 1000, "a.link": b"A" * 1000}
+    assert run_cli("evict", str(m.mountpoint)).returncode == 0
+    drop_caches()
+    assert m.path("a").read_bytes() == b"B" * 10 and m.path("b").read_bytes() == b"A" * 1000
+    m.path("c").write_bytes(b"C")
+    os.rename(m.path("c"), m.path("b"))  # over a name whose file has another link
+    assert run_cli("flush", str(m.mountpoint)).returncode == 0
+    assert store_files(m.store) == {"a": b"B" * 10, "b": b"C", "a.link": b"A" * 1000}
+    assert run_cli("evict", str(m.mountpoint)).returncode == 0
+    with open(m.path("a.link"), "wb"):  # O_TRUNC of an evicted file: a new, empty generation
+        pass
+    os.truncate(m.path("a"), 0)
+    assert run_cli("flush", str(m.mountpoint)).returncode == 0
+    assert store_files(m.store) == {"a": b"", "b": b"C", "a.link": b""}
+    assert verify_store(m.store).clean
+
+
+def test_renames_and_removals_left_at_unmount_are_reported(tmp_path):
+    mount = start_mount(tmp_path, extra=("--drain-timeout", "2"))
+    mount.allowed_log_errors += RETRY_LOG
+    try:
+        mount.path("published.pt").write_bytes(b"p" * 1000)
+        mount.path("old.pt").write_bytes(b"o")
+        wait_store_matches(mount.store, {"published.pt": b"p" * 1000, "old.pt": b"o"})
+        with store_outage(mount.store):
+            os.rename(mount.path("published.pt"), mount.path("renamed.pt"))
+            os.unlink(mount.path("old.pt"))
+            r = umount(mount)
+        assert r.returncode != 0, r.stdout + r.stderr
+        assert "published.pt" in r.stderr and "old.pt" in r.stderr
+    finally:
+        stop_mount(mount)
+
+
+def test_a_name_the_store_cannot_take_is_parked_and_does_not_block_the_rest(tmp_path):
+    """The store sits so deep that one file's path there passes PATH_MAX. It
+    is parked (shown as failed, with its error), files after it are
+    published, and unmount says it was not published."""
+    rel = "/".join(["d" * 200] * 4) + "/model.pt"
+    store = tmp_path
+    while len(str(store)) + 1 + len(rel) <= 4096:
+        store = store / ("s" * 240)
+    assert len(str(store)) + 300 < 4096  # the store's own staging paths still fit
+    store.mkdir(parents=True)
+    mount = start_mount(tmp_path, extra=("--store", str(store)))
+    mount.store = store
+    mount.allowed_log_errors += RETRY_LOG
+    try:
+        deep = mount.mountpoint
+        for _ in range(4):
+            deep = deep / ("d" * 200)
+        deep.mkdir(parents=True)
+        (deep / "model.pt").write_bytes(b"m" * 100)
+        mount.path("after.pt").write_bytes(b"a" * 100)
+        wait_until(lambda: (store / "after.pt").exists(), timeout=60, what="the file after the parked one")
+
+        def files() -> dict:
+            r = run_cli("status", str(mount.mountpoint), "--files", "--json")
+            return {f["path"].rsplit("/", 1)[-1]: f for f in json.loads(r.stdout)["files"]}
+
+        wait_until(lambda: files()["model.pt"]["error"].startswith("parked"), timeout=60, what="the deep file to be parked")
+        files = files()
+        assert files["model.pt"]["state"] == "failed" and "too long" in files["model.pt"]["error"]
+        assert files["after.pt"]["state"] == "published"
+        r = umount(mount)
+        assert r.returncode != 0 and "model.pt" in r.stderr
+    finally:
+        stop_mount(mount)
+
+
+def test_bytes_changed_in_the_store_are_refused_after_a_restart(tmp_path):
+    mount = start_mount(tmp_path)
+    mount.path("model.pt").write_bytes(b"w" * 10_000)
+    assert umount(mount).returncode == 0
+    stop_mount(mount)
+    with open(mount.store / "model.pt", "ab") as f:
+        f.write(b"appended")  # the old bytes are still a prefix
+    again = start_mount(tmp_path)
+    again.allowed_log_errors += ("checksum mismatch",)
+    try:
+        with pytest.raises(OSError) as exc:
+            again.path("model.pt").read_bytes()
+        assert exc.value.errno == 5  # EIO
+        assert "checksum mismatch" in again.log_text()
+    finally:
+        stop_mount(again)
+
+
+def _checkpoint_workload(m) -> None:
+    """Two Orbax-style steps, then keep-1 rotation; stops quietly once the
+    daemon is gone (every call then fails with ENOTCONN)."""
+    try:
+        for step in (1, 2):
+            tmp = m.path(f"{step}.tmp")
+            tmp.mkdir()
+            for name in ("a", "b", "c"):
+                (tmp / name).write_bytes(bytes([step]) * 5000)
+            os.rename(tmp, m.path(str(step)))
+            m.path(str(step), "commit").write_text("ok")
+        shutil.rmtree(m.path("1"))
+        run_cli("flush", str(m.mountpoint), "--timeout", "30")
+    except OSError:
+        pass
+
+
+def _consistent(files: dict[str, bytes]) -> list[str]:
+    """What a prefix of the workload's history may look like in the store."""
+    bad = []
+    for step in ("1", "2"):
+        if f"{step}/commit" in files and not all(f"{step}/{n}" in files for n in "abc"):
+            bad.append(f"{step}/commit without all of {step}'s data")
+    step1 = any(p.startswith(("1/", "1.tmp/")) for p in files)
+    step2 = any(p.startswith(("2/", "2.tmp/")) for p in files)
+    if step2 and not step1 and "2/commit" not in files:
+        bad.append("checkpoint 1 removed before checkpoint 2 was complete")
+    return bad
+
+
+def test_kill9_at_every_store_call_leaves_a_verifiable_prefix(tmp_path):
+    """kill -9 of the daemon before and after each of its store calls during
+    a small checkpoint workload: every time, after a remount the store is a
+    consistent prefix, `verify` passes and no staging litter is left."""
+    n, crashes = 3, 0  # calls 1-2 (scan, claim) happen before the hook is armed
+    while n < 80:
+        for when in ("before", "after"):
+            base = tmp_path / f"{n}-{when}"
+            m = start_mount(base, env={"CKPTFS_TEST_CRASH_AT": f"{n}:{when}"})
+            m.allowed_log_errors += (*RETRY_LOG, "crash-point test")
+            try:
+                _checkpoint_workload(m)
+                died = "crash-point test: SIGKILL" in m.log_text()
+            finally:
+                stop_mount(m)
+            if not died:
+                assert crashes > 10, f"only {crashes} crash points: the workload makes fewer store calls than expected"
+                return
+            crashes += 1
+            again = start_mount(base)
+            again.allowed_log_errors += RETRY_LOG
+            try:
+                files = store_files(again.store)
+                assert not _consistent(files), (n, when, sorted(files), _consistent(files))
+                report = verify_store(again.store)
+                assert report.clean, (n, when, report)
+                staging = again.store / ".ckptfs" / "staging"
+                litter = [os.path.relpath(os.path.join(d, f), staging) for d, _, fs in os.walk(staging) for f in fs]
+                assert litter == [], (n, when, litter)
+            finally:
+                stop_mount(again)
+        n += 1
+    raise AssertionError("the workload never finished without a crash")
