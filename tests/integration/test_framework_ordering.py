@@ -19,6 +19,7 @@ class Observed:
 
     def __init__(self, split) -> None:
         self.split = split
+        self.first: dict[str, frozenset[str]] = {}  # the first file set seen under each step
         self.sets: dict[str, set[frozenset[str]]] = {}
         self.lock = threading.Lock()
 
@@ -30,6 +31,7 @@ class Observed:
                 by_step.setdefault(found[0], set()).add(found[1])
         with self.lock:
             for step, files in by_step.items():
+                self.first.setdefault(step, frozenset(files))
                 self.sets.setdefault(step, set()).add(frozenset(files))
         return []
 
@@ -50,12 +52,14 @@ def test_orbax_checkpoint_manager_steps_appear_whole(tmp_path):
             options = ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=False)
             with ocp.CheckpointManager(m.path("run"), options=options) as mngr:
                 for step in range(5):
-                    state = {"w": jnp.full((256, 64), float(step)), "b": jnp.arange(64.0) + step}
+                    state = {"w": jnp.full((256, 64), float(step)), "b": jnp.arange(64.0) + step,
+                             **{f"layer{i}": jnp.full((512, 256), float(step + i)) for i in range(4)}}
                     mngr.save(step, args=ocp.args.StandardSave(state))
                     mngr.wait_until_finished()
                     root = m.path("run", str(step))
                     expected[str(step)] = frozenset(os.path.relpath(os.path.join(d, n), root) for d, _, ns in os.walk(root) for n in ns)
-                restored = mngr.restore(4, args=ocp.args.StandardRestore({"w": jnp.zeros((256, 64)), "b": jnp.zeros(64)}))
+                restored = mngr.restore(4, args=ocp.args.StandardRestore({"w": jnp.zeros((256, 64)), "b": jnp.zeros(64),
+                                                                         **{f"layer{i}": jnp.zeros((512, 256)) for i in range(4)}}))
                 assert float(restored["w"][0, 0]) == 4.0
             assert run_cli("umount", str(m.mountpoint)).returncode == 0
         assert not w.violations, w.violations[:5]
