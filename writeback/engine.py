@@ -399,6 +399,10 @@ class Engine:
                  gen.size / max(since, 1e-6) / 1e6)
         self.notify()
 
+    def superseded_in_store(self, gen: FileGen) -> None:
+        """A newer file was written straight to the store over `gen`'s name."""
+        self._drop(gen, "a newer file was written to the store directly")
+
     def _drop(self, gen: FileGen, why: str) -> None:
         if gen.state in (State.DROPPED, State.PUBLISHED) or gen.publishing:
             return  # a publication under way completes; what follows it is queued after

@@ -167,6 +167,15 @@ class Publisher:
                 staged = gen.staged
                 await self.e.read_snapshot(gen, f"publish {at}", storeio.publish, self.e.backend, rec, staged, at, gen.digest,
                                            (lambda: gen.snapshot.pieces()) if staged.token is None else None, nbytes=gen.size)
+            except storeio.NewerInStore as newer:
+                gen.publishing = False
+                there = newer.record
+                log.warning("%s: the store holds a newer file, written there directly after this generation was sealed "
+                            "(the torch helpers' fallback): keeping it, not publishing generation %d over it", path, gen.generation)
+                node.shown = Shown(0, 0, there.current, there.mode, there.mtime_ns)
+                node.held = None
+                self.e.superseded_in_store(gen)
+                return False
             finally:
                 gen.publishing = False
             if staged.token is not None:

@@ -32,6 +32,16 @@ class IntegrityError(OSError):
     """Bytes read from the store do not match their manifest record."""
 
 
+class NewerInStore(Exception):
+    """The store holds bytes at the path that this daemon did not put there,
+    written after the generation being published was sealed (the torch
+    helpers' direct write while the daemon could not serve): they win."""
+
+    def __init__(self, record: Record) -> None:
+        super().__init__(record.path)
+        self.record = record
+
+
 def stage(backend: Backend, pieces: Iterable[memoryview | bytes], size: int,
           cancelled: Callable[[], bool] | None = None) -> tuple[Staged, Digest]:
     """Upload `pieces` invisibly, hashing them on the way."""
@@ -60,6 +70,9 @@ def publish(backend: Backend, rec: Record | None, staged: Staged, path: str, dig
     the staged data is gone because an earlier attempt published it, that is
     success."""
     if rec is not None:
+        there = manifest.read(backend, rec.path)
+        if there is not None and there.kind == "file" and there.current not in (rec.previous, rec.current) and there.written_ns > rec.written_ns:
+            raise NewerInStore(there)
         manifest.write(backend, rec)  # first: see manifest.py
     try:
         backend.publish(staged, path, pieces() if pieces is not None else ())

@@ -278,3 +278,25 @@ def test_store_fallback_is_seen_after_a_remount(tmp_path):
         assert backend.exists("ck/s.pt")
     finally:
         stop_mount(m)
+
+
+def test_a_fallback_save_is_not_overwritten_by_the_daemons_older_generation(fresh_mount):
+    """Generation A is queued in the daemon (the store is down); the daemon
+    then hangs and `ckptfs.torch.save` writes a newer B straight to the
+    store. When the daemon is back it must not publish A over B."""
+    m = fresh_mount
+    m.allowed_log_errors += [*OUTAGE_LOG, "keeping it", "retrying"]
+    p = m.path("run", "model.pt")
+    assert ct.save(state(1), p) == "mount"
+    ct.CheckpointManager(m.path("run")).wait_until_published(timeout=60)
+    with store_outage(m.store):
+        assert ct.save(state(2), p) == "mount"  # queued: the store is down
+        time.sleep(1.0)
+        os.kill(m.pid, signal.SIGSTOP)
+    try:
+        assert ct.save(state(3), p, deadline_s=2.0) == "store"  # the daemon hangs: straight to the store
+    finally:
+        os.kill(m.pid, signal.SIGCONT)
+    assert run_cli("flush", str(m.mountpoint), "--timeout", "120").returncode == 0
+    assert same(torch.load(m.store / "run" / "model.pt", weights_only=False), state(3))
+    assert verify_store(m.store).clean

@@ -399,3 +399,28 @@ async def test_snapshot_memory_is_kept_while_an_abandoned_upload_still_reads_it(
             await trio.sleep(0.02)
     assert gen.snapshot is None  # released once the abandoned thread let go
     assert rig.files() == {"f": b"z" * 5000}
+
+
+async def test_a_newer_file_written_straight_to_the_store_is_not_overwritten(tmp_path):
+    """The daemon could not publish (store down, or the daemon hung) while the
+    torch helpers wrote a newer file straight to the store: when the daemon
+    gets to its older generation, the newer file stays."""
+    from ckptfs.writeback import storeio
+
+    rig = Rig(tmp_path / "store")
+    rig.write("model.pt", b"generation 1")
+    await run_until_flushed(rig)
+    faulty = FaultyBackend(rig.backend, error_rate=0.0, latency_s=0.0)
+    faulty.down = True
+    rig.engine.backend = faulty
+    rig.write("model.pt", b"generation 2, sealed first")
+    rig.write("other.pt", b"o")
+
+    async def body():
+        await trio.sleep(0.2)
+        storeio.write_file(rig.backend, "model.pt", b"written to the store later")
+        faulty.down = False
+
+    await run_until_flushed(rig, body)
+    assert rig.files() == {"model.pt": b"written to the store later", "other.pt": b"o"}
+    assert verify(rig.backend).clean
