@@ -15,11 +15,13 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import trio
 from ckptfs.fs.memory import MemoryPool
 from ckptfs.fs.tree import ROOT, InodeTree
@@ -27,8 +29,7 @@ from ckptfs.writeback.backend import open_store
 from ckptfs.writeback.calls import Deadlines
 from ckptfs.writeback.engine import Engine, Retry
 from ckptfs.writeback.verify import verify
-
-from bench.common import emit, machine
+from common import emit, machine
 
 W = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
 

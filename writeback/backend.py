@@ -298,6 +298,8 @@ class LocalBackend(Backend):
         try:
             os.rename(self._abs(src), full)  # replaces an empty directory
         except OSError as exc:
+            if exc.errno == errno.ENOENT and os.path.isdir(full):
+                return True  # moved already (an earlier attempt whose answer was lost)
             if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR, errno.ENOENT):
                 return False  # something is in the way, or nothing to move: the caller moves members
             raise

@@ -72,7 +72,7 @@ class Retry:
     parked_s: float = 300.0  # how often parked files are tried again
 
     def delay(self, tries: int) -> float:
-        return min(self.max_s, self.first_s * 2 ** max(0, tries - 1))
+        return min(self.max_s, self.first_s * 2 ** min(max(0, tries - 1), 30))
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,10 @@ log = logging.getLogger(__name__)
 MARKERS = ("commit_success.txt", ".metadata", "ckptfs-commit.json", "latest", "latest_*", "*.latest", "latest_checkpointed_iteration.txt")
 
 
+class GiveUp(Exception):
+    """The op being applied failed for good (parked or skipped, logged)."""
+
+
 class Publisher:
     def __init__(self, engine: Engine, markers: tuple[str, ...] = MARKERS) -> None:
         self.e = engine
@@ -63,6 +67,31 @@ class Publisher:
         self.deferred: collections.deque[tuple[Node | None, Remove]] = collections.deque()
         self.parked: set[FileGen] = set()
         self.retry_parked_at = 0.0
+        self.current: Op | None = None  # the op being applied: store steps count their failures on it
+
+    # -- store steps -------------------------------------------------------------
+    async def call(self, what: str, fn, *args, nbytes: int = 0, reading: FileGen | None = None):
+        """One store step of the op being applied, retried in place until it
+        succeeds, so an op of many steps makes progress through transient
+        errors instead of starting over (every step is idempotent). A
+        permanent failure, after `Retry.park_after` tries, parks the
+        generation or skips the op: `GiveUp`."""
+        attempt = 0
+        while True:
+            try:
+                if reading is not None:
+                    return await self.e.read_snapshot(reading, what, fn, *args, nbytes=nbytes)
+                return await self.e.calls.run(what, fn, *args, nbytes=nbytes)
+            except storeio.NewerInStore:
+                raise
+            except Exception as exc:
+                op = self.current
+                if op is None:
+                    raise
+                if self.e.failed(op, "publish", exc):
+                    raise GiveUp from exc
+                attempt += 1  # the backoff follows this step's failures in a row, not the op's total
+                await trio.sleep(self.e.retry.delay(attempt))
 
     # -- the loop --------------------------------------------------------------
     async def run(self) -> None:
@@ -75,22 +104,28 @@ class Publisher:
                 if not e.queue:
                     await self._idle()
                     continue
-                op = e.queue[0]
-                if isinstance(op, FileGen):
-                    if not await self._turn(op):
-                        await self._idle()
-                        continue
-                else:
-                    await self._apply(op)
+                op = self.current = e.queue[0]
+                try:
+                    if isinstance(op, FileGen):
+                        if not await self._turn(op):
+                            await self._idle()
+                            continue
+                    else:
+                        await self._apply(op)
+                except GiveUp:
+                    pass  # parked or skipped, loudly: it no longer blocks the queue
                 self._complete(op)
             except trio.Cancelled:
                 raise
-            except Exception as exc:  # a failed step is retried at the head of the queue
+            except Exception as exc:  # a bug: logged, and the op is tried again at the head of the queue
+                log.exception("write-back publisher error")
                 op = e.queue[0] if e.queue else None
                 if op is not None and self.e.failed(op, "publish", exc):
-                    self._complete(op)  # parked: it no longer blocks the queue
+                    self._complete(op)
                     continue
-                await trio.sleep_until(op.retry_at if isinstance(op, FileGen) else trio.current_time() + e.retry.delay(op.tries if op else 1))
+                await trio.sleep(e.retry.delay(op.tries if op else 1))
+            finally:
+                self.current = None
 
     async def _idle(self) -> None:
         with trio.move_on_at(self.retry_parked_at if self.parked else float("inf")):
@@ -165,8 +200,8 @@ class Publisher:
             gen.publishing = True
             try:
                 staged = gen.staged
-                await self.e.read_snapshot(gen, f"publish {at}", storeio.publish, self.e.backend, rec, staged, at, gen.digest,
-                                           (lambda: gen.snapshot.pieces()) if staged.token is None else None, nbytes=gen.size)
+                await self.call(f"publish {at}", storeio.publish, self.e.backend, rec, staged, at, gen.digest,
+                                (lambda: gen.snapshot.pieces()) if staged.token is None else None, nbytes=gen.size, reading=gen)
             except storeio.NewerInStore as newer:
                 gen.publishing = False
                 there = newer.record
@@ -181,7 +216,7 @@ class Publisher:
             if staged.token is not None:
                 gen.staged = None  # consumed: the staging object is now the file
         elif source is not None:
-            await self.e.calls.run(f"copy {source} to {at}", storeio.show, self.e.backend, rec, source, at, False, nbytes=gen.size)
+            await self.call(f"copy {source} to {at}", storeio.show, self.e.backend, rec, source, at, False, nbytes=gen.size)
         elif gen.state is State.PUBLISHED:  # shown under another name, since gone: nothing left to show it from
             log.warning("%s: its bytes are no longer staged nor shown anywhere; the next generation will be", path)
             node.held = None
@@ -257,14 +292,14 @@ class Publisher:
                 self.replica.rebind_ino(node, op.ino)
             live = self.e.ns.inode_at(op.name)
             if live is not None and live.ino == op.ino and not node.made:  # C4: only if it still exists
-                await self.e.calls.run(f"mkdir {op.name}", self.e.backend.mkdir, op.name)
+                await self.call(f"mkdir {op.name}", self.e.backend.mkdir, op.name)
                 node.made = True
                 self._made_parents(op.name)
         elif isinstance(op, Symlink):
             node = RLink(op.ino, target=op.target)
             self.replica.bind(op.name, node)
             if self.live_at(op.name, op.ino):
-                await self.e.calls.run(f"record {op.name}", manifest.write, self.e.backend, Record(op.name, "symlink", target=op.target, mode=0o777))
+                await self.call(f"record {op.name}", manifest.write, self.e.backend, Record(op.name, "symlink", target=op.target, mode=0o777))
                 node.shown = True
         elif isinstance(op, Link):
             node = File(op.ino)
@@ -275,7 +310,7 @@ class Publisher:
                 assert isinstance(src, File) and src.shown is not None
                 shown = src.shown
                 rec = Record(op.name, "file", shown.digest, None, shown.mode, shown.mtime_ns)
-                await self.e.calls.run(f"copy {source} to {op.name}", storeio.show, self.e.backend, rec, source, op.name, False)
+                await self.call(f"copy {source} to {op.name}", storeio.show, self.e.backend, rec, source, op.name, False)
                 node.shown = Shown(shown.ino, shown.generation, shown.digest, shown.mode, shown.mtime_ns)
             else:
                 held = next((n.held for _, n in self.replica.nodes_of(op.ino) if isinstance(n, File) and n.held is not None), None)
@@ -287,7 +322,7 @@ class Publisher:
             for path, node in self.replica.nodes_of(op.ino):
                 if isinstance(node, File) and node.shown is not None and node.shown.mode != op.mode:
                     rec = Record(path, "file", node.shown.digest, None, op.mode, node.shown.mtime_ns)
-                    await self.e.calls.run(f"record {path}", manifest.write, self.e.backend, rec)
+                    await self.call(f"record {path}", manifest.write, self.e.backend, rec)
                     node.shown.mode = op.mode
 
     async def _rename(self, op: Rename) -> None:
@@ -310,12 +345,12 @@ class Publisher:
         if isinstance(node, File):
             if node.shown is not None:
                 rec = Record(op.dst, "file", node.shown.digest, None, node.shown.mode, node.shown.mtime_ns)
-                await self.e.calls.run(f"move {op.src} to {op.dst}", storeio.show, backend, rec, op.src, op.dst, True, nbytes=self._size(node))
+                await self.call(f"move {op.src} to {op.dst}", storeio.show, backend, rec, op.src, op.dst, True, nbytes=self._size(node))
             elif isinstance(target, File) and target.shown is not None:
                 node.shown = target.shown  # the old bytes stay until the new ones are sealed
         elif isinstance(node, RLink) and node.shown:
-            await self.e.calls.run(f"record {op.dst}", manifest.write, backend, Record(op.dst, "symlink", target=node.target, mode=0o777))
-            await self.e.calls.run(f"record {op.src}", manifest.delete, backend, op.src)
+            await self.call(f"record {op.dst}", manifest.write, backend, Record(op.dst, "symlink", target=node.target, mode=0o777))
+            await self.call(f"record {op.src}", manifest.delete, backend, op.src)
         self.replica.bind(op.dst, node)
         if isinstance(node, File):
             await self._materialize(op.dst, node)
@@ -334,14 +369,14 @@ class Publisher:
 
     async def _rename_dir(self, op: Rename, node: Dir) -> None:
         """A directory becomes visible under its new name as a unit."""
-        backend, calls = self.e.backend, self.e.calls
+        backend = self.e.backend
         members = list(self.replica.walk(node))
         show = [(rel, f) for rel, f in members if self._showable(f"{op.dst}/{rel}", f)]
         if backend.dirs:
             # Assemble everything under the old name (or, if the store never
             # had it, a hidden directory), then one rename(2).
             in_store = node.made or any(isinstance(f, File) and f.shown is not None for _, f in members)
-            base = op.src if in_store else await calls.run(f"assemble {op.dst}", backend.unit_dir)
+            base = op.src if in_store else await self.call(f"assemble {op.dst}", backend.unit_dir)
             for rel, f in show:
                 assert isinstance(f, File)
                 await self._materialize(f"{op.dst}/{rel}", f, into=f"{base}/{rel}")
@@ -349,22 +384,23 @@ class Publisher:
             for rel, f in shown:  # records first: a crash leaves data with records (stray records are cleaned at mount)
                 assert isinstance(f, File) and f.shown is not None
                 rec = Record(f"{op.dst}/{rel}", "file", f.shown.digest, None, f.shown.mode, f.shown.mtime_ns, source=f"move:{base}/{rel}")
-                await calls.run(f"record {rec.path}", manifest.write, backend, rec)
+                await self.call(f"record {rec.path}", manifest.write, backend, rec)
             links = [(rel, f) for rel, f in members if isinstance(f, RLink) and f.shown]
             for rel, f in links:
                 assert isinstance(f, RLink)
-                await calls.run(f"record {op.dst}/{rel}", manifest.write, backend, Record(f"{op.dst}/{rel}", "symlink", target=f.target, mode=0o777))
-            if not await calls.run(f"move {base} to {op.dst}", backend.move_dir, base, op.dst):
+                await self.call(f"record {op.dst}/{rel}", manifest.write, backend, Record(f"{op.dst}/{rel}", "symlink", target=f.target, mode=0o777))
+            if not await self.call(f"move {base} to {op.dst}", backend.move_dir, base, op.dst):
                 log.info("moving %s to %s member by member (the store has something in the way)", base, op.dst)
                 for rel, _f in sorted(shown, key=lambda rf: self._is_marker(rf[0])):
-                    await calls.run(f"move {base}/{rel}", backend.move, f"{base}/{rel}", f"{op.dst}/{rel}")
+                    assert isinstance(_f, File) and _f.shown is not None
+                    await self.call(f"move {base}/{rel}", storeio.move, backend, f"{base}/{rel}", f"{op.dst}/{rel}", _f.shown.digest)
                 for rel, f in sorted(members, key=lambda rf: -rf[0].count("/")):
                     if isinstance(f, Dir):
-                        await calls.run(f"rmdir {base}/{rel}", backend.rmdir, f"{base}/{rel}")
-                await calls.run(f"rmdir {base}", backend.rmdir, base)
+                        await self.call(f"rmdir {base}/{rel}", backend.rmdir, f"{base}/{rel}")
+                await self.call(f"rmdir {base}", backend.rmdir, base)
             if base == op.src:
                 for rel, _f in shown + links:
-                    await calls.run(f"record {op.src}/{rel}", manifest.delete, backend, f"{op.src}/{rel}")
+                    await self.call(f"record {op.src}/{rel}", manifest.delete, backend, f"{op.src}/{rel}")
             node.made = True
         else:
             # Object stores: members first, completion markers last.
@@ -373,13 +409,13 @@ class Publisher:
                 if isinstance(f, File) and any(f is g for _, g in show):
                     was = f.shown
                     if await self._materialize(dst, f) and was is not None:
-                        await calls.run(f"delete {src}", storeio.delete, backend, src)
+                        await self.call(f"delete {src}", storeio.delete, backend, src)
                 elif isinstance(f, File) and f.shown is not None:
                     rec = Record(dst, "file", f.shown.digest, None, f.shown.mode, f.shown.mtime_ns)
-                    await calls.run(f"move {src} to {dst}", storeio.show, backend, rec, src, dst, True, nbytes=self._size(f))
+                    await self.call(f"move {src} to {dst}", storeio.show, backend, rec, src, dst, True, nbytes=self._size(f))
                 elif isinstance(f, RLink) and f.shown:
-                    await calls.run(f"record {dst}", manifest.write, backend, Record(dst, "symlink", target=f.target, mode=0o777))
-                    await calls.run(f"record {src}", manifest.delete, backend, src)
+                    await self.call(f"record {dst}", manifest.write, backend, Record(dst, "symlink", target=f.target, mode=0o777))
+                    await self.call(f"record {src}", manifest.delete, backend, src)
         self.replica.bind(op.dst, node)
         self._made_parents(op.dst)
 
@@ -390,16 +426,16 @@ class Publisher:
         shown_b = isinstance(b, File) and b.shown is not None
         if shown_a and shown_b:
             assert isinstance(a, File) and isinstance(b, File) and a.shown and b.shown
-            await self.e.calls.run(f"exchange {op.a} and {op.b}", backend.exchange, op.a, op.b)
+            await self.call(f"exchange {op.a} and {op.b}", storeio.exchange, backend, op.a, op.b, a.shown.digest, b.shown.digest)
             for path, shown in ((op.a, b.shown), (op.b, a.shown)):
                 rec = Record(path, "file", shown.digest, None, shown.mode, shown.mtime_ns)
-                await self.e.calls.run(f"record {path}", manifest.write, backend, rec)
+                await self.call(f"record {path}", manifest.write, backend, rec)
         elif shown_a or shown_b:
             src, dst = (op.a, op.b) if shown_a else (op.b, op.a)
             node = a if shown_a else b
             assert isinstance(node, File) and node.shown is not None
             rec = Record(dst, "file", node.shown.digest, None, node.shown.mode, node.shown.mtime_ns)
-            await self.e.calls.run(f"move {src} to {dst}", storeio.show, backend, rec, src, dst, True)
+            await self.call(f"move {src} to {dst}", storeio.show, backend, rec, src, dst, True)
         if a is not None:
             self.replica.detach(a)
         if b is not None:
@@ -436,8 +472,14 @@ class Publisher:
     async def _release_deferred(self) -> None:
         while self.deferred and not self._gated(self.deferred[0][1].seq):
             node, op = self.deferred[0]
-            if node is not None and self.replica.attached(node):
-                await self._remove(node, op)
+            self.current = op
+            try:
+                if node is not None and self.replica.attached(node):
+                    await self._remove(node, op)
+            except GiveUp:
+                pass  # skipped, loudly
+            finally:
+                self.current = None
             self.deferred.popleft()
             op.done.set()
             self.e.notify()
@@ -451,12 +493,12 @@ class Publisher:
         backend = self.e.backend
         if isinstance(node, File):
             if node.shown is not None:
-                await self.e.calls.run(f"delete {path}", storeio.delete, backend, path)
+                await self.call(f"delete {path}", storeio.delete, backend, path)
         elif isinstance(node, RLink):
             if node.shown:
-                await self.e.calls.run(f"record {path}", manifest.delete, backend, path)
+                await self.call(f"record {path}", manifest.delete, backend, path)
         elif isinstance(node, Dir):
-            await self.e.calls.run(f"rmdir {path}", backend.rmdir, path)
+            await self.call(f"rmdir {path}", backend.rmdir, path)
         self.replica.detach(node)
 
     # -- parked generations -----------------------------------------------------
@@ -476,13 +518,15 @@ class Publisher:
             if gen.staged is None:
                 self.e.upload_again(gen)
                 continue
-            for path, node in self.replica.nodes_of(gen.ino):
-                if isinstance(node, File) and node.held is gen:
-                    try:
+            self.current = gen
+            try:
+                for path, node in self.replica.nodes_of(gen.ino):
+                    if isinstance(node, File) and node.held is gen:
                         await self._materialize(path, node)
-                    except Exception as exc:
-                        self.e.failed(gen, "publish", exc)
-                        break
+            except GiveUp:
+                pass  # parked again
+            finally:
+                self.current = None
 
     # -- restart ----------------------------------------------------------------
     def restored(self, path: str, node: Node) -> None:

@@ -95,10 +95,27 @@ def show(backend: Backend, rec: Record | None, src: str, dst: str, move: bool) -
     if rec is not None:
         manifest.write(backend, dataclasses.replace(rec, source=f"{'move' if move else 'copy'}:{src}"))
     if move:
-        backend.move(src, dst)
+        globals()["move"](backend, src, dst, rec.current if rec is not None else None)
         manifest.delete(backend, src)
     else:
         backend.copy(src, dst)
+
+
+def move(backend: Backend, src: str, dst: str, digest: Digest | None) -> None:
+    """Move published bytes; idempotent: already moved (the source gone, the
+    destination holding `digest`) is success."""
+    try:
+        backend.move(src, dst)
+    except FileNotFoundError:
+        if digest is None or not holds(backend, dst, digest):
+            raise
+
+
+def exchange(backend: Backend, a: str, b: str, digest_a: Digest | None, digest_b: Digest | None) -> None:
+    """Swap two published files; idempotent: already swapped is success."""
+    if digest_a is not None and digest_b is not None and holds(backend, a, digest_b) and holds(backend, b, digest_a):
+        return
+    backend.exchange(a, b)
 
 
 def delete(backend: Backend, path: str) -> None:
