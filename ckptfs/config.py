@@ -39,6 +39,7 @@ class MountConfig:
     log_level: str = "INFO"
     fsync: str = "ram"  # "ram": fsync returns at once; "durable": once published
     drain_timeout: float = 600.0
+    store_timeout: float = 60.0  # deadline of one store call (plus 1 s per 4 MiB it moves)
     upload_workers: int = 4
     storage_options: dict = field(default_factory=dict)  # passed to fsspec (credentials, endpoint)
     spill_dir: str | None = None  # where files too big for RAM continue (default: see mount.py)

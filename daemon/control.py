@@ -41,9 +41,10 @@ class RequestError(Exception):
 
 
 class ControlServer:
-    def __init__(self, path: Path, tree: InodeTree, engine: Engine, mount: dict[str, Any]) -> None:
+    def __init__(self, path: Path, tree: InodeTree, engine: Engine, ledger: status.Ledger, mount: dict[str, Any]) -> None:
         self.path = path
         self.tree = tree
+        self.ledger = ledger
         self.engine = engine
         self.mount = mount  # mountpoint, store, pid, started: echoed in status
 
@@ -108,7 +109,7 @@ class ControlServer:
     # -- requests ------------------------------------------------------------
     def status(self, with_files: bool, path: str) -> dict:
         out: dict[str, Any] = {"mount": {**self.mount, "uptime_s": time.time() - self.mount["started"]},
-                               "totals": status.totals(self.tree, self.engine).as_dict()}
+                               "totals": self.ledger.totals().as_dict()}
         if with_files:
             self._check_exists(path)
             out["files"] = [_row(f) for f in status.files(self.tree, self.engine, path)]

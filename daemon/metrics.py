@@ -1,7 +1,7 @@
 """Prometheus metrics for one daemon (`ckptfs mount --metrics-port N`).
 
 FUSE requests are counted and timed as they are served. Everything else is
-read at scrape time from `status.totals()` on the trio thread (the scrape
+read at scrape time from `status.Ledger.totals()` on the trio thread (the scrape
 runs in prometheus-client's HTTP thread and asks the loop for a snapshot), so
 a scrape agrees with `ckptfs status --json` taken at the same moment.
 """

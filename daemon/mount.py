@@ -15,6 +15,7 @@ from ckptfs.fs.memory import MemoryPool
 from ckptfs.fs.ops import Operations
 from ckptfs.fs.tree import InodeTree
 from ckptfs.writeback.backend import new_daemon_id, open_store
+from ckptfs.writeback.calls import Deadlines
 from ckptfs.writeback.engine import Engine
 from ckptfs.writeback.journal import FileGen, Op, kind
 
@@ -53,7 +54,7 @@ def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
     backend = open_store(config.store_url, config.storage_options)
     spill_dir = config.spill_dir or default_spill_dir(backend)
     tree = InodeTree(MemoryPool(config.memory_limit), uid=os.getuid(), gid=os.getgid(), spill_dir=spill_dir)
-    engine = Engine(backend, tree, workers=config.upload_workers)
+    engine = Engine(backend, tree, workers=config.upload_workers, deadlines=Deadlines(call_s=config.store_timeout))
     tree.journal = engine
     metrics = Metrics()
     if config.metrics_port is not None:
@@ -70,7 +71,8 @@ def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
         metrics.close()
         raise
     info = runtime.MountInfo.new(mountpoint, config.store_url, str(config.log_file or ""))
-    control = ControlServer(runtime.control_socket(mountpoint), tree, engine,
+    ledger = status.Ledger(tree, engine)
+    control = ControlServer(runtime.control_socket(mountpoint), tree, engine, ledger,
                             {"mountpoint": info.mountpoint, "store": config.store_url, "pid": info.pid, "started": info.started,
                              "log_file": info.log_file, "fsync": config.fsync, "memory_limit": config.memory_limit,
                              "metrics_port": config.metrics_port})
@@ -122,7 +124,8 @@ async def _main(config: MountConfig, tree: InodeTree, engine: Engine, control: C
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)
         await nursery.start(control.serve)  # answers during the drain too: `ckptfs status` shows it
-        metrics.watch(lambda: status.totals(tree, engine), trio.lowlevel.current_trio_token())
+        metrics.watch(control.ledger.totals, trio.lowlevel.current_trio_token())
+        nursery.start_soon(control.ledger.keep_up)
         started = time.time()
         n = await engine.scan(tree.restore)  # first: it tells crash leftovers by dead daemons' staging
         await engine.calls.run("claim the store", engine.backend.prepare, new_daemon_id(), started)

@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
+import trio
 from ckptfs.fs.ops import XATTR_PREFIX
 from ckptfs.fs.tree import Inode, InodeTree
 from ckptfs.writeback.journal import FileGen
@@ -78,14 +79,8 @@ def xattr(tree: InodeTree, engine: Engine, inode: Inode, name: bytes) -> bytes:
 
 
 def files(tree: InodeTree, engine: Engine, prefix: str = "") -> list[FileStatus]:
-    """Every regular file (under `prefix`), by path."""
-    out = []
-    for inode in list(tree.inodes.values()):
-        if not inode.is_reg or inode.data is None:
-            continue
-        for path in tree.paths_of(inode.ino):
-            if not prefix or path == prefix or path.startswith(prefix + "/"):
-                out.append(file_status(tree, engine, inode, path))
+    """Every regular file (under `prefix`), by path: the cost of the subtree."""
+    out = [file_status(tree, engine, inode, path) for path, inode in tree.files_under(prefix)]
     out.sort(key=lambda f: f.path)
     return out
 
@@ -121,21 +116,77 @@ class Totals:
         return d
 
 
-def totals(tree: InodeTree, engine: Engine) -> Totals:
+def recount(tree: InodeTree, engine: Engine) -> Totals:
+    """The totals counted from every file: O(files). The reference `Ledger`
+    is checked against; the daemon answers from the ledger."""
     t = Totals()
     seen: set[int] = set()
     for f in files(tree, engine):
         if f.ino in seen:  # hard links: the file once
             continue
         seen.add(f.ino)
-        t.files.add(f.size)
-        t.by_state[f.state].add(f.size)
-        if not f.resident:
-            t.evicted.add(f.size)
-        elif f.spilled:
-            t.spilled.add(f.size)
-        else:
-            t.in_ram.add(f.size)
+        _count(t, _entry(f), +1)
+    return _finish(t, tree, engine)
+
+
+def _entry(f: FileStatus) -> tuple[str, int, str]:
+    where = "evicted" if not f.resident else "spilled" if f.spilled else "in_ram"
+    return f.state, f.size, where
+
+
+def _count(t: Totals, entry: tuple[str, int, str], sign: int) -> None:
+    state, size, where = entry
+    for c in (t.files, t.by_state[state], getattr(t, where)):
+        c.files += sign
+        c.bytes += sign * size
+
+
+class Ledger:
+    """The totals, kept current by what changed: the inode tree records the
+    files it touched, the engine the generations that left the in-flight set;
+    a query refreshes those and the generations in flight, so it costs
+    O(changes), not O(files) (`recount` is the O(files) reference)."""
+
+    def __init__(self, tree: InodeTree, engine: Engine) -> None:
+        self.tree, self.engine = tree, engine
+        self.entries: dict[int, tuple[str, int, str]] = {}
+        self.sums = Totals()
+
+    def refresh(self) -> None:
+        inos = self.tree.touched | self.engine.touched | {g.ino for g in self.engine.unsettled.values()}
+        self.tree.touched, self.engine.touched = set(), set()
+        for ino in inos:
+            old = self.entries.pop(ino, None)
+            if old is not None:
+                _count(self.sums, old, -1)
+            inode = self.tree.inodes.get(ino)
+            if inode is None or not inode.is_reg or inode.data is None:
+                continue
+            paths = self.tree.paths_of(ino)
+            if not paths:
+                continue
+            new = _entry(file_status(self.tree, self.engine, inode, paths[0]))
+            self.entries[ino] = new
+            _count(self.sums, new, +1)
+
+    def totals(self) -> Totals:
+        self.refresh()
+        t = Totals()
+        for name in ("files", "in_ram", "spilled", "evicted"):
+            c = getattr(self.sums, name)
+            setattr(t, name, Count(c.files, c.bytes))
+        t.by_state = {k: Count(c.files, c.bytes) for k, c in self.sums.by_state.items()}
+        return _finish(t, self.tree, self.engine)
+
+    async def keep_up(self, every_s: float = 5.0) -> None:
+        """Refresh now and then, so what the tree and engine record between
+        queries stays small however long nobody asks."""
+        while True:
+            await trio.sleep(every_s)
+            self.refresh()
+
+
+def _finish(t: Totals, tree: InodeTree, engine: Engine) -> Totals:
     usage = tree.usage()
     t.budget_limit, t.budget_used = usage.limit, usage.used
     left = engine.unpublished()

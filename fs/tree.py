@@ -129,6 +129,7 @@ class InodeTree:
         self.spill_dir = spill_dir
         self.inodes: dict[int, Inode] = {}
         self.handles: dict[int, Handle] = {}
+        self.touched: set[int] = set()  # regular files whose size, data, names or seal changed (for status)
         self._next_ino = ROOT
         self._next_fh = 1
         root = self._new_inode(stat.S_IFDIR | 0o755, uid, gid)
@@ -404,6 +405,7 @@ class InodeTree:
             inode.data.truncate(size)
         inode.mtime_ns = inode.ctime_ns = time.time_ns()
         inode.version += 1
+        self.touched.add(inode.ino)
 
     def readlink(self, ino: int) -> bytes:
         inode = self.get(ino)
@@ -492,6 +494,7 @@ class InodeTree:
         n = inode.data.write(off, data)
         inode.mtime_ns = inode.ctime_ns = time.time_ns()
         inode.version += 1
+        self.touched.add(inode.ino)
         return n
 
     def release(self, fh: int) -> Inode | None:
@@ -516,6 +519,7 @@ class InodeTree:
             return False
         inode.generation += 1
         inode.sealed_version = inode.version
+        self.touched.add(inode.ino)
         if self.journal is not None and inode.nlink > 0:
             self.journal.sealed(inode.ino, inode.generation, inode.data.snapshot(), inode.mode, inode.mtime_ns)
         return True
@@ -527,6 +531,7 @@ class InodeTree:
         if (inode is None or inode.data is None or not inode.data.resident or inode.writers
                 or inode.generation != generation or inode.version != inode.sealed_version):
             return 0
+        self.touched.add(ino)
         return inode.data.evict()
 
     def spill(self, inode: Inode) -> None:
@@ -538,6 +543,7 @@ class InodeTree:
         log.warning("RAM budget full: continuing inode %d (%d bytes so far) on disk in %s, at disk speed",
                     inode.ino, inode.data.size, self.spill_dir)
         inode.data.spill(self.spill_dir)
+        self.touched.add(inode.ino)
 
     def resident(self, ino: int) -> bool:
         inode = self.inodes.get(ino)
@@ -550,6 +556,7 @@ class InodeTree:
         inode = self.get(ino)
         if inode.data is not None and not inode.data.resident:
             inode.data.fill(blocks)
+            self.touched.add(ino)
 
     def restore(self, path: str, mode: int, size: int = 0, mtime_ns: int = 0, target: str = "", uid: int = 0, gid: int = 0) -> Inode:
         """Recreate an entry found in the store (restart). Regular files come
@@ -596,6 +603,21 @@ class InodeTree:
             if cookie > offset and name in d.children:
                 yield name, self.inodes[d.children[name]], cookie
 
+    def files_under(self, prefix: str = "") -> Iterator[tuple[str, Inode]]:
+        """Every regular file at or under `prefix` with its path, depth first:
+        the cost of the subtree, not of the whole tree."""
+        start = self.inode_at(prefix)
+        if start is None:
+            return
+        stack = [(prefix, start)]
+        while stack:
+            path, node = stack.pop()
+            if node.is_reg and node.data is not None:
+                yield path, node
+            elif node.children is not None:
+                for name, ino in node.children.items():
+                    stack.append((f"{path}/{os.fsdecode(name)}" if path else os.fsdecode(name), self.inodes[ino]))
+
     def open_for_write(self) -> list[Inode]:
         return [i for i in self.inodes.values() if i.writers > 0]
 
@@ -633,6 +655,7 @@ class InodeTree:
 
     def _link(self, d: Inode, name: bytes, inode: Inode, now: int | None = None) -> None:
         inode.links.add((d.ino, name))
+        self.touched.add(inode.ino)
         d.children[name] = inode.ino  # type: ignore[index]
         d.cookies[name] = d.next_cookie  # type: ignore[index]
         d.next_cookie += 1
@@ -640,6 +663,7 @@ class InodeTree:
 
     def _unlink_entry(self, d: Inode, name: bytes, now: int | None = None) -> None:
         self.inodes[d.children[name]].links.discard((d.ino, name))  # type: ignore[index]
+        self.touched.add(d.children[name])  # type: ignore[index]
         del d.children[name]  # type: ignore[union-attr]
         del d.cookies[name]  # type: ignore[union-attr]
         d.mtime_ns = d.ctime_ns = now or time.time_ns()
@@ -659,6 +683,7 @@ class InodeTree:
         if inode.data is not None:
             inode.data.clear()
         del self.inodes[inode.ino]
+        self.touched.add(inode.ino)
 
 
 def _check_name(name: bytes) -> None:

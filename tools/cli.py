@@ -48,6 +48,8 @@ def main() -> None:
               help="ram: fsync returns at once (the data is in RAM). durable: fsync waits until the file is published to the store.")
 @click.option("--drain-timeout", default=600.0, show_default=True, metavar="S",
               help="On unmount or SIGTERM, wait this long for write-back to publish everything.")
+@click.option("--store-timeout", default=60.0, show_default=True, type=click.FloatRange(1.0, 86400.0), metavar="S",
+              help="Deadline of one store call, plus 1 s per 4 MiB it moves; a call past it is abandoned and retried.")
 @click.option("--store-option", "store_options", multiple=True, metavar="KEY=VALUE",
               help="An fsspec storage option, e.g. client_kwargs.endpoint_url=http://host:9000 (repeatable). "
                    "Secrets are better passed as JSON in $CKPTFS_STORE_OPTIONS, or the store's own variables (AWS_*).")
@@ -58,7 +60,7 @@ def main() -> None:
               help="Address for --metrics-port (0.0.0.0: every interface).")
 @click.option("--ready-fd", type=int, hidden=True)
 def mount(mountpoint: str, store_url: str, memory_limit: str, foreground: bool, log_file: str | None, log_level: str,
-          fsync_mode: str, drain_timeout: float, store_options: tuple[str, ...], spill_dir: str | None,
+          fsync_mode: str, drain_timeout: float, store_timeout: float, store_options: tuple[str, ...], spill_dir: str | None,
           metrics_port: int | None, metrics_host: str, ready_fd: int | None) -> None:
     """Mount a ckptfs file system at MOUNTPOINT, backed by the store at URL.
 
@@ -89,14 +91,14 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, foreground: bool, 
 
     if not foreground:
         _spawn_daemon(mp, store_url, limit, log_file, log_level,
-                      ["--fsync", fsync_mode, "--drain-timeout", str(drain_timeout),
+                      ["--fsync", fsync_mode, "--drain-timeout", str(drain_timeout), "--store-timeout", str(store_timeout),
                        *[a for o in store_options for a in ("--store-option", o)],
                        *(["--spill-dir", os.path.abspath(spill_dir)] if spill_dir else []),
                        *(["--metrics-port", str(metrics_port), "--metrics-host", metrics_host] if metrics_port else [])])
         return
 
     config = MountConfig(mp, store_url, limit, Path(log_file) if log_file else None, log_level.upper(),
-                         fsync=fsync_mode, drain_timeout=drain_timeout, storage_options=options,
+                         fsync=fsync_mode, drain_timeout=drain_timeout, store_timeout=store_timeout, storage_options=options,
                          spill_dir=os.path.abspath(spill_dir) if spill_dir else None, metrics_port=metrics_port, metrics_host=metrics_host)
     _setup_logging(config)
     from ckptfs.daemon.mount import serve

@@ -106,6 +106,7 @@ class Engine:
         self.last_error = ""
         self.last_error_at = 0.0
         self.skipped: list[Op] = []  # namespace changes the store could never take (reported at unmount)
+        self.touched: set[int] = set()  # inodes whose generation left the in-flight set (for status)
         self._seq = 0
         self._send, self._recv = trio.open_memory_channel[FileGen](math.inf)
         self._wake = trio.Event()
@@ -386,6 +387,7 @@ class Engine:
         if gen.state is State.PUBLISHED:
             return
         gen.move(State.PUBLISHED)
+        self.touched.add(gen.ino)
         if self.pending.get(gen.ino) is gen:
             del self.pending[gen.ino]
         self.published_gen[gen.ino] = max(gen.generation, self.published_gen.get(gen.ino, 0))
@@ -408,6 +410,7 @@ class Engine:
             return  # a publication under way completes; what follows it is queued after
         gen.move(State.DROPPED)
         gen.attempt += 1
+        self.touched.add(gen.ino)
         log.debug("dropping %s generation %d: %s", gen.path, gen.generation, why)
         if self.pending.get(gen.ino) is gen:
             del self.pending[gen.ino]

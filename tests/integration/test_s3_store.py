@@ -55,3 +55,34 @@ def test_s3_outage_then_back_drains_by_itself(s3, tmp_path):
         wait_until(lambda: objects(s3, "outage") == expected, 180, "the queue to drain")
     finally:
         stop_mount(m)
+
+
+def test_a_hung_store_call_is_abandoned_at_its_deadline(s3, tmp_path):
+    """The S3 server stops answering (SIGSTOP) while a file is being
+    published: the call is abandoned at the deadline, logged with what it
+    was doing and retried; once the server answers again everything is
+    published promptly, nothing waits on the hung call."""
+    import os
+    import signal
+    import time
+
+    url = s3.bucket("hung")
+    m = start_mount(tmp_path, extra=("--store", url, "--store-timeout", "2", *s3.cli_options()))
+    m.allowed_log_errors += ["failed (try", "retrying", "gave no answer", "heartbeat"]
+    try:
+        m.path("a.bin").write_bytes(b"a" * 300_000)
+        wait_until(lambda: "a.bin" in objects(s3, "hung"), 60, "the first file")
+        os.killpg(s3.proc.pid, signal.SIGSTOP)
+        try:
+            m.path("b.bin").write_bytes(b"b" * 300_000)
+            wait_until(lambda: "gave no answer within" in m.log_text(), 30, "the hung call to be abandoned")
+            assert "b.bin" in m.log_text().split("gave no answer within")[0].rsplit("\n", 1)[-1]
+        finally:
+            os.killpg(s3.proc.pid, signal.SIGCONT)
+        t0 = time.monotonic()
+        m.path("c.bin").write_bytes(b"c" * 300_000)
+        expected = {"a.bin": b"a" * 300_000, "b.bin": b"b" * 300_000, "c.bin": b"c" * 300_000}
+        wait_until(lambda: objects(s3, "hung") == expected, 60, "everything to be published")
+        assert time.monotonic() - t0 < 30
+    finally:
+        stop_mount(m)
