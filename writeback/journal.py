@@ -99,7 +99,9 @@ class Exchange(Op):
 
 
 @dataclass(eq=False)
-class Link(Op):
+class Named(Op):
+    """An op on one name."""
+
     name: str
     ino: int
 
@@ -109,35 +111,23 @@ class Link(Op):
 
 
 @dataclass(eq=False)
-class Remove(Op):
-    name: str
-    ino: int
+class Link(Named):
+    pass
+
+
+@dataclass(eq=False)
+class Remove(Named):
     is_dir: bool
 
-    @property
-    def path(self) -> str:
-        return self.name
+
+@dataclass(eq=False)
+class Mkdir(Named):
+    pass
 
 
 @dataclass(eq=False)
-class Mkdir(Op):
-    name: str
-    ino: int
-
-    @property
-    def path(self) -> str:
-        return self.name
-
-
-@dataclass(eq=False)
-class Symlink(Op):
-    name: str
-    ino: int
+class Symlink(Named):
     target: str
-
-    @property
-    def path(self) -> str:
-        return self.name
 
 
 @dataclass(eq=False)

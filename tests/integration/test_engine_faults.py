@@ -22,12 +22,8 @@ RETRY_LOG = ("failed (try", "retrying", "NOT PUBLISHED", "not published", "heart
 
 
 @pytest.fixture
-def m(tmp_path):
-    mount = start_mount(tmp_path)
-    try:
-        yield mount
-    finally:
-        stop_mount(mount)
+def m(fresh_mount):
+    return fresh_mount
 
 
 def umount(mount, *args: str):
