@@ -35,8 +35,8 @@ from . import storeio
 from .backend import HEARTBEAT_S, Backend
 from .calls import Deadlines, StoreCalls, permanent
 from .journal import Chmod, Exchange, FileGen, Link, Mkdir, Op, Remove, Rename, Snapshot, Symlink, kind
-from .manifest import Digest
-from .publisher import MARKERS, Publisher
+from .manifest import Digest, record_path
+from .publisher import MARKERS, Publisher, shown_digest
 from .replica import Dir, File, Shown
 from .replica import Link as RLink
 from .residency import Counters, Residency
@@ -173,8 +173,6 @@ class Engine:
         return None
 
     def publisher_shown(self, ino: int) -> tuple[str, Shown] | None:
-        from .publisher import shown_digest
-
         return shown_digest(self.publisher.replica, ino)
 
     def unpublished(self) -> list[Op]:
@@ -453,8 +451,6 @@ class Engine:
     async def scan(self, restore: Callable[..., Node]) -> int:
         """Show what the store holds (C9): namespace now, data on first read."""
         entries, records, unreadable = await self.calls.run("scan the store", storeio.scan, self.backend)
-        from .manifest import record_path
-
         bad = set(unreadable)
         n = 0
         for e in entries:

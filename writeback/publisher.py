@@ -153,28 +153,23 @@ class Publisher:
             await trio.sleep_until(gen.retry_at)
             return False
         log.debug("turn of %s generation %d (seq %d) as %s", gen.path, gen.generation, gen.seq, gen.names)
+        for name, node in self._hold(gen, gen.names):
+            await self._materialize(name, node)
+        return True
+
+    def _hold(self, gen: FileGen, names: list[str]) -> list[tuple[str, File]]:
+        """Bind `gen` to `names` in the replica, held there until shown."""
         nodes = []
-        for name in gen.names:
+        for name in names:
             node = self.replica.lookup(name)
             if not isinstance(node, File):
                 node = File(gen.ino)
                 self.replica.bind(name, node)
             elif node.ino != gen.ino:
                 self.replica.rebind_ino(node, gen.ino)
+            node.held = gen
             nodes.append((name, node))
-        for _, node in nodes:
-            node.held = gen
-        for name, node in nodes:
-            await self._materialize(name, node)
-        return True
-
-    def _hold(self, gen: FileGen, names: list[str]) -> None:
-        for name in names:
-            node = self.replica.lookup(name)
-            if not isinstance(node, File):
-                node = File(gen.ino)
-                self.replica.bind(name, node)
-            node.held = gen
+        return nodes
 
     def live_at(self, path: str, ino: int) -> bool:
         node = self.e.ns.inode_at(path)
@@ -255,8 +250,7 @@ class Publisher:
             d = d.parent
 
     def _marker_blocked(self, path: str) -> bool:
-        name = path.rsplit("/", 1)[-1]
-        if not self.parked or not any(fnmatch.fnmatchcase(name, m) for m in self.markers):
+        if not self.parked or not self._is_marker(path):
             return False
         base = path.rsplit("/", 1)[0] if "/" in path else ""
         for gen in self.parked:
