@@ -31,7 +31,10 @@ def daly(save_s: float, mtbf_s: float) -> float:
 
 def waste(interval_s: float, save_s: float, mtbf_s: float, restart_s: float = 0.0) -> float:
     """Expected fraction of wall time not spent on new training progress."""
-    wall_per_work = mtbf_s * math.exp(restart_s / mtbf_s) * math.expm1((interval_s + save_s) / mtbf_s) / interval_s
+    try:
+        wall_per_work = mtbf_s * math.exp(restart_s / mtbf_s) * math.expm1((interval_s + save_s) / mtbf_s) / interval_s
+    except OverflowError:  # saves or restarts far longer than the MTBF: the job (almost) never gets anywhere
+        return 1.0
     return 1 - 1 / wall_per_work
 
 

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import socket
+import stat
 import time
 from collections.abc import Callable
 from typing import Any
@@ -158,6 +159,7 @@ class Client:
             sock.close()
 
     def _connect(self) -> socket.socket:
+        self._check_socket()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout)
         try:
@@ -174,3 +176,16 @@ class Client:
             sock.close()
             raise DaemonUnavailable(f"the ckptfs daemon for {self.mountpoint} did not accept a connection (hung?)", hung=True) from None
         return sock
+
+    def _check_socket(self) -> None:
+        """Talk only to a socket of the user's own, in a private runtime
+        directory: a squatter's socket would be handed the user's requests."""
+        if runtime.trusted_dir(self.mountpoint) is None and runtime.mount_dir(self.mountpoint).exists():
+            raise AccessDenied(f"the runtime directory {runtime.mount_dir(self.mountpoint)} of {self.mountpoint} is not private "
+                               f"to uid {os.getuid()}: refusing to talk through it (remove it)")
+        try:
+            st = os.lstat(self.socket_path)
+        except OSError:
+            return  # connect() says what is missing
+        if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.getuid():
+            raise AccessDenied(f"{self.socket_path} is not a socket of uid {os.getuid()}'s: refusing to talk to it")

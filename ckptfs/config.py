@@ -8,24 +8,32 @@ from pathlib import Path
 
 def parse_store_options(pairs: tuple[str, ...] | list[str], env_json: str | None = None) -> dict:
     """fsspec storage options from KEY=VALUE pairs (dots nest: client_kwargs.endpoint_url=...)
-    and a JSON object (CKPTFS_STORE_OPTIONS); values are JSON when they parse."""
+    and a JSON object ($CKPTFS_STORE_OPTIONS); values are JSON when they parse.
+    ValueError, with a message for the user, on anything malformed."""
     import json
 
-    options: dict = json.loads(env_json) if env_json else {}
+    try:
+        options = json.loads(env_json) if env_json else {}
+    except ValueError as exc:
+        raise ValueError(f"$CKPTFS_STORE_OPTIONS is not valid JSON: {exc}") from None
     if not isinstance(options, dict):
-        raise ValueError("CKPTFS_STORE_OPTIONS must be a JSON object")
+        raise ValueError("$CKPTFS_STORE_OPTIONS must be a JSON object, like {\"key\": \"secret\"}")
     for pair in pairs:
         key, sep, raw = pair.partition("=")
-        if not sep or not key:
-            raise ValueError(f"bad store option {pair!r}: expected KEY=VALUE")
+        *parents, last = key.split(".")
+        if not sep or not all((*parents, last)):
+            raise ValueError(f"bad --store-option {pair!r}: expected KEY=VALUE (KEY may be dotted: a.b=VALUE)")
         try:
             value = json.loads(raw)
         except ValueError:
             value = raw
         node = options
-        *parents, last = key.split(".")
-        for k in parents:
+        for depth, k in enumerate(parents):
             node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"--store-option {pair!r} conflicts with {'.'.join(parents[: depth + 1])}, already set to a value")
+        if isinstance(node.get(last), dict) and not isinstance(value, dict):
+            raise ValueError(f"--store-option {pair!r} conflicts with options already set under {key}.")
         node[last] = value
     return options
 

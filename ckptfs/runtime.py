@@ -5,6 +5,11 @@ daemon (its pid, store URL, log) from a per-mount directory under the runtime
 directory instead: `/run/ckptfs` for root, `$XDG_RUNTIME_DIR/ckptfs` or
 `/tmp/ckptfs-<uid>` otherwise. Each mount's directory is named by a hash of
 its absolute path and is private to the mounting user (0700).
+
+`/tmp` is shared: another user could create `/tmp/ckptfs-<uid>/...` first,
+with `daemon.log` a symlink to a file of the victim's. So a runtime directory
+is used only if it is a real directory (not a symlink) owned by the user and
+writable by no one else (`private_dir`); readers trust nothing else either.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import contextlib
 import hashlib
 import json
 import os
+import re
+import stat
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,8 +38,50 @@ def runtime_root() -> Path:
 
 
 def mount_dir(mountpoint: str | os.PathLike[str]) -> Path:
-    key = hashlib.sha256(os.path.abspath(mountpoint).encode()).hexdigest()[:16]
+    key = hashlib.sha256(os.fsencode(os.path.abspath(mountpoint))).hexdigest()[:16]
     return runtime_root() / key
+
+
+class RuntimeDirError(Exception):
+    """A runtime directory that is not private to the user: refused."""
+
+
+def _check_private(path: Path, tighten: bool) -> None:
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise RuntimeDirError(f"runtime directory {path} is not a directory (a symlink?): refusing it; remove it")
+    if st.st_uid != os.getuid():
+        raise RuntimeDirError(f"runtime directory {path} belongs to uid {st.st_uid}, not to uid {os.getuid()}: refusing it "
+                              "(someone may have made it to catch ckptfs's files); remove it, or set XDG_RUNTIME_DIR")
+    if st.st_mode & 0o022:
+        raise RuntimeDirError(f"runtime directory {path} is writable by others (mode {stat.S_IMODE(st.st_mode):04o}): "
+                              "refusing it; remove it")
+    if tighten and st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+
+
+def private_dir(mountpoint: str | os.PathLike[str]) -> Path:
+    """The mount's runtime directory, made 0700 if missing; it and the
+    runtime root checked to be the user's own and private. RuntimeDirError
+    if not."""
+    root, d = runtime_root(), mount_dir(mountpoint)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    for path in (root, d):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+        _check_private(path, tighten=True)
+    return d
+
+
+def trusted_dir(mountpoint: str | os.PathLike[str]) -> Path | None:
+    """The mount's runtime directory if it exists and is private to the user; else None."""
+    d = mount_dir(mountpoint)
+    try:
+        _check_private(runtime_root(), tighten=False)
+        _check_private(d, tighten=False)
+    except (OSError, RuntimeDirError):
+        return None
+    return d
 
 
 @dataclass(frozen=True)
@@ -45,9 +94,7 @@ class MountInfo:
     version: int = FORMAT_VERSION
 
     def write(self) -> Path:
-        d = mount_dir(self.mountpoint)
-        d.parent.mkdir(parents=True, exist_ok=True)
-        d.mkdir(mode=0o700, exist_ok=True)
+        d = private_dir(self.mountpoint)
         path = d / "mount.json"
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(asdict(self)))
@@ -56,8 +103,11 @@ class MountInfo:
 
     @classmethod
     def read(cls, mountpoint: str | os.PathLike[str]) -> MountInfo | None:
+        d = trusted_dir(mountpoint)
+        if d is None:
+            return None
         try:
-            data = json.loads((mount_dir(mountpoint) / "mount.json").read_text())
+            data = json.loads((d / "mount.json").read_text())
             return cls(**data)
         except (OSError, ValueError, TypeError):
             return None
@@ -67,23 +117,34 @@ class MountInfo:
         return cls(os.path.abspath(mountpoint), store_url, os.getpid(), log_file, time.time())
 
 
-def remove(mountpoint: str | os.PathLike[str]) -> None:
+def remove(mountpoint: str | os.PathLike[str], pid: int | None = None) -> None:
+    """Forget the mount's details. With `pid`: only if they are that
+    daemon's (a daemon exiting must not remove a newer daemon's socket)."""
+    if pid is not None:
+        info = MountInfo.read(mountpoint)
+        if info is not None and info.pid != pid:
+            return
+    d = trusted_dir(mountpoint)
+    if d is None:
+        return
     for name in ("mount.json", "control.sock"):
         with contextlib.suppress(FileNotFoundError):
-            (mount_dir(mountpoint) / name).unlink()
+            (d / name).unlink()
     with contextlib.suppress(OSError):  # unless a log or exit report is still there
-        mount_dir(mountpoint).rmdir()
+        d.rmdir()
 
 
 def write_exit_report(mountpoint: str | os.PathLike[str], unpublished: list[str]) -> None:
     """What a daemon left unpublished when it exited, for `ckptfs umount`."""
-    d = mount_dir(mountpoint)
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    d = private_dir(mountpoint)
     (d / "exit.json").write_text(json.dumps({"version": FORMAT_VERSION, "unpublished": unpublished}))
 
 
 def take_exit_report(mountpoint: str | os.PathLike[str]) -> list[str] | None:
-    path = mount_dir(mountpoint) / "exit.json"
+    d = trusted_dir(mountpoint)
+    if d is None:
+        return None
+    path = d / "exit.json"
     try:
         data = json.loads(path.read_text())
         path.unlink()
@@ -107,14 +168,27 @@ def control_socket(mountpoint: str | os.PathLike[str]) -> Path:
     return mount_dir(mountpoint) / "control.sock"
 
 
+_ESCAPE = re.compile(rb"\\([0-7]{3})")
+
+
+def unescape_mount_field(field: bytes) -> str:
+    """A path as /proc/mounts and mountinfo write it (space, tab, newline and
+    backslash as octal escapes), back to the name, decoded as os.fsdecode does."""
+    return os.fsdecode(_ESCAPE.sub(lambda m: bytes([int(m.group(1), 8)]), field))
+
+
+def mount_table(path: str = "/proc/mounts") -> list[list[str]]:
+    """The mount table's lines as fields, paths decoded (bytes: names need not be UTF-8)."""
+    with open(path, "rb") as f:
+        return [[unescape_mount_field(x) for x in line.split()] for line in f if line.strip()]
+
+
+def all_mountpoints() -> set[str]:
+    return {fields[1] for fields in mount_table() if len(fields) >= 2}
+
+
 def _ckptfs_mount_entries() -> list[tuple[str, str]]:
-    found = []
-    with open("/proc/mounts") as f:
-        for line in f:
-            fields = line.split()
-            if len(fields) >= 4 and fields[2] == "fuse.ckptfs":
-                found.append((fields[1].replace("\\040", " "), fields[3]))
-    return found
+    return [(fields[1], fields[3]) for fields in mount_table() if len(fields) >= 4 and fields[2] == "fuse.ckptfs"]
 
 
 def ckptfs_mounts() -> list[str]:

@@ -98,8 +98,7 @@ class ControlServer:
         if op == "status":
             return self.status(bool(req.get("files")), path)
         if op == "flush":
-            timeout = req.get("timeout")
-            return await self.flush(stream, path, math.inf if timeout is None else float(timeout))
+            return await self.flush(stream, path, _timeout(req.get("timeout")))
         if op == "prefetch":
             return await self.prefetch(stream, path)
         if op == "evict":
@@ -212,3 +211,12 @@ async def _receive(stream: trio.SocketStream) -> dict:
 
 async def _send(stream: trio.SocketStream, message: dict) -> None:
     await stream.send_all(json.dumps({"version": PROTOCOL_VERSION, **message}).encode() + b"\n")
+
+
+def _timeout(value: Any) -> float:
+    """A request's timeout: None (wait for ever) or seconds >= 0."""
+    if value is None:
+        return math.inf
+    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value) or value < 0:
+        raise RequestError(f"timeout must be a number of seconds >= 0, not {value!r}")
+    return float(value)

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 
@@ -42,6 +43,8 @@ def default_spill_dir(backend) -> str:
 
 
 def fuse_options(name: str) -> set[str]:
+    # The option string is comma-separated: a comma in the name (from the store URL) would split it.
+    name = "".join(c if c.isprintable() and c not in ",\\" else "_" for c in name)
     options = set(pyfuse3.default_options) | {f"fsname={name}", "subtype=ckptfs"}
     if os.getuid() == 0:
         options.add("allow_other")  # with default_permissions: kernel checks modes
@@ -91,7 +94,7 @@ def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
     finally:
         unmount()
         metrics.close()
-        runtime.remove(mountpoint)
+        runtime.remove(mountpoint, pid=info.pid)
     lines = [_describe(op) for op in left]
     runtime.write_exit_report(mountpoint, lines)
     if left:
@@ -137,6 +140,7 @@ async def _main(config: MountConfig, tree: InodeTree, engine: Engine, control: C
         nursery.start_soon(_when_live, str(config.mountpoint), ready)
         # Idle workers are kept: each new one would malloc a fresh 1 MiB buffer.
         await pyfuse3.main(min_tasks=8, max_tasks=64)
+        signals.serving = False  # the session is closed next: pyfuse3.terminate() on it would crash
         unmount()  # no new work from here on
         for inode in tree.open_for_write():  # still open: their bytes now are what we have
             tree.seal(inode)
@@ -160,6 +164,7 @@ class _Signals:
     def __init__(self) -> None:
         self.abort_scope = trio.CancelScope()
         self.count = 0
+        self.serving = True  # the FUSE session is open (not yet unmounted, by us or by `fusermount3 -u`)
 
     async def watch(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
@@ -167,7 +172,8 @@ class _Signals:
                 self.count += 1
                 if self.count == 1:
                     log.info("received %s: unmounting, then draining write-back", signal.Signals(signum).name)
-                    pyfuse3.terminate()
+                    if self.serving:
+                        pyfuse3.terminate()
                 else:
                     log.warning("received %s again: not waiting for write-back any longer", signal.Signals(signum).name)
                     self.abort_scope.cancel()
@@ -176,8 +182,12 @@ class _Signals:
 async def _when_live(mountpoint: str, ready: Callable[[], None] | None) -> None:
     """Once the kernel has finished INIT, tune the mount and report it live."""
     # Any request through the mount is answered only after INIT; INIT also
-    # clamps read-ahead, so it can only be raised afterwards.
-    await trio.to_thread.run_sync(os.stat, mountpoint)
+    # clamps read-ahead, so it can only be raised afterwards. The stat runs in
+    # a child process, never a thread of ours: a thread waiting on our own
+    # mount when the daemon is killed would keep it from ever exiting (the
+    # kernel waits for the answer uninterruptibly, and only our exit could
+    # abort the connection); a child's request is aborted when we die.
+    await trio.run_process(["stat", "--", mountpoint], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _set_read_ahead(mountpoint)
     if ready is not None:
         ready()
@@ -199,9 +209,7 @@ def _set_read_ahead(mountpoint: str) -> None:
 def _mount_device(mountpoint: str) -> str | None:
     """The "major:minor" of the mount at `mountpoint` (the newest one there)."""
     found = None
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            if fields[4].replace("\\040", " ") == mountpoint:
-                found = fields[2]
+    for fields in runtime.mount_table("/proc/self/mountinfo"):
+        if fields[4] == mountpoint:
+            found = fields[2]
     return found

@@ -107,7 +107,9 @@ class Totals:
     queue: int = 0
     oldest_unpublished_s: float = 0.0
     upload_bytes_per_s: float = 0.0
-    last_error: str = ""
+    failing: int = 0  # unpublished changes whose last try failed
+    last_error: str = ""  # the newest of their errors ("" when nothing fails)
+    last_error_age_s: float = 0.0
     counters: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -194,6 +196,9 @@ def _finish(t: Totals, tree: InodeTree, engine: Engine) -> Totals:
     sealed = [g.sealed_at for g in left if isinstance(g, FileGen)]
     t.oldest_unpublished_s = time.time() - min(sealed) if sealed else 0.0
     t.upload_bytes_per_s = engine.throughput()
-    t.last_error = engine.last_error
+    failing = engine.failing()
+    t.failing = len(failing)
+    if failing:
+        t.last_error, t.last_error_age_s = failing[0].error, max(0.0, time.time() - failing[0].error_at)
     t.counters = {**asdict(engine.counters), "verify_failures": len(engine.verify_failures)}
     return t

@@ -198,14 +198,14 @@ class Operations(pyfuse3.Operations):
         node = self.tree.get(inode)
         if not (flags & os.O_TRUNC and flags & os.O_ACCMODE != os.O_RDONLY):
             await self._resident(node)
-        handle = self.tree.open(inode, flags)
+        handle = self.tree.open(inode, flags, _keeps_setid(ctx))
         return self._file_info(handle.inode, handle.fh, flags)
 
     @_errors
     async def create(
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
-        handle = self.tree.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid)
+        handle = self.tree.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid, _keeps_setid(ctx))
         return self._file_info(handle.inode, handle.fh, flags), self._entry(handle.inode)
 
     @_errors
@@ -305,3 +305,22 @@ class Operations(pyfuse3.Operations):
         if name.startswith(XATTR_PREFIX):
             raise pyfuse3.FUSEError(errno.EPERM)
         self.tree.removexattr(inode, name)
+
+
+CAP_FSETID = 4
+
+
+def _keeps_setid(ctx: pyfuse3.RequestContext):
+    """Whether the requesting process has CAP_FSETID (its writes keep set-ID
+    bits), asked from /proc only when a write meets such a bit."""
+    uid, pid = ctx.uid, ctx.pid
+
+    def keeps() -> bool:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                caps = next(line for line in f if line.startswith("CapEff:"))
+            return bool(int(caps.split()[1], 16) >> CAP_FSETID & 1)
+        except (OSError, StopIteration, ValueError):  # gone already: root is the best guess
+            return uid == 0
+
+    return keeps

@@ -22,7 +22,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -106,12 +106,19 @@ class Inode:
         return self.data.allocated if self.data is not None else 0
 
 
+def _always() -> bool:
+    return True
+
+
 @dataclass(eq=False)
 class Handle:
     fh: int
     inode: Inode
     writable: bool
     append: bool
+    # Whether the opener may keep set-user/group-ID bits when it writes
+    # (CAP_FSETID); asked only when a write finds such a bit set.
+    keeps_setid: Callable[[], bool] = _always
 
 
 @dataclass(frozen=True)
@@ -441,7 +448,9 @@ class InodeTree:
         inode.ctime_ns = time.time_ns()
 
     # -- open files ----------------------------------------------------------
-    def open(self, ino: int, flags: int) -> Handle:
+    def open(self, ino: int, flags: int, keeps_setid: Callable[[], bool] = _always) -> Handle:
+        """`keeps_setid`: whether the opener has CAP_FSETID; without it, its
+        writes and an O_TRUNC clear set-ID bits (as Linux file systems do)."""
         inode = self.get(ino)
         if inode.is_dir and flags & os.O_ACCMODE != os.O_RDONLY:
             raise _err(errno.EISDIR)
@@ -449,9 +458,11 @@ class InodeTree:
         if writable and inode.data is None and not inode.is_dir:
             # fifos, sockets and devices are opened by the kernel, never here
             raise _err(errno.EINVAL)
-        if flags & os.O_TRUNC and writable and inode.data is not None and inode.data.size:
-            self.truncate(inode, 0)
-        handle = Handle(self._next_fh, inode, writable, bool(flags & os.O_APPEND))
+        if flags & os.O_TRUNC and writable and inode.data is not None:
+            if inode.data.size:
+                self.truncate(inode, 0)
+            self._drop_setid(inode, keeps_setid)
+        handle = Handle(self._next_fh, inode, writable, bool(flags & os.O_APPEND), keeps_setid)
         self._next_fh += 1
         self.handles[handle.fh] = handle
         inode.opens += 1
@@ -459,7 +470,8 @@ class InodeTree:
             inode.writers += 1
         return handle
 
-    def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int, gid: int) -> Handle:
+    def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int, gid: int,
+               keeps_setid: Callable[[], bool] = _always) -> Handle:
         d = self._dir(parent)
         _check_name(name)
         if name in d.children:  # type: ignore[operator]
@@ -468,9 +480,9 @@ class InodeTree:
             inode = self.lookup(parent, name)
             if inode.is_dir:
                 raise _err(errno.EISDIR)
-            return self.open(inode.ino, flags)
+            return self.open(inode.ino, flags, keeps_setid)
         inode = self.mknod(parent, name, stat.S_IFREG | (mode & 0o7777), uid, gid)
-        return self.open(inode.ino, flags)
+        return self.open(inode.ino, flags, keeps_setid)
 
     def handle(self, fh: int) -> Handle:
         try:
@@ -495,7 +507,19 @@ class InodeTree:
         inode.mtime_ns = inode.ctime_ns = time.time_ns()
         inode.version += 1
         self.touched.add(inode.ino)
+        self._drop_setid(inode, handle.keeps_setid)
         return n
+
+    def _drop_setid(self, inode: Inode, keeps_setid: Callable[[], bool]) -> None:
+        """A write or truncation by a process without CAP_FSETID clears
+        set-user-ID, and set-group-ID where group-executable (Linux's rule:
+        without group execute, set-group-ID marks mandatory locking)."""
+        bits = stat.S_ISUID | (stat.S_ISGID if inode.mode & stat.S_IXGRP else 0)
+        if inode.mode & bits and not keeps_setid():
+            inode.mode &= ~bits
+            inode.ctime_ns = time.time_ns()
+            if self.journal is not None:
+                self.journal.changed_mode(inode.ino, inode.mode & 0o7777)
 
     def release(self, fh: int) -> Inode | None:
         """Close a handle; returns the inode if this sealed it (last writer)."""

@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ckptfs import runtime
+
 START_TIMEOUT_S = 30.0
 
 
@@ -23,8 +25,7 @@ def fuse_usable() -> bool:
 
 
 def is_mounted(path: Path | str) -> bool:
-    with open("/proc/mounts") as f:
-        return any(line.split()[1] == str(path) for line in f)
+    return str(path) in runtime.all_mountpoints()
 
 
 def run_cli(*args: str, timeout: float = 120, env: dict | None = None, user: int | None = None) -> subprocess.CompletedProcess:

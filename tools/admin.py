@@ -17,14 +17,15 @@ import click
 
 from ckptfs import runtime
 from ckptfs.client import AccessDenied, CkptfsError, Client, DaemonUnavailable, FlushIncomplete, NotMounted, RequestFailed
+from ckptfs.escape import printable
 
-from .units import format_duration, format_size
+from .units import Number, format_duration, format_size
 
 EXIT_INCOMPLETE, EXIT_USAGE, EXIT_UNAVAILABLE = 1, 2, 3
 
 
 def _fail(message: str, code: int) -> None:
-    click.echo(f"ckptfs: error: {message}", err=True)
+    click.echo(f"ckptfs: error: {printable(message)}", err=True)
     sys.exit(code)
 
 
@@ -58,7 +59,8 @@ def _console():
 @click.option("--files", "files", is_flag=False, flag_value="", default=None, metavar="[PATH]",
               help="Also list every file (under PATH: absolute, or relative to the mountpoint) with its state.")
 @click.option("--watch", is_flag=True, help="Refresh until interrupted (Ctrl-C).")
-@click.option("--interval", default=1.0, show_default=True, metavar="S", help="Seconds between refreshes with --watch.")
+@click.option("--interval", default=1.0, show_default=True, type=Number(0.1, 86400), metavar="S",
+              help="Seconds between refreshes with --watch.")
 def status(mountpoint: str | None, as_json: bool, files: str | None, watch: bool, interval: float) -> None:
     """What is durable yet: totals, and per file with --files.
 
@@ -112,14 +114,15 @@ def _show_status(mps: list[str], as_json: bool, files: str | None, single: bool)
 
 def _print_status(console, r: dict) -> None:
     from rich.table import Table
+    from rich.text import Text
 
     m = r["mount"]
     if "error" in r:
-        console.print(f"[bold]{m['mountpoint']}[/]: [red]unavailable[/]: {r['error']}", highlight=False)
+        console.print(Text.assemble((printable(m["mountpoint"]), "bold"), ": ", ("unavailable", "red"), f": {printable(r['error'])}"))
         return
     t = r["totals"]
     up = format_duration(m["uptime_s"])
-    console.print(f"[bold]{m['mountpoint']}[/]  store {m['store']}  pid {m['pid']}  up {up}  fsync={m['fsync']}", highlight=False)
+    console.print(Text.assemble((printable(m["mountpoint"]), "bold"), f"  store {printable(m['store'])}  pid {m['pid']}  up {up}  fsync={m['fsync']}"))
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="dim")
     grid.add_column(justify="right")
@@ -141,8 +144,9 @@ def _print_status(console, r: dict) -> None:
     grid.add_row("upload rate", f"{format_size(t['upload_bytes_per_s'])}/s", "")
     c = t["counters"]
     grid.add_row("since start", f"{c['published_files']} published", f"{c['retries']} retries, {c['failures']} failures")
-    if t["last_error"]:
-        grid.add_row("last error", "", f"[red]{t['last_error']}[/]")
+    if t["last_error"]:  # only while something is failing; the history is in the log
+        grid.add_row("failing", f"[red]{t['failing']}[/]", f"last error {format_duration(t['last_error_age_s'])} ago")
+        grid.add_row("", "", Text(printable(t["last_error"]), style="red"))
     console.print(grid)
     if "files" in r:
         table = Table(show_edge=False, pad_edge=False)
@@ -152,15 +156,15 @@ def _print_status(console, r: dict) -> None:
         for f in r["files"]:
             where = "ram" if f["resident"] and not f["spilled"] else "spill" if f["resident"] else "store"
             state = f["state"] + (" (open)" if f["open_for_write"] else "")
-            table.add_row(f["path"], format_size(f["size"]), state, str(f["generation"]), f["xxh3"] or "-", where,
-                          str(f["tries"] or ""), f["error"])
+            table.add_row(Text(printable(f["path"])), format_size(f["size"]), state, str(f["generation"]), f["xxh3"] or "-", where,
+                          str(f["tries"] or ""), Text(printable(f["error"])))
         console.print(table)
 
 
 # -- flush ---------------------------------------------------------------------
 @click.command()
 @click.argument("path", required=False, default=".", metavar="[MOUNTPOINT|PATH]", type=click.Path())
-@click.option("--timeout", type=float, default=None, metavar="S", help="Give up after S seconds (exit 1) [default: wait until published].")
+@click.option("--timeout", type=Number(0), default=None, metavar="S", help="Give up after S seconds (exit 1) [default: wait until published].")
 def flush(path: str, timeout: float | None) -> None:
     """Wait until everything sealed (closed) before now, on the mount or under
     PATH, is published to the store. A barrier: what is written later is not
@@ -170,14 +174,14 @@ def flush(path: str, timeout: float | None) -> None:
     try:
         result = _flush_with_progress(client, timeout)
     except FlushIncomplete as exc:
-        click.echo(f"ckptfs: error: not published after {timeout:g}s: {len(exc.left)} left under {where}", err=True)
+        click.echo(f"ckptfs: error: not published after {timeout:g}s: {len(exc.left)} left under {printable(where)}", err=True)
         for f in exc.left:
-            tail = f" ({f['tries']} tries, last error: {f['error']})" if f["error"] else ""
-            click.echo(f"  {f['path']}: {f['state']}, {format_size(f['size'])}{tail}", err=True)
+            tail = f" ({f['tries']} tries, last error: {printable(f['error'])})" if f["error"] else ""
+            click.echo(f"  {printable(f['path'])}: {f['state']}, {format_size(f['size'])}{tail}", err=True)
         sys.exit(EXIT_INCOMPLETE)
     except CkptfsError as exc:
         _fail(str(exc), _exit_code(exc))
-    click.echo(f"ckptfs: flushed {where}: everything sealed before the flush is published "
+    click.echo(f"ckptfs: flushed {printable(where)}: everything sealed before the flush is published "
                f"({result['files']} files, {format_size(result['bytes'])} waited for)")
 
 
@@ -189,12 +193,13 @@ def _flush_with_progress(client: Client, timeout: float | None) -> dict:
             key = (p["files_left"], p["bytes_left"], len(p["failed"]))
             if key != last[1] and time.monotonic() - last[0] >= 2.0:
                 last[:] = [time.monotonic(), key]
-                failing = f"; failing: {p['failed'][0]['path']}: {p['failed'][0]['error']}" if p["failed"] else ""
+                failing = f"; failing: {printable(p['failed'][0]['path'])}: {printable(p['failed'][0]['error'])}" if p["failed"] else ""
                 click.echo(f"ckptfs: flush: {p['files_left']} of {p['files']} files left, "
                            f"{format_size(p['bytes_left'])} of {format_size(p['bytes'])}{failing}", err=True)
 
         return client.flush(timeout=timeout, progress=line)
 
+    from rich.markup import escape
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
@@ -204,7 +209,7 @@ def _flush_with_progress(client: Client, timeout: float | None) -> dict:
         def update(p: dict) -> None:
             desc = f"publishing: {p['files_left']} files left"
             if p["failed"]:
-                desc += f" [red](retrying {p['failed'][0]['path']}: {p['failed'][0]['error']})[/]"
+                desc += f" [red](retrying {escape(printable(p['failed'][0]['path']))}: {escape(printable(p['failed'][0]['error']))})[/]"
             bar.update(task, total=p["bytes"], completed=p["bytes"] - p["bytes_left"], description=desc)
 
         return client.flush(timeout=timeout, progress=update)
@@ -239,7 +244,7 @@ def evict(path: str) -> None:
     if r["refused"]:
         click.echo(f"ckptfs: error: {len(r['refused'])} files not evicted, not published yet:", err=True)
         for f in r["refused"]:
-            click.echo(f"  {f['path']}: {f['state']}", err=True)
+            click.echo(f"  {printable(f['path'])}: {f['state']}", err=True)
         sys.exit(EXIT_INCOMPLETE)
 
 

@@ -11,14 +11,14 @@ import click
 
 from ckptfs.advise import advise as compute
 
-from .units import format_duration, format_size, parse_size
+from .units import Number, format_duration, format_size, parse_size
 
 
 @click.command()
-@click.option("--save-seconds", type=click.FloatRange(min=0, min_open=True), metavar="C", help="How long one checkpoint blocks training.")
-@click.option("--mtbf-hours", type=click.FloatRange(min=0, min_open=True), required=True, metavar="M",
+@click.option("--save-seconds", type=Number(0, 1e6, low_open=True), metavar="C", help="How long one checkpoint blocks training.")
+@click.option("--mtbf-hours", type=Number(0.001, 1e6), required=True, metavar="M",
               help="Mean time between failures of the whole job, in hours.")
-@click.option("--restart-seconds", type=click.FloatRange(min=0), default=0.0, show_default=True, metavar="R",
+@click.option("--restart-seconds", type=Number(0, 1e6), default=0.0, show_default=True, metavar="R",
               help="How long a restart takes (relaunch + load).")
 @click.option("--measure", "measure_mp", type=click.Path(), metavar="MOUNTPOINT", help="Measure C: time a real save of --size into this directory.")
 @click.option("--size", default="1G", show_default=True, metavar="SIZE", help="Checkpoint size for --measure.")

@@ -16,22 +16,50 @@ import click
 
 from ckptfs import __version__, runtime
 from ckptfs.config import MountConfig, parse_store_options
+from ckptfs.escape import EscapingFormatter, printable
 
 from .admin import COMMANDS
 from .advise import advise
-from .preflight import PreflightError, check_fuse, check_mounted_ckptfs, check_mountpoint, check_port
-from .units import parse_size
+from .preflight import (
+    PreflightError,
+    check_fuse,
+    check_log_file,
+    check_mounted_ckptfs,
+    check_mountpoint,
+    check_no_daemon,
+    check_places,
+    check_port,
+)
+from .units import Number, parse_size
 
 MOUNT_TIMEOUT_S = 60.0
+MIN_MEMORY_LIMIT = 16 << 20  # 4 chunks of 4 MiB: less leaves nothing to work with
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def _fail(message: str, code: int = 1) -> None:
-    click.echo(f"ckptfs: error: {message}", err=True)
+    click.echo(f"ckptfs: error: {printable(message)}", err=True)
     sys.exit(code)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Commands(click.Group):
+    """Every mistake on the command line is one line on stderr, `ckptfs:
+    error: ...`, and exit status 2 (click's own usage errors take three)."""
+
+    def main(self, *args, **kwargs):
+        try:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        except click.UsageError as exc:
+            where = exc.ctx.command_path if exc.ctx is not None else "ckptfs"
+            _fail(f"{' '.join(exc.format_message().split())} (see '{where} --help')", 2)
+        except click.ClickException as exc:
+            _fail(" ".join(exc.format_message().split()), exc.exit_code)
+        except click.Abort:
+            click.echo("ckptfs: interrupted", err=True)
+            sys.exit(130)
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ckptfs")
 def main() -> None:
     """ckptfs: a RAM-backed checkpoint file system, persisted in the background."""
@@ -46,9 +74,9 @@ def main() -> None:
 @click.option("--log-level", default="INFO", show_default=True, type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 @click.option("--fsync", "fsync_mode", default="ram", show_default=True, type=click.Choice(["ram", "durable"]),
               help="ram: fsync returns at once (the data is in RAM). durable: fsync waits until the file is published to the store.")
-@click.option("--drain-timeout", default=600.0, show_default=True, metavar="S",
+@click.option("--drain-timeout", default=600.0, show_default=True, type=Number(0, 30 * 86400), metavar="S",
               help="On unmount or SIGTERM, wait this long for write-back to publish everything.")
-@click.option("--store-timeout", default=60.0, show_default=True, type=click.FloatRange(1.0, 86400.0), metavar="S",
+@click.option("--store-timeout", default=60.0, show_default=True, type=Number(1, 86400), metavar="S",
               help="Deadline of one store call, plus 1 s per 4 MiB it moves; a call past it is abandoned and retried.")
 @click.option("--store-option", "store_options", multiple=True, metavar="KEY=VALUE",
               help="An fsspec storage option, e.g. client_kwargs.endpoint_url=http://host:9000 (repeatable). "
@@ -68,25 +96,34 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, foreground: bool, 
     until `ckptfs umount MOUNTPOINT`.
     """
     from ckptfs.fs.memory import total_ram
-    from ckptfs.writeback.backend import StoreError, open_store
+    from ckptfs.writeback.backend import StoreError, absolute_url, open_store
 
     try:
         limit = parse_size(memory_limit, total=total_ram())
     except ValueError as exc:
         _fail(f"--memory-limit: {exc}", 2)
+    if limit < MIN_MEMORY_LIMIT:
+        _fail(f"--memory-limit {memory_limit} is {limit} bytes: the least is {MIN_MEMORY_LIMIT >> 20}M", 2)
     try:
         options = parse_store_options(store_options, os.environ.get("CKPTFS_STORE_OPTIONS"))
     except ValueError as exc:
-        _fail(f"--store-option: {exc}", 2)
+        _fail(str(exc), 2)
+    store_url = absolute_url(store_url)  # recorded for tools run from anywhere
     try:
         check_fuse()
         mp = check_mountpoint(mountpoint)
-        open_store(store_url, options)
+        check_places(mp, store_url, spill_dir)
+        runtime.private_dir(mp)  # the daemon's details and default log go there: the user's own, or refused
+        check_no_daemon(mp)
+        if log_file is not None:
+            check_log_file(log_file)
+        backend = open_store(store_url, options)
+        check_no_daemon(mp, backend)
         if spill_dir is not None and not os.path.isdir(spill_dir):
             raise PreflightError(f"--spill-dir {spill_dir} is not a directory")
         if metrics_port is not None:
             check_port(metrics_host, metrics_port)
-    except (PreflightError, StoreError) as exc:
+    except (PreflightError, StoreError, runtime.RuntimeDirError) as exc:
         _fail(str(exc), 2)
 
     if not foreground:
@@ -117,40 +154,58 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, foreground: bool, 
 
 
 def _setup_logging(config: MountConfig) -> None:
-    handler: logging.Handler = logging.FileHandler(config.log_file) if config.log_file else logging.StreamHandler()
-    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    handler: logging.Handler = (logging.FileHandler(config.log_file, encoding="utf-8", errors="backslashreplace") if config.log_file
+                                else logging.StreamHandler())
+    handler.setFormatter(EscapingFormatter(LOG_FORMAT))
     logging.basicConfig(level=config.log_level, handlers=[handler], force=True)
 
 
 def _spawn_daemon(mp: Path, store_url: str, limit: int, log_file: str | None, log_level: str, extra: list[str]) -> None:
+    follow = log_file is not None  # a log file the user named may be a symlink; the default one never is
     if log_file is None:
-        d = runtime.mount_dir(mp)
-        d.mkdir(parents=True, exist_ok=True, mode=0o700)
-        log_file = str(d / "daemon.log")
+        log_file = str(runtime.private_dir(mp) / "daemon.log")
     log_file = os.path.abspath(log_file)
     r, w = os.pipe()
     cmd = [sys.executable, "-m", "ckptfs.tools.cli", "mount", str(mp), "--store", store_url, "--memory-limit", str(limit),
            "--foreground", "--log-file", log_file, "--log-level", log_level, "--ready-fd", str(w), *extra]
-    with open(log_file, "ab") as err:
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    err = os.open(log_file, flags, 0o600)
+    try:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, pass_fds=(w,), start_new_session=True)
+    finally:
+        os.close(err)
     os.close(w)
-    deadline = time.monotonic() + MOUNT_TIMEOUT_S
-    reply = b""
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([r], [], [], 0.2)
-        if ready:
-            reply = os.read(r, 64)
-            break
-        if proc.poll() is not None:
-            break
+    said_ok = wait_ready(proc, r, MOUNT_TIMEOUT_S)
     os.close(r)
-    if reply.startswith(b"ok"):
-        click.echo(f"ckptfs: mounted {mp} (store {store_url}, pid {proc.pid}, log {log_file})")
+    if said_ok:
+        click.echo(printable(f"ckptfs: mounted {mp} (store {store_url}, pid {proc.pid}, log {log_file})"))
         return
-    if proc.poll() is None:
+    if said_ok is None:
         proc.kill()
+        proc.wait()
+        if str(mp) in runtime.all_mountpoints():
+            subprocess.run(["fusermount3", "-u", "-z", str(mp)], check=False)
         _fail(f"the daemon did not mount {mp} within {MOUNT_TIMEOUT_S:.0f}s; see {log_file}")
     _fail(f"the daemon could not mount {mp}: {_last_error(log_file)}")
+
+
+def wait_ready(proc: subprocess.Popen, fd: int, timeout: float) -> bool | None:
+    """Whether the daemon `proc` reported its mount live on pipe `fd`: True;
+    False if it exited first; None if it did neither within `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        readable, _, _ = select.select([fd], [], [], 0.2)
+        if readable:
+            if os.read(fd, 64).startswith(b"ok"):
+                return True
+            break  # end of file: the daemon is exiting; wait for it below
+        if proc.poll() is not None:
+            return False
+    try:
+        proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        return False
+    except subprocess.TimeoutExpired:
+        return None
 
 
 def _last_error(log_file: str) -> str:
@@ -171,17 +226,23 @@ def umount(mountpoint: str, timeout: float) -> None:
         mp = check_mounted_ckptfs(mountpoint)
     except PreflightError as exc:
         _fail(str(exc), 2)
+    owner = runtime.mount_owner(mp)
+    if owner is not None and owner != os.getuid():
+        _fail(f"{mp} was mounted by uid {owner}: only that user can unmount it with ckptfs "
+              "(its daemon's details are in that user's runtime directory)", 2)
     info = runtime.MountInfo.read(mp)
     if info is None or not runtime.pid_alive(info.pid):
         # The daemon is gone; what is left is a dead mount entry.
-        subprocess.run(["fusermount3", "-u", "-z", mp], check=False)
+        r = subprocess.run(["fusermount3", "-u", "-z", mp], check=False, capture_output=True, text=True)
+        if r.returncode != 0 and mp in runtime.all_mountpoints():
+            _fail(f"{mp}: its daemon is not running, and the stale mount could not be removed: {r.stderr.strip()}", 1)
         runtime.remove(mp)
-        click.echo(f"ckptfs: {mp}: daemon was not running; removed the stale mount")
+        click.echo(f"ckptfs: {printable(mp)}: daemon was not running; removed the stale mount")
         return
     runtime.take_exit_report(mp)  # a stale one from an earlier daemon
     os.kill(info.pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
-    click.echo(f"ckptfs: unmounting {mp}; waiting for write-back to publish everything (see {info.log_file})")
+    click.echo(printable(f"ckptfs: unmounting {mp}; waiting for write-back to publish everything (see {info.log_file})"))
     while runtime.pid_alive(info.pid):
         if time.monotonic() > deadline:
             _fail(f"daemon {info.pid} did not exit within {timeout:.0f}s; see {info.log_file}")
@@ -190,9 +251,9 @@ def umount(mountpoint: str, timeout: float) -> None:
     if left:
         click.echo(f"ckptfs: error: {len(left)} files were NOT published to the store:", err=True)
         for line in left:
-            click.echo(f"  {line}", err=True)
+            click.echo(f"  {printable(line)}", err=True)
         sys.exit(1)
-    click.echo(f"ckptfs: unmounted {mp}; everything is published")
+    click.echo(printable(f"ckptfs: unmounted {mp}; everything is published"))
 
 
 EXIT_CORRUPT, EXIT_MISSING, EXIT_EXTRA = 8, 16, 32
@@ -210,28 +271,33 @@ def verify(target: str, path: str, store_options: tuple[str, ...]) -> None:
     16 (recorded but missing) and 32 (in the store but not in the manifest);
     2 for bad input.
     """
-    from ckptfs.writeback.backend import StoreError, open_store
+    from ckptfs.writeback.backend import META, StoreError, open_store
     from ckptfs.writeback.verify import verify as run_verify
 
     url = target
-    if os.path.isdir(target) and os.path.abspath(target) in runtime.ckptfs_mounts():
+    if os.path.abspath(target) in runtime.ckptfs_mounts():
         info = runtime.MountInfo.read(target)
         if info is None:
             _fail(f"{target} is a ckptfs mount but its daemon's details are gone; pass the store URL instead", 2)
         url = info.store_url
     try:
         options = parse_store_options(store_options, os.environ.get("CKPTFS_STORE_OPTIONS"))
-        backend = open_store(url, options)
+        backend = open_store(url, options, create=False)
     except (ValueError, StoreError) as exc:
         _fail(str(exc), 2)
-    report = _verify_with_progress(run_verify, backend, path.strip("/"))
+    if not backend.exists(META):
+        _fail(f"{url} is not a ckptfs store (it has no {META}/): neither a store a ckptfs mount ever used nor a ckptfs mount", 2)
+    prefix = path.strip("/")
+    report = _verify_with_progress(run_verify, backend, prefix)
+    if prefix and not (report.ok or report.corrupt or report.missing or report.extra):
+        _fail(f"{path}: no such file or directory in the store {url} or its manifest", 2)
     for p, why in report.corrupt:
-        click.echo(f"CORRUPT  {p}: {why}")
+        click.echo(f"CORRUPT  {printable(p)}: {why}")
     for p in report.missing:
-        click.echo(f"MISSING  {p}: recorded in the manifest, not in the store")
+        click.echo(f"MISSING  {printable(p)}: recorded in the manifest, not in the store")
     for p in report.extra:
-        click.echo(f"EXTRA    {p}: in the store, not in the manifest (not written by ckptfs, or a crash between steps)")
-    click.echo(f"{len(report.ok)} ok, {len(report.corrupt)} corrupt, {len(report.missing)} missing, {len(report.extra)} extra ({url})")
+        click.echo(f"EXTRA    {printable(p)}: in the store, not in the manifest (not written by ckptfs, or a crash between steps)")
+    click.echo(f"{len(report.ok)} ok, {len(report.corrupt)} corrupt, {len(report.missing)} missing, {len(report.extra)} extra ({printable(url)})")
     code = (EXIT_CORRUPT if report.corrupt else 0) | (EXIT_MISSING if report.missing else 0) | (EXIT_EXTRA if report.extra else 0)
     sys.exit(code)
 

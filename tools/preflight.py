@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 from pathlib import Path
 
 from ckptfs import runtime
@@ -16,8 +17,15 @@ class PreflightError(Exception):
 def check_fuse() -> None:
     if not os.path.exists("/dev/fuse"):
         raise PreflightError("/dev/fuse is missing: load the fuse module (modprobe fuse) or, in a container, pass --device /dev/fuse")
-    if shutil.which("fusermount3") is None:
+    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
+        raise PreflightError(f"uid {os.getuid()} may not open /dev/fuse: ask an administrator to make it usable "
+                             "(chmod 0666 /dev/fuse, as most distributions ship it), or mount as root")
+    fusermount = shutil.which("fusermount3")
+    if fusermount is None:
         raise PreflightError("fusermount3 not found: install the fuse3 package (apt-get install fuse3)")
+    if os.getuid() != 0 and not os.stat(fusermount).st_mode & stat.S_ISUID:
+        raise PreflightError(f"{fusermount} is not setuid root, so uid {os.getuid()} cannot mount: "
+                             f"ask an administrator (chmod u+s {fusermount}), or mount as root")
     try:
         import pyfuse3  # noqa: F401
     except ImportError as exc:
@@ -26,8 +34,10 @@ def check_fuse() -> None:
 
 def check_mountpoint(path: str) -> Path:
     mp = Path(os.path.realpath(path))
+    if len(os.fsencode(str(mp))) >= 4096:
+        raise PreflightError(f"mount point {str(mp)[:60]}... is longer than PATH_MAX (4095 bytes)")
     # /proc/mounts first: stat() on a hung FUSE mount would block forever.
-    if str(mp) in _all_mountpoints():
+    if str(mp) in runtime.all_mountpoints():
         raise PreflightError(f"{mp} is already a mount point")
     if not mp.exists():
         raise PreflightError(f"mount point {mp} does not exist")
@@ -39,6 +49,63 @@ def check_mountpoint(path: str) -> Path:
     except PermissionError:
         raise PreflightError(f"mount point {mp} cannot be read (permission denied)") from None
     return mp
+
+
+def _inside(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def check_places(mp: Path, store_url: str, spill_dir: str | None) -> None:
+    """The store and spill directory are disk, outside the mount and outside
+    any ckptfs mount; the mount is not inside the store (the daemon walks the
+    store before it serves, and would walk into its own mount)."""
+    from ckptfs.writeback.backend import local_root
+
+    mount = str(mp)
+    for what, where in (("the store", local_root(store_url)), ("--spill-dir", spill_dir and os.path.abspath(spill_dir))):
+        if where is None:
+            continue
+        names = [where]
+        if not _on_ckptfs(where):  # resolving symlinks under a ckptfs mount could block on it
+            names.append(os.path.realpath(where))
+        for candidate in names:
+            if _inside(candidate, mount):
+                raise PreflightError(f"{what} {candidate} is inside the mount point {mount}: it must be outside the mount")
+            if what == "the store" and _inside(mount, candidate):
+                raise PreflightError(f"the mount point {mount} is inside the store {candidate}: mount somewhere else")
+            other = _on_ckptfs(candidate)
+            if other:
+                raise PreflightError(f"{what} {candidate} is inside the ckptfs mount {other}: it must be durable storage, not RAM")
+
+
+def _on_ckptfs(path: str) -> str | None:
+    """The ckptfs mount `path` is on, by name only (a hung mount cannot block this)."""
+    return next((m for m in runtime.ckptfs_mounts() if _inside(path, m)), None)
+
+
+def check_no_daemon(mp: Path, backend=None) -> None:
+    """No daemon still serves, or still drains, this mount point (after an
+    `umount --timeout` gave up) or this store: two daemons would overwrite
+    each other's files and socket."""
+    info = runtime.MountInfo.read(mp)
+    if info is not None and info.pid != os.getpid() and runtime.pid_alive(info.pid):
+        raise PreflightError(f"a ckptfs daemon (pid {info.pid}) for {mp} is still running, probably still publishing "
+                             f"after an unmount; wait for it to exit (log: {info.log_file}) or stop it (kill {info.pid})")
+    if backend is None:
+        return
+    others = sorted(backend.live_daemons())  # this process has no heartbeat yet
+    if others:
+        host, _, pid = others[0].rsplit("-", 1)[0].rpartition("-")
+        raise PreflightError(f"the store {backend.url} is in use by a running ckptfs daemon (host {host}, pid {pid}): "
+                             "one store serves one mount; unmount that one first")
+
+
+def check_log_file(path: str) -> None:
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as exc:
+        raise PreflightError(f"--log-file {path}: cannot write it: {exc.strerror}") from None
 
 
 def check_mounted_ckptfs(path: str) -> str:
@@ -64,7 +131,3 @@ def check_port(host: str, port: int) -> None:
         except OSError as exc:
             raise PreflightError(f"--metrics-port {port}: cannot listen on {host}:{port}: {exc.strerror}") from None
 
-
-def _all_mountpoints() -> set[str]:
-    with open("/proc/mounts") as f:
-        return {line.split()[1].replace("\\040", " ") for line in f if line.strip()}

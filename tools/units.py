@@ -1,8 +1,12 @@
-"""Sizes as people write them: 512M, 8GiB, 1.5G, 40% (of RAM)."""
+"""Numbers as people write them: sizes (512M, 8GiB, 1.5G, 40% of RAM) and
+seconds; and how the tools print them."""
 
 from __future__ import annotations
 
+import math
 import re
+
+import click
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(?:I?B)?\s*$", re.IGNORECASE)
@@ -26,6 +30,30 @@ def parse_size(text: str, total: int | None = None) -> int:
     if value <= 0:
         raise ValueError(f"bad size {text!r}: must be more than zero")
     return value
+
+
+class Number(click.ParamType):
+    """A finite number in [low, high] (click.FloatRange lets nan and inf through)."""
+
+    name = "number"
+
+    def __init__(self, low: float | None = None, high: float | None = None, low_open: bool = False) -> None:
+        self.low, self.high, self.low_open = low, high, low_open
+
+    def convert(self, value, param, ctx) -> float:
+        if isinstance(value, float):
+            return value
+        try:
+            x = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        if not math.isfinite(x):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        if self.low is not None and (x < self.low or (self.low_open and x == self.low)):
+            self.fail(f"{value} is too small: must be {'more than' if self.low_open else 'at least'} {self.low:g}", param, ctx)
+        if self.high is not None and x > self.high:
+            self.fail(f"{value} is too large: must be at most {self.high:g}", param, ctx)
+        return x
 
 
 def format_size(n: float) -> str:

@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import time
 import uuid
 from collections.abc import Iterable, Iterator
@@ -36,6 +37,8 @@ from dataclasses import dataclass, field
 
 import fsspec
 from fsspec.core import split_protocol
+
+from ckptfs import runtime
 
 log = logging.getLogger(__name__)
 
@@ -68,18 +71,11 @@ def new_daemon_id() -> str:
 
 def _dead_here(daemon: str) -> bool:
     """Whether `daemon` (an id from `new_daemon_id`) ran on this host and its
-    process is gone."""
-    host, _, rest = daemon.rpartition("-")[0].rpartition("-")
-    pid = rest
+    process is gone (a zombie, killed but not yet reaped, is gone)."""
+    host, _, pid = daemon.rpartition("-")[0].rpartition("-")
     if host != socket.gethostname() or not pid.isdigit():
         return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+    return not runtime.pid_alive(int(pid))
 
 
 @dataclass(frozen=True)
@@ -214,7 +210,22 @@ class Backend:
         raise NotImplementedError
 
 
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class SymlinkInStore(OSError):
+    """A symlink where a local store should have a directory (ELOOP)."""
+
+
 class LocalBackend(Backend):
+    """A directory. Nothing in it is reached through a symlink: every path is
+    walked from the root one component at a time with O_NOFOLLOW, and calls
+    act on the last component relative to its parent's descriptor (a planted
+    `store/d -> /elsewhere` cannot make a publish write outside the store,
+    nor `store/x -> /etc/shadow` be read as a file). ckptfs keeps symlinks as
+    manifest records, so a symlink in the store is never its own: it is not
+    listed, and one in the way of a path is an error (ELOOP)."""
+
     dirs = True
 
     def __init__(self, root: str, url: str) -> None:
@@ -222,31 +233,61 @@ class LocalBackend(Backend):
         self.url = url
 
     def prepare(self, daemon_id: str, started: float) -> None:
-        os.makedirs(self._abs(SPILL), exist_ok=True)
+        os.close(self._dir(SPILL, create=True))  # spill files go there: checked to be a real directory
         super().prepare(daemon_id, started)
-        for path in os.listdir(self._abs(STAGING)):  # emptied directories of dead daemons
-            with contextlib.suppress(OSError):
-                os.rmdir(self._abs(f"{STAGING}/{path}"))
+        with self._at(f"{STAGING}/x") as (staging, _):
+            for name in os.listdir(staging):  # emptied directories of dead daemons
+                with contextlib.suppress(OSError):
+                    os.rmdir(name, dir_fd=staging)
 
-    def _abs(self, path: str) -> str:
-        return os.path.join(self.root, path) if path else self.root
+    def _dir(self, path: str, create: bool = False) -> int:
+        """A descriptor of directory `path`, reached without following a
+        symlink; missing components are made if `create`."""
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for part in filter(None, path.split("/")):
+                if create:
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(part, 0o755, dir_fd=fd)
+                try:
+                    below = os.open(part, _DIR, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR) and stat.S_ISLNK(os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode):
+                        raise SymlinkInStore(errno.ELOOP, "a symlink in the store is in the way (ckptfs never follows one)", path) from None
+                    raise
+                os.close(fd)
+                fd = below
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    @contextlib.contextmanager
+    def _at(self, path: str, create: bool = False) -> Iterator[tuple[int, str]]:
+        """(descriptor of the parent directory, last component) of `path`."""
+        head, _, name = path.rpartition("/")
+        fd = self._dir(head, create)
+        try:
+            yield fd, name
+        finally:
+            os.close(fd)
 
     def stage(self, pieces: Iterable[memoryview | bytes], size: int) -> Staged:
         tmp = self._staging_name()
-        os.makedirs(self._abs(self.staging), exist_ok=True)
-        fd = os.open(self._abs(tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            for piece in pieces:
-                view = memoryview(piece)
-                while view:
-                    view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        except BaseException:
+        with self._at(tmp, create=True) as (d, name):
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, dir_fd=d)
+            try:
+                for piece in pieces:
+                    view = memoryview(piece)
+                    while view:
+                        view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            except BaseException:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=d)
+                raise
             os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(self._abs(tmp))
-            raise
-        os.close(fd)
         return Staged(size, tmp)
 
     def publish(self, staged: Staged, path: str, pieces: Iterable[memoryview | bytes] = ()) -> None:
@@ -254,25 +295,29 @@ class LocalBackend(Backend):
         self._replace(staged.token, path)
 
     def _replace(self, src: str, dst: str) -> None:
-        full = self._abs(dst)
-        parent = os.path.dirname(full)
-        os.makedirs(parent, exist_ok=True)
-        if os.path.isdir(full) and not os.path.islink(full):
-            os.rmdir(full)  # an empty directory left where a file now goes
-        os.rename(self._abs(src), full)
-        _fsync_dir(parent)
+        with self._at(src) as (sd, sname), self._at(dst, create=True) as (dd, dname):
+            if _kind(dname, dd) == stat.S_IFDIR:
+                os.rmdir(dname, dir_fd=dd)  # an empty directory left where a file now goes
+            os.rename(sname, dname, src_dir_fd=sd, dst_dir_fd=dd)
+            os.fsync(dd)
 
     def put(self, path: str, data: bytes) -> None:
         self.publish(self.stage([data], len(data)), path)
 
     def read(self, path: str) -> Iterator[bytes]:
-        with open(self._abs(path), "rb", buffering=0) as f:
+        with self._at(path) as (d, name):
+            # O_NONBLOCK: a FIFO planted in the store must not block the open
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=d)
+        with open(fd, "rb", buffering=0) as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file", path)
             while chunk := f.read(8 << 20):
                 yield chunk
 
     def delete(self, path: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._abs(path))
+        # Under a symlink or a file nothing of ours can be: nothing to delete.
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError, SymlinkInStore), self._at(path) as (d, name):
+            os.unlink(name, dir_fd=d)
 
     def move(self, src: str, dst: str) -> None:
         self._replace(src, dst)
@@ -281,86 +326,105 @@ class LocalBackend(Backend):
         self.publish(self.stage(self.read(src), -1), dst)
 
     def exchange(self, a: str, b: str) -> None:
-        _renameat2(self._abs(a), self._abs(b), RENAME_EXCHANGE)
-        _fsync_dir(os.path.dirname(self._abs(a)))
-        _fsync_dir(os.path.dirname(self._abs(b)))
+        with self._at(a) as (da, na), self._at(b) as (db, nb):
+            _renameat2(da, na, db, nb, RENAME_EXCHANGE)
+            os.fsync(da)
+            os.fsync(db)
 
     def mkdir(self, path: str) -> None:
-        os.makedirs(self._abs(path), exist_ok=True)
+        os.close(self._dir(path, create=True))
 
     def rmdir(self, path: str) -> None:
-        with contextlib.suppress(FileNotFoundError, OSError):
-            os.rmdir(self._abs(path))
+        with contextlib.suppress(OSError), self._at(path) as (d, name):
+            os.rmdir(name, dir_fd=d)
 
     def move_dir(self, src: str, dst: str) -> bool:
-        full = self._abs(dst)
-        os.makedirs(os.path.dirname(full), exist_ok=True)
-        try:
-            os.rename(self._abs(src), full)  # replaces an empty directory
-        except OSError as exc:
-            if exc.errno == errno.ENOENT and os.path.isdir(full):
-                return True  # moved already (an earlier attempt whose answer was lost)
-            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR, errno.ENOENT):
-                return False  # something is in the way, or nothing to move: the caller moves members
-            raise
-        _fsync_dir(os.path.dirname(full))
-        _fsync_dir(os.path.dirname(self._abs(src)))
+        with self._at(src) as (sd, sname), self._at(dst, create=True) as (dd, dname):
+            try:
+                os.rename(sname, dname, src_dir_fd=sd, dst_dir_fd=dd)  # replaces an empty directory
+            except OSError as exc:
+                if exc.errno == errno.ENOENT and _kind(dname, dd) == stat.S_IFDIR:
+                    return True  # moved already (an earlier attempt whose answer was lost)
+                if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR, errno.ENOENT):
+                    return False  # something is in the way, or nothing to move: the caller moves members
+                raise
+            os.fsync(dd)
+            os.fsync(sd)
         return True
 
     def unit_dir(self) -> str:
         path = f"{self.staging}/d-{uuid.uuid4().hex}"
-        os.makedirs(self._abs(path))
+        os.close(self._dir(path, create=True))
         return path
 
     def walk(self, prefix: str = "") -> Iterator[Entry]:
-        base = self._abs(prefix)
-        if prefix and os.path.isfile(base):  # a single file
-            yield Entry(prefix, os.path.getsize(base), False)
+        """Directories and regular files under `prefix` (ckptfs's own `.ckptfs/`
+        left out); symlinks and special files are not the store's."""
+        try:
+            with self._at(prefix) as (d, name):
+                kind = _kind(name, d) if prefix else stat.S_IFDIR
+                if kind == stat.S_IFREG:  # a single file
+                    yield Entry(prefix, os.stat(name, dir_fd=d, follow_symlinks=False).st_size, False)
+                    return
+        except (FileNotFoundError, NotADirectoryError, SymlinkInStore):
             return
-        for dirpath, dirnames, filenames in os.walk(base):
-            rel = os.path.relpath(dirpath, self.root)
-            rel = "" if rel == "." else rel
-            if rel == META or rel.startswith(META + "/"):
-                dirnames[:] = []
-                continue
-            if not prefix and not rel:
-                dirnames[:] = [d for d in dirnames if d != META]
-            for d in dirnames:
-                yield Entry(f"{rel}/{d}" if rel else d, 0, True)
-            for name in filenames:
-                p = f"{rel}/{name}" if rel else name
-                with contextlib.suppress(FileNotFoundError):
-                    yield Entry(p, os.lstat(os.path.join(dirpath, name)).st_size, False)
+        if kind != stat.S_IFDIR:
+            return
+        yield from self._tree(prefix, skip_meta=True)
+
+    def _tree(self, prefix: str, skip_meta: bool, dirs: bool = True) -> Iterator[Entry]:
+        try:
+            top = self._dir(prefix)
+        except (FileNotFoundError, NotADirectoryError, SymlinkInStore):
+            return
+        try:
+            for rel, dirnames, filenames, fd in os.fwalk(".", dir_fd=top):  # never follows symlinks
+                rel = os.path.normpath(os.path.join(prefix, rel)) if prefix else os.path.normpath(rel)
+                rel = "" if rel == "." else rel
+                if skip_meta and (rel == META or rel.startswith(META + "/")):
+                    dirnames[:] = []
+                    continue
+                dirnames[:] = [n for n in dirnames if _kind(n, fd) == stat.S_IFDIR and not (skip_meta and not rel and n == META)]
+                if dirs:
+                    for n in dirnames:
+                        yield Entry(f"{rel}/{n}" if rel else n, 0, True)
+                for n in filenames:
+                    with contextlib.suppress(FileNotFoundError):
+                        st = os.stat(n, dir_fd=fd, follow_symlinks=False)
+                        if stat.S_ISREG(st.st_mode):
+                            yield Entry(f"{rel}/{n}" if rel else n, st.st_size, False)
+        finally:
+            os.close(top)
 
     def find(self, prefix: str) -> list[str]:
-        out = []
-        for dirpath, _, files in os.walk(self._abs(prefix)):
-            out += [os.path.relpath(os.path.join(dirpath, n), self.root) for n in files]
-        return out
+        return [e.path for e in self._tree(prefix, skip_meta=False, dirs=False)]
 
     def exists(self, path: str) -> bool:
-        return os.path.lexists(self._abs(path))
+        try:
+            with self._at(path) as (d, name):
+                return _kind(name, d) is not None
+        except (FileNotFoundError, NotADirectoryError, SymlinkInStore):
+            return False
+
+
+def _kind(name: str, dir_fd: int) -> int | None:
+    """The file type of `name` in `dir_fd` (S_IFREG, S_IFDIR, S_IFLNK, ...), not following a symlink; None if missing."""
+    try:
+        return stat.S_IFMT(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except FileNotFoundError:
+        return None
 
 
 RENAME_EXCHANGE = 2
 
 
-def _renameat2(a: str, b: str, flags: int) -> None:
+def _renameat2(dir_a: int, a: str, dir_b: int, b: str, flags: int) -> None:
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
-    at_fdcwd = -100
-    if libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), flags) != 0:
+    if libc.renameat2(dir_a, os.fsencode(a), dir_b, os.fsencode(b), flags) != 0:
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code), a)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class FsspecBackend(Backend):
@@ -514,15 +578,32 @@ class S3Backend(FsspecBackend):
         return super().exists(path)
 
 
-def open_store(url: str, storage_options: dict | None = None) -> Backend:
+def absolute_url(url: str) -> str:
+    """`url` with a local path made absolute (a relative one means the cwd of
+    whoever typed it, not of every later reader of the mount's records)."""
+    protocol, path = split_protocol(url)
+    if protocol in (None, "file", "local"):
+        path = os.path.abspath(os.path.expanduser(path))
+        return path if protocol is None else f"{protocol}://{path}"
+    return url
+
+
+def local_root(url: str) -> str | None:
+    """The directory of a local store URL; None for other stores."""
+    protocol, path = split_protocol(url)
+    return os.path.abspath(path) if protocol in (None, "file", "local") else None
+
+
+def open_store(url: str, storage_options: dict | None = None, create: bool = True) -> Backend:
     """The backend for `url`, checked to be usable.
 
-    Local stores are created if missing. Errors name what to fix: an unknown
-    protocol, or the package a known protocol needs (e.g. s3fs for s3://).
+    A missing local store is created (unless `create` is False: then it is an
+    error). Errors name what to fix: an unknown protocol, the package a known
+    protocol needs (e.g. s3fs for s3://), a missing bucket.
     """
     if not url or not url.strip():
         raise StoreError("the store URL is empty")
-    protocol, _ = split_protocol(url)
+    protocol, rest = split_protocol(url)
     protocol = protocol or "file"
     try:
         fsspec.get_filesystem_class(protocol)
@@ -530,22 +611,29 @@ def open_store(url: str, storage_options: dict | None = None) -> Backend:
         raise StoreError(f"unknown store protocol {protocol!r} in {url!r}") from None
     except ImportError as exc:
         raise StoreError(f"store protocol {protocol!r} needs a package that is not installed: {exc}") from None
+    bucketed = protocol in ("s3", "s3a", "gs", "gcs")
+    if bucketed and not rest.strip("/"):
+        raise StoreError(f"store URL {url!r} names no bucket: write {protocol}://BUCKET or {protocol}://BUCKET/PREFIX")
     options = dict(storage_options or {})
     if protocol in ("s3", "s3a"):
         options.setdefault("use_listings_cache", False)
         # Fail fast and let the engine retry (with backoff, shown in status)
         # rather than hang for minutes on a dead connection.
         config = options.setdefault("config_kwargs", {})
+        if not isinstance(config, dict):
+            raise StoreError("store option config_kwargs must be a mapping of botocore settings")
         config.setdefault("connect_timeout", 5)
         config.setdefault("read_timeout", 30)
         config.setdefault("retries", {"max_attempts": 2})
     try:
         fs, root = fsspec.core.url_to_fs(url, **options)
-    except Exception as exc:  # fsspec backends raise anything on bad URLs
+    except Exception as exc:  # fsspec backends raise anything on bad URLs and options
         raise StoreError(f"cannot open store {url!r}: {exc}") from None
     if protocol in ("file", "local"):
         if os.path.exists(root) and not os.path.isdir(root):
             raise StoreError(f"store path {root} exists and is not a directory")
+        if not create and not os.path.isdir(root):
+            raise StoreError(f"store directory {root} does not exist")
         try:
             os.makedirs(root, exist_ok=True)
             return LocalBackend(root.rstrip("/") or "/", url)
@@ -553,11 +641,14 @@ def open_store(url: str, storage_options: dict | None = None) -> Backend:
             raise StoreError(f"cannot use store directory {root}: {exc.strerror}") from None
     backend_cls = S3Backend if protocol in ("s3", "s3a") else FsspecBackend
     backend = backend_cls(fs, root, url)
+    bucket = backend.root.split("/")[0]
     try:
-        fs.ls(backend.root.split("/")[0] if protocol in ("s3", "s3a", "gs", "gcs") else backend.root)
+        fs.ls(bucket if bucketed else backend.root)
     except FileNotFoundError:
-        if protocol in ("s3", "s3a", "gs", "gcs"):
-            raise StoreError(f"bucket of {url!r} does not exist") from None
+        if bucketed:
+            raise StoreError(f"bucket {bucket!r} does not exist (store {url!r}); create it first") from None
+        if not create:
+            raise StoreError(f"store {url!r} does not exist") from None
     except Exception as exc:
         raise StoreError(f"cannot reach store {url!r}: {exc}") from None
     return backend

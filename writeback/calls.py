@@ -55,7 +55,7 @@ class StoreTimeout(OSError):
 # Errors that retrying cannot fix: the name can never exist in this store, or
 # the store refuses the request itself. Anything else (timeouts, connection
 # errors, throttling, 5xx, a full disk) is transient and retried.
-PERMANENT_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.EINVAL, errno.EILSEQ, errno.EACCES, errno.EPERM, errno.EROFS})
+PERMANENT_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.EINVAL, errno.EILSEQ, errno.EACCES, errno.EPERM, errno.EROFS, errno.ELOOP})
 
 
 def permanent(exc: BaseException) -> bool:

@@ -24,6 +24,7 @@ import errno
 import functools
 import logging
 import math
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -103,8 +104,6 @@ class Engine:
         self.publisher = Publisher(self, markers)
         self.residency = Residency(self)
         self.counters: Counters = self.residency.counters
-        self.last_error = ""
-        self.last_error_at = 0.0
         self.skipped: list[Op] = []  # namespace changes the store could never take (reported at unmount)
         self.touched: set[int] = set()  # inodes whose generation left the in-flight set (for status)
         self._seq = 0
@@ -182,6 +181,14 @@ class Engine:
         out += [op for op in self.queue if not isinstance(op, FileGen)]
         out += [op for _, op in self.publisher.deferred]
         return out + self.skipped
+
+    def failing(self) -> list[Op]:
+        """Unpublished ops whose last step failed (parked and skipped ones
+        included), the newest error first. One that failed, then went on,
+        is not failing any more."""
+        ops = [op for op in self.unpublished()
+               if op.error and (not isinstance(op, FileGen) or op.state in (State.FAILED, State.PARKED))]
+        return sorted(ops, key=lambda op: op.error_at, reverse=True)
 
     def barrier(self, prefix: str = "") -> list[Op]:
         """What a flush of `prefix` ("" for everything) waits for: what is
@@ -351,8 +358,7 @@ class Engine:
         if isinstance(op, FileGen) and op.state in (State.DROPPED, State.PUBLISHED):
             return False
         op.tries += 1
-        op.error = f"{step}: {type(exc).__name__}: {exc}"
-        self.last_error, self.last_error_at = op.error, time.time()
+        op.error, op.error_at = f"{step}: {type(exc).__name__}: {exc}", time.time()
         self.counters.retries += 1
         if op.tries == self.retry.failed_after:
             self.counters.failures += 1
@@ -459,7 +465,9 @@ class Engine:
                 self.publisher.restored(e.path, Dir(node.ino))
                 continue
             rec = records.get(e.path)
-            mode = rec.mode if rec is not None and rec.kind == "file" else 0o644
+            # Set-ID bits come back only with their owner, and records do not keep owners (yet):
+            # a restored file is the mount owner's, and setuid root it must never become.
+            mode = (rec.mode if rec is not None and rec.kind == "file" else 0o644) & ~(stat.S_ISUID | stat.S_ISGID)
             mtime = rec.mtime_ns if rec is not None else 0
             node = restore(e.path, 0o100000 | mode, e.size, mtime, "")
             digest = rec.current if rec is not None and rec.kind == "file" else None

@@ -30,7 +30,8 @@ class Op:
     seq: int
     done: trio.Event = field(default_factory=trio.Event, init=False)
     tries: int = field(default=0, init=False)
-    error: str = field(default="", init=False)
+    error: str = field(default="", init=False)  # of its last failed step
+    error_at: float = field(default=0.0, init=False)  # when (time.time())
 
     @property
     def path(self) -> str:  # for humans: logs, status, flush

@@ -103,6 +103,9 @@ def test_status_shows_dirty_and_failed_while_the_store_is_down(fresh_mount):
             assert rows["open"]["state"] == "dirty" and rows["open"]["open_for_write"]
             t = s["totals"]
             assert t["queue"] == 1 and t["oldest_unpublished_s"] > 0 and "staging" in t["last_error"]
+            assert t["failing"] == 1 and 0 <= t["last_error_age_s"] < 60
+            r = run_cli("status", str(m.mountpoint))
+            assert "failing" in r.stdout and "staging" in r.stdout, r.stdout
             assert t["counters"]["retries"] >= 1
             assert os.getxattr(m.path("stuck"), "user.ckptfs.state") == b"failed"
             assert b"staging" in os.getxattr(m.path("stuck"), "user.ckptfs.error")
@@ -110,6 +113,10 @@ def test_status_shows_dirty_and_failed_while_the_store_is_down(fresh_mount):
             os.close(fd)
     assert run_cli("flush", str(m.mountpoint), "--timeout", "60").returncode == 0
     assert store_files(m.store) == {"stuck": b"s" * 4096, "open": b"still being written"}
+    # recovered: the error is history (the log keeps it), not status
+    t = status_json(m.mountpoint)["totals"]
+    assert t["failing"] == 0 and t["last_error"] == "" and t["counters"]["retries"] >= 1
+    assert "failing" not in run_cli("status", str(m.mountpoint)).stdout
 
 
 def test_status_watch_refreshes_until_interrupted(shared_mount):

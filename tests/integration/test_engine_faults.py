@@ -153,24 +153,20 @@ def test_renames_and_removals_left_at_unmount_are_reported(tmp_path):
 
 
 def test_a_name_the_store_cannot_take_is_parked_and_does_not_block_the_rest(tmp_path):
-    """The store sits so deep that one file's path there passes PATH_MAX. It
-    is parked (shown as failed, with its error), files after it are
-    published, and unmount says it was not published."""
-    rel = "/".join(["d" * 200] * 4) + "/model.pt"
-    store = tmp_path
-    while len(str(store)) + 1 + len(rel) <= 4096:
-        store = store / ("s" * 240)
-    assert len(str(store)) + 300 < 4096  # the store's own staging paths still fit
-    store.mkdir(parents=True)
-    mount = start_mount(tmp_path, extra=("--store", str(store)))
-    mount.store = store
-    mount.allowed_log_errors += RETRY_LOG
+    """Where the file's directory goes, the (local) store has a symlink,
+    which ckptfs never follows. The file is parked (shown as failed, with its
+    error), files after it are published, and unmount says it was not
+    published."""
+    store = tmp_path / "store"
+    store.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (store / "deep").symlink_to(elsewhere)
+    mount = start_mount(tmp_path)
+    mount.allowed_log_errors += [*RETRY_LOG, "symlink in the store", "cannot be applied"]
     try:
-        deep = mount.mountpoint
-        for _ in range(4):
-            deep = deep / ("d" * 200)
-        deep.mkdir(parents=True)
-        (deep / "model.pt").write_bytes(b"m" * 100)
+        (mount.path("deep")).mkdir()
+        mount.path("deep", "model.pt").write_bytes(b"m" * 100)
         mount.path("after.pt").write_bytes(b"a" * 100)
         wait_until(lambda: (store / "after.pt").exists(), timeout=60, what="the file after the parked one")
 
@@ -178,12 +174,38 @@ def test_a_name_the_store_cannot_take_is_parked_and_does_not_block_the_rest(tmp_
             r = run_cli("status", str(mount.mountpoint), "--files", "--json")
             return {f["path"].rsplit("/", 1)[-1]: f for f in json.loads(r.stdout)["files"]}
 
-        wait_until(lambda: files()["model.pt"]["error"].startswith("parked"), timeout=60, what="the deep file to be parked")
+        wait_until(lambda: files()["model.pt"]["error"].startswith("parked"), timeout=60, what="the file to be parked")
         files = files()
-        assert files["model.pt"]["state"] == "failed" and "too long" in files["model.pt"]["error"]
+        assert files["model.pt"]["state"] == "failed" and "symlink" in files["model.pt"]["error"]
         assert files["after.pt"]["state"] == "published"
         r = umount(mount)
         assert r.returncode != 0 and "model.pt" in r.stderr
+        assert list(elsewhere.iterdir()) == []
+    finally:
+        stop_mount(mount)
+
+
+def test_a_path_longer_than_path_max_in_the_store_is_published(tmp_path):
+    """The store sits so deep that a file's path there passes PATH_MAX: the
+    mount takes it, and so does the store (every store call works relative
+    to the directory it acts in)."""
+    rel = "/".join(["d" * 200] * 4) + "/model.pt"
+    store = tmp_path
+    while len(str(store)) + 1 + len(rel) <= 4096:
+        store = store / ("s" * 240)
+    store.mkdir(parents=True)
+    mount = start_mount(tmp_path, extra=("--store", str(store)))
+    mount.store = store
+    try:
+        deep = mount.mountpoint
+        for _ in range(4):
+            deep = deep / ("d" * 200)
+        deep.mkdir(parents=True)
+        (deep / "model.pt").write_bytes(b"m" * 100)
+        mount.path("after.pt").write_bytes(b"a" * 100)
+        assert umount(mount).returncode == 0
+        r = run_cli("verify", str(store))
+        assert r.returncode == 0 and r.stdout.startswith("2 ok"), r.stdout + r.stderr
     finally:
         stop_mount(mount)
 

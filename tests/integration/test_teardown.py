@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 
 from tests.mountutil import is_mounted, start_mount, stop_mount
@@ -20,6 +21,21 @@ def test_teardown_of_a_healthy_daemon(tmp_path):
     m.path("f").write_bytes(b"x")
     stop_mount(m)
     _assert_gone(m)
+
+
+def test_sigterm_after_an_external_unmount_drains_and_exits_cleanly(tmp_path):
+    """`fusermount3 -u` first, SIGTERM right after (what stop_mount and many
+    job schedulers do): the daemon must not touch the closed FUSE session
+    (pyfuse3.terminate() on it crashed the daemon with SIGSEGV, mid-drain)."""
+    m = start_mount(tmp_path)
+    try:
+        m.path("f").write_bytes(b"x" * 1000)
+        subprocess.run(["fusermount3", "-u", "-z", str(m.mountpoint)], check=True)
+        m.proc.send_signal(signal.SIGTERM)
+        assert m.proc.wait(timeout=60) == 0
+        assert (m.store / "f").read_bytes() == b"x" * 1000
+    finally:
+        stop_mount(m)
 
 
 def test_teardown_when_the_daemon_hangs(tmp_path):

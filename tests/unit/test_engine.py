@@ -259,7 +259,7 @@ async def test_failures_retry_until_the_store_comes_back(tmp_path):
         with trio.fail_after(10):
             while not any(g.state is State.FAILED for g in rig.engine.unpublished()):
                 await trio.sleep(0.01)
-        assert sum(g.state is State.FAILED for g in rig.engine.unpublished()) == 1 and "store unreachable" in rig.engine.last_error
+        assert sum(g.state is State.FAILED for g in rig.engine.unpublished()) == 1 and "store unreachable" in rig.engine.failing()[0].error
 
     await run_until_flushed(rig, watch)
     assert rig.files() == {"a": b"1", "b": b"2"}

@@ -225,15 +225,17 @@ async def test_queued_renames_and_removals_count_as_unpublished(tmp_path):
 
 
 async def test_a_name_the_store_cannot_take_is_parked_and_blocks_nothing_it_does_not_order(tmp_path):
-    """The store's root is so deep that one file's path passes PATH_MAX there
-    (the mount takes it). It is parked after a few tries; files sealed after
-    it are published; a completion marker in its directory is held back; its
-    fsync=durable waiter gets EIO; a rename to a shorter name publishes it."""
-    deep = tmp_path
-    for _ in range(12):
-        deep = deep / ("s" * 250)
-    rig = Rig(deep, retry=Retry(first_s=0.01, max_s=0.05, park_after=2, parked_s=3600))
-    long_dir = "/".join(["d" * 200] * 6)
+    """A symlink planted in the (local) store where a directory of the mount
+    goes: the store never follows it, so the file in that directory can
+    never be published there. It is parked after a few tries; files sealed
+    after it are published; a completion marker in its tree is held back; its
+    fsync=durable waiter gets EIO; nothing is written where the symlink points."""
+    rig = Rig(tmp_path / "store", retry=Retry(first_s=0.01, max_s=0.05, park_after=2, parked_s=3600))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "store" / "top").mkdir(parents=True)
+    (tmp_path / "store" / "top" / "bad").symlink_to(elsewhere)
+    long_dir = "top/bad"
     parent = ""
     for part in long_dir.split("/"):
         parent = f"{parent}/{part}" if parent else part
@@ -258,6 +260,7 @@ async def test_a_name_the_store_cannot_take_is_parked_and_blocks_nothing_it_does
         assert not any(p.endswith("commit_success.txt") for p in files)
         left = rig.engine.unpublished()
         assert any(getattr(op, "state", None) is State.PARKED for op in left)
+        assert list(elsewhere.iterdir()) == []
         n.cancel_scope.cancel()
 
 

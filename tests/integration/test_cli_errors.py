@@ -1,0 +1,260 @@
+"""Every user mistake gets one clear line: `ckptfs: error: ...` on stderr, an
+exit status that says what kind of failure it was, and no traceback; and
+nothing is created or mounted on the way. Plus the mistakes that need a
+running daemon or a special mount point to make."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ckptfs import runtime
+from ckptfs.client import Client, RequestFailed
+from tests.mountutil import is_mounted, run_cli, start_mount, stop_mount
+from tests.storeutil import store_outage
+
+# (name, argv with {placeholders}, extra environment, exit status, a word the one stderr line must hold)
+CASES = [
+    ("mount without arguments", ["mount"], {}, 2, "MOUNTPOINT"),
+    ("mount without --store", ["mount", "{mp}"], {}, 2, "--store"),
+    ("unknown option", ["mount", "{mp}", "--store", "{store}", "--bogus"], {}, 2, "--bogus"),
+    ("unknown command", ["nosuch"], {}, 2, "nosuch"),
+    ("store option: value then a key under it", ["mount", "{mp}", "--store", "{store}", "--store-option", "a=1", "--store-option", "a.b=2"],
+     {}, 2, "conflicts"),
+    ("store option: keys then a value over them", ["mount", "{mp}", "--store", "{store}", "--store-option", "a.b=2", "--store-option", "a=1"],
+     {}, 2, "conflicts"),
+    ("store option without =", ["mount", "{mp}", "--store", "{store}", "--store-option", "novalue"], {}, 2, "KEY=VALUE"),
+    ("store option with an empty key part", ["mount", "{mp}", "--store", "{store}", "--store-option", "a..b=1"], {}, 2, "KEY=VALUE"),
+    ("bad JSON in CKPTFS_STORE_OPTIONS", ["mount", "{mp}", "--store", "{store}"], {"CKPTFS_STORE_OPTIONS": "{bad"}, 2,
+     "CKPTFS_STORE_OPTIONS"),
+    ("CKPTFS_STORE_OPTIONS not an object", ["mount", "{mp}", "--store", "{store}"], {"CKPTFS_STORE_OPTIONS": "[1]"}, 2,
+     "CKPTFS_STORE_OPTIONS"),
+    ("log file in a missing directory", ["mount", "{mp}", "--store", "{store}", "--log-file", "{tmp}/nope/daemon.log"], {}, 2, "--log-file"),
+    ("log file where nothing can be written", ["mount", "{mp}", "--store", "{store}", "--log-file", "/proc/ckptfs.log"], {}, 2, "--log-file"),
+    ("log file in the foreground too", ["mount", "{mp}", "--store", "{store}", "-f", "--log-file", "{tmp}/nope/daemon.log"], {}, 2,
+     "--log-file"),
+    ("memory limit of 107 bytes", ["mount", "{mp}", "--store", "{store}", "--memory-limit", "0.0000001G"], {}, 2, "--memory-limit"),
+    ("negative drain timeout", ["mount", "{mp}", "--store", "{store}", "--drain-timeout", "-5"], {}, 2, "--drain-timeout"),
+    ("drain timeout nan", ["mount", "{mp}", "--store", "{store}", "--drain-timeout", "nan"], {}, 2, "--drain-timeout"),
+    ("store timeout 0", ["mount", "{mp}", "--store", "{store}", "--store-timeout", "0"], {}, 2, "--store-timeout"),
+    ("store is the mount point", ["mount", "{mp}", "--store", "{mp}"], {}, 2, "inside the mount point"),
+    ("store under the mount point", ["mount", "{mp}", "--store", "{mp}/store"], {}, 2, "inside the mount point"),
+    ("store under the mount point, as a URL", ["mount", "{mp}", "--store", "file://{mp}/store"], {}, 2, "inside the mount point"),
+    ("store reached through a symlink into the mount point", ["mount", "{mp}", "--store", "{tmp}/link/store"], {}, 2,
+     "inside the mount point"),
+    ("mount point inside the store", ["mount", "{tmp}/outer/mnt", "--store", "{tmp}/outer"], {}, 2, "inside the store"),
+    ("store inside another ckptfs mount", ["mount", "{mp}", "--store", "{ckptfs}/store"], {}, 2, "ckptfs mount"),
+    ("spill directory inside the mount point", ["mount", "{mp}", "--store", "{store}", "--spill-dir", "{mp}"], {}, 2, "inside the mount"),
+    ("s3 URL without a bucket", ["mount", "{mp}", "--store", "s3://"], {}, 2, "bucket"),
+    ("status --interval negative", ["status", "--watch", "--interval", "-1"], {}, 2, "--interval"),
+    ("status --interval nan", ["status", "--watch", "--interval", "nan"], {}, 2, "--interval"),
+    ("flush --timeout negative", ["flush", "{ckptfs}", "--timeout", "-1"], {}, 2, "--timeout"),
+    ("flush --timeout nan", ["flush", "{ckptfs}", "--timeout", "nan"], {}, 2, "--timeout"),
+    ("advise: save time that overflows", ["advise", "--save-seconds", "1e308", "--mtbf-hours", "1"], {}, 2, "--save-seconds"),
+    ("advise: an MTBF of nothing", ["advise", "--save-seconds", "10", "--mtbf-hours", "1e-300"], {}, 2, "--mtbf-hours"),
+    ("advise: nan", ["advise", "--save-seconds", "nan", "--mtbf-hours", "1"], {}, 2, "--save-seconds"),
+    ("advise: inf", ["advise", "--save-seconds", "10", "--mtbf-hours", "inf"], {}, 2, "--mtbf-hours"),
+    ("advise: restart time nan", ["advise", "--save-seconds", "10", "--mtbf-hours", "1", "--restart-seconds", "nan"], {}, 2,
+     "--restart-seconds"),
+    ("verify a store that does not exist", ["verify", "{tmp}/nostore"], {}, 2, "does not exist"),
+    ("verify a directory that is no store", ["verify", "{mp}"], {}, 2, "not a ckptfs store"),
+    ("verify a path that is not there", ["verify", "{ckptfs}", "no/such/path"], {}, 2, "no such"),
+    ("umount of a directory that is no mount", ["umount", "{mp}"], {}, 2, "not a ckptfs mount"),
+]
+
+
+@pytest.fixture
+def places(tmp_path: Path, shared_mount) -> dict[str, str]:
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    (tmp_path / "outer" / "mnt").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(mp)
+    return {"mp": str(mp), "store": str(tmp_path / "store"), "tmp": str(tmp_path), "ckptfs": str(shared_mount.mountpoint)}
+
+
+def assert_one_line(r: subprocess.CompletedProcess, code: int, word: str) -> None:
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("ckptfs: error: "), lines[0]
+    assert word in lines[0], lines[0]
+    assert r.returncode == code, (r.returncode, r.stderr)
+
+
+@pytest.mark.parametrize(("argv", "env", "code", "word"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_a_mistake_is_one_line(places, argv, env, code, word):
+    before = sorted(os.listdir(places["tmp"]))
+    try:
+        r = run_cli(*(a.format(**places) for a in argv), env={**os.environ, **env} if env else None, timeout=60)
+        assert_one_line(r, code, word)
+        assert not is_mounted(places["mp"]) and os.listdir(places["mp"]) == []
+        assert sorted(os.listdir(places["tmp"])) == before  # no store, log or mount point was created
+    finally:  # a mistake that was accepted mounted something: stop it
+        for mp in (Path(places["mp"]), Path(places["tmp"], "outer", "mnt")):
+            _cleanup_background(mp)
+
+
+def test_help_and_version_still_work():
+    r = run_cli("--help")
+    assert r.returncode == 0 and "mount" in r.stdout
+    r = run_cli("mount", "--help")
+    assert r.returncode == 0 and "--store" in r.stdout
+    r = run_cli("--version")
+    assert r.returncode == 0 and "ckptfs" in r.stdout
+
+
+def test_a_bad_flush_timeout_from_a_client_is_refused_by_the_daemon(shared_mount):
+    # Not only the command line: the daemon itself answers a bad request with an error, not an internal one.
+    for bad in (-1, float("nan")):
+        with pytest.raises(RequestFailed, match="timeout"):
+            Client(shared_mount.mountpoint).flush(timeout=bad)
+    with pytest.raises(RequestFailed, match="timeout"):
+        Client(shared_mount.mountpoint).call("flush", path="", timeout="soon")
+    assert "internal error" not in shared_mount.log_text()
+
+
+def test_a_relative_store_is_recorded_absolute(tmp_path):
+    (tmp_path / "mnt").mkdir()
+    r = subprocess.run([sys.executable, "-m", "ckptfs.tools.cli", "mount", "mnt", "--store", "store", "--memory-limit", "256M"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    mp = tmp_path / "mnt"
+    try:
+        assert r.returncode == 0, r.stderr
+        info = runtime.MountInfo.read(mp)
+        assert info is not None and info.store_url == str(tmp_path / "store")
+        (mp / "f").write_bytes(b"data")
+        assert run_cli("flush", str(mp), "--timeout", "60").returncode == 0
+        # verify by mount point, from another directory: the store is found where it is
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        v = subprocess.run([sys.executable, "-m", "ckptfs.tools.cli", "verify", str(mp)], cwd=elsewhere, capture_output=True, text=True,
+                           timeout=120)
+        assert v.returncode == 0 and v.stdout.startswith("1 ok"), v.stdout + v.stderr
+        assert os.listdir(elsewhere) == []
+        assert run_cli("umount", str(mp)).returncode == 0
+    finally:
+        _cleanup_background(mp)
+
+
+@pytest.mark.parametrize("name", ["new\nline", "tab\there", "back\\slash", "sp ace\\040x", os.fsdecode(b"not-utf8-\xff")])
+def test_mount_points_with_escaped_names(tmp_path, name):
+    mp = tmp_path / name
+    mp.mkdir()
+    r = run_cli("mount", str(mp), "--store", str(tmp_path / "store"), "--memory-limit", "256M")
+    try:
+        assert r.returncode == 0, r.stderr
+        assert str(mp) in runtime.ckptfs_mounts()
+        (mp / "f").write_bytes(b"x")
+        s = run_cli("status", str(mp), "--json")
+        assert s.returncode == 0, s.stderr
+        assert json.loads(s.stdout)["mount"]["mountpoint"] == str(mp)
+        u = run_cli("umount", str(mp))
+        assert u.returncode == 0 and "everything is published" in u.stdout, u.stdout + u.stderr
+        assert not is_mounted(mp)
+    finally:
+        _cleanup_background(mp)
+
+
+def test_a_second_daemon_is_refused_while_the_first_still_drains(tmp_path):
+    m = start_mount(tmp_path)
+    other = tmp_path / "other"
+    other.mkdir()
+    try:
+        m.allowed_log_errors += ["failed (try", "Errno 20", "Not a directory", "NotADirectoryError", "FileExistsError", "NOT PUBLISHED",
+                                 "not published"]
+        with store_outage(m.store):
+            (m.mountpoint / "pending").write_bytes(b"p" * 1000)
+            r = run_cli("umount", str(m.mountpoint), "--timeout", "1")
+            assert r.returncode == 1 and "did not exit" in r.stderr
+            assert runtime.pid_alive(m.pid) and not is_mounted(m.mountpoint)  # unmounted, still draining to the store
+            # the same mount point again
+            assert_one_line(run_cli("mount", str(m.mountpoint), "--store", str(m.store)), 2, "still running")
+            # another mount point, the same store
+            assert_one_line(run_cli("mount", str(other), "--store", str(m.store)), 2, "in use")
+            assert not is_mounted(other) and runtime.MountInfo.read(m.mountpoint).pid == m.pid  # the draining daemon's details stay
+        assert m.proc.wait(timeout=60) == 0  # the store came back: it published and exited
+        assert (m.store / "pending").read_bytes() == b"p" * 1000
+    finally:
+        stop_mount(m)
+        for mp in (m.mountpoint, other):  # a second daemon, had it been let in
+            if runtime.MountInfo.read(mp) is not None and runtime.MountInfo.read(mp).pid != m.pid:
+                _cleanup_background(mp)
+
+
+def test_names_that_would_forge_log_lines_or_table_rows(fresh_mount):
+    m = fresh_mount
+    raw = b"bad\xff\nERROR forged line\tend"
+    name = os.fsdecode(raw)
+    with open(os.path.join(os.fsencode(m.mountpoint), raw), "wb") as f:
+        f.write(b"payload")
+    assert run_cli("flush", str(m.mountpoint), "--timeout", "60").returncode == 0
+    assert (m.store / name).read_bytes() == b"payload"
+    log = m.log.read_bytes()
+    assert b"Traceback" not in log and b"UnicodeEncodeError" not in log
+    assert not any(line.startswith(b"ERROR forged") for line in log.splitlines())
+    assert b"published bad\\xff\\nERROR forged line\\tend" in log
+    # the table: one row, escaped; JSON: the exact name
+    r = run_cli("status", str(m.mountpoint), "--files")
+    assert r.returncode == 0, r.stderr
+    rows = [ln for ln in r.stdout.splitlines() if "bad" in ln]
+    assert len(rows) == 1 and "bad\\xff\\nERROR forged line\\tend" in rows[0], r.stdout
+    j = json.loads(run_cli("status", str(m.mountpoint), "--files", "--json").stdout)
+    assert [f["path"] for f in j["files"]] == [name]
+
+
+def test_no_access_to_dev_fuse_names_the_fix(tmp_path):
+    """A user who may not open /dev/fuse: one line naming the fix, exit 2
+    (a private mount namespace gets a /dev/fuse only root may open; the
+    command runs as nobody)."""
+    (tmp_path / "mnt").mkdir()
+    os.chmod(tmp_path, 0o755)
+    node = tmp_path / "fuse"
+    script = (f"mknod {node} c 10 229 && chmod 0600 {node} && mount --bind {node} /dev/fuse && "
+              f"exec setpriv --reuid=65534 --regid=65534 --clear-groups {sys.executable} -m ckptfs.tools.cli "
+              f"mount {tmp_path / 'mnt'} --store {tmp_path / 'store'}")
+    r = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=60, cwd="/")
+    assert_one_line(r, 2, "/dev/fuse")
+    assert "chmod" in r.stderr
+
+
+def test_the_mount_command_waits_for_an_exiting_daemon(tmp_path):
+    """A daemon that closes its end of the pipe and exits a moment later is
+    reported as exited (with its error), not as "did not mount in time"."""
+    assert _ready_of("os.close({w}); time.sleep(1.0)") is False
+    assert _ready_of("os.write({w}, b'ok'); time.sleep(30)") is True
+
+
+def _ready_of(child: str) -> bool | None:
+    """What `wait_ready` says of a child process running `child` ({w}: its end of the pipe)."""
+    from ckptfs.tools.cli import wait_ready
+
+    r, w = os.pipe()
+    proc = subprocess.Popen([sys.executable, "-c", "import os, time; " + child.format(w=w)], pass_fds=(w,))
+    os.close(w)
+    try:
+        return wait_ready(proc, r, timeout=20)
+    finally:
+        os.close(r)
+        proc.kill()
+        proc.wait()
+
+
+def _cleanup_background(mp: Path) -> None:
+    """Unmount and stop a daemon the background `ckptfs mount` started."""
+    info = runtime.MountInfo.read(mp)
+    if is_mounted(mp):
+        subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True, timeout=20)
+    if info is not None and runtime.pid_alive(info.pid):
+        os.kill(info.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while runtime.pid_alive(info.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if runtime.pid_alive(info.pid):
+            os.kill(info.pid, signal.SIGKILL)

@@ -1,0 +1,102 @@
+"""The runtime directory (the daemon's details, log and control socket) is
+used only when it is the user's own and private: a directory someone else
+made first (in a shared /tmp) is refused, never written through."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ckptfs import runtime
+from tests.mountutil import is_mounted, run_cli, start_mount, stop_mount
+
+NOBODY = 65534
+
+
+def one_line_error(r: subprocess.CompletedProcess, code: int, word: str) -> None:
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == code and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert lines[0].startswith("ckptfs: error: ") and word in lines[0], lines[0]
+
+
+@pytest.fixture
+def dirs(tmp_path):
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_text("the victim's file\n")
+    return mp, tmp_path / "store", tmp_path / "rt", victim
+
+
+def mount_with(mp, store, rt) -> subprocess.CompletedProcess:
+    return run_cli("mount", str(mp), "--store", str(store), "--memory-limit", "256M", env={**os.environ, "CKPTFS_RUNTIME_DIR": str(rt)})
+
+
+def test_a_runtime_root_owned_by_someone_else_is_refused(dirs):
+    mp, store, rt, _ = dirs
+    rt.mkdir(mode=0o700)
+    os.chown(rt, NOBODY, NOBODY)
+    one_line_error(mount_with(mp, store, rt), 2, f"belongs to uid {NOBODY}")
+    assert not is_mounted(mp) and os.listdir(rt) == []
+
+
+def test_a_squatted_mount_directory_with_a_planted_log_is_refused(dirs):
+    """/tmp/ckptfs-<uid>/<hash>/daemon.log -> a file of the victim's: the
+    daemon would have appended to it."""
+    mp, store, rt, victim = dirs
+    rt.mkdir(mode=0o700)
+    squat = rt / runtime.mount_dir(mp).name
+    squat.mkdir(mode=0o777)
+    (squat / "daemon.log").symlink_to(victim)
+    os.chown(squat, NOBODY, NOBODY)
+    one_line_error(mount_with(mp, store, rt), 2, "refusing")
+    assert victim.read_text() == "the victim's file\n" and not is_mounted(mp)
+
+
+def test_a_runtime_root_others_can_write_is_refused(dirs):
+    mp, store, rt, _ = dirs
+    rt.mkdir()
+    rt.chmod(0o777)
+    one_line_error(mount_with(mp, store, rt), 2, "writable by others")
+    assert not is_mounted(mp)
+
+
+def test_an_own_runtime_root_readable_by_others_is_made_private(dirs):
+    mp, store, rt, _ = dirs
+    rt.mkdir()
+    rt.chmod(0o755)  # as ckptfs before 0.1 made /run/ckptfs
+    r = mount_with(mp, store, rt)
+    try:
+        assert r.returncode == 0, r.stderr
+        assert rt.stat().st_mode & 0o777 == 0o700
+    finally:
+        run_cli("umount", str(mp), env={**os.environ, "CKPTFS_RUNTIME_DIR": str(rt)})
+        if is_mounted(mp):
+            subprocess.run(["fusermount3", "-u", "-z", str(mp)])
+
+
+def test_the_client_talks_only_to_a_socket_of_its_user(tmp_path):
+    m = start_mount(tmp_path)
+    try:
+        sock = runtime.control_socket(m.mountpoint)
+        os.chown(sock, NOBODY, NOBODY, follow_symlinks=False)
+        one_line_error(run_cli("status", str(m.mountpoint)), 2, "not a socket of uid 0")
+        os.chown(sock, 0, 0, follow_symlinks=False)
+        assert run_cli("status", str(m.mountpoint)).returncode == 0
+    finally:
+        stop_mount(m)
+
+
+def test_only_the_owner_can_unmount(tmp_path):
+    m = start_mount(tmp_path)
+    try:
+        r = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+                            sys.executable, "-m", "ckptfs.tools.cli", "umount", str(m.mountpoint)],
+                           capture_output=True, text=True, timeout=60, cwd="/", env={**os.environ, "CKPTFS_RUNTIME_DIR": "/nonexistent"})
+        one_line_error(r, 2, "mounted by uid 0")
+        assert is_mounted(m.mountpoint) and m.proc.poll() is None  # untouched
+    finally:
+        stop_mount(m)

@@ -1,0 +1,50 @@
+"""What is planted in a local store cannot turn ckptfs against its host: no
+symlink in the store is ever followed, for reading or for writing."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from tests.mountutil import run_cli, start_mount, stop_mount
+
+
+def test_symlinks_planted_in_the_store_are_never_followed(tmp_path):
+    store = tmp_path / "store"
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"root's secret")
+    secret.chmod(0o600)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    store.mkdir()
+    (store / "x").symlink_to(secret)  # would show the secret as a file in the mount
+    (store / "d").symlink_to(elsewhere)  # would make a publish write outside the store
+    (store / "ok").mkdir()
+    (store / "ok" / "link").symlink_to(elsewhere)
+
+    m = start_mount(tmp_path)
+    try:
+        m.allowed_log_errors += ["symlink in the store", "failed (try", "failed for good", "cannot be applied"]
+        assert sorted(os.listdir(m.mountpoint)) == ["ok"]  # neither symlink is shown
+        assert os.listdir(m.mountpoint / "ok") == []
+        (m.mountpoint / "d").mkdir()
+        (m.mountpoint / "d" / "f").write_bytes(b"must not leave the store")
+        (m.mountpoint / "ok" / "link").mkdir()
+        (m.mountpoint / "ok" / "link" / "g").write_bytes(b"nor this")
+        (m.mountpoint / "fine").write_bytes(b"published")
+        deadline = time.monotonic() + 60
+        while not (store / "fine").exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        # the two files under planted symlinks are parked (status says so), never written through them
+        deadline = time.monotonic() + 60
+        while "failed for good" not in m.log_text() or m.log_text().count("parked") < 2:
+            assert time.monotonic() < deadline, m.log_text()[-3000:]
+            time.sleep(0.2)
+        assert list(elsewhere.iterdir()) == []
+        assert secret.read_bytes() == b"root's secret"
+        r = run_cli("status", str(m.mountpoint), "--json")
+        assert '"failed"' in r.stdout
+    finally:
+        stop_mount(m)
+    assert list(elsewhere.iterdir()) == []
