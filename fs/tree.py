@@ -43,14 +43,14 @@ class Journal(Protocol):
     """What the tree tells the write-back engine, as it happens. Paths are
     relative to the root, as of the moment of the event."""
 
-    def sealed(self, ino: int, generation: int, snapshot: Snapshot, mode: int, mtime_ns: int) -> None: ...
+    def sealed(self, ino: int, generation: int, snapshot: Snapshot) -> None: ...
     def renamed(self, src: str, dst: str, ino: int, is_dir: bool, replaced: int | None = None) -> None: ...
     def exchanged(self, a: str, b: str) -> None: ...
     def linked(self, ino: int, path: str) -> None: ...
     def removed(self, path: str, ino: int, is_dir: bool) -> None: ...
     def made_dir(self, path: str, ino: int) -> None: ...
     def made_symlink(self, path: str, ino: int, target: str) -> None: ...
-    def changed_mode(self, ino: int, mode: int) -> None: ...
+    def changed_attrs(self, ino: int) -> None: ...  # mode, owner or mtime set (not by a write): see `meta_of`
 
 
 def _err(code: int, what: str = "") -> OSError:
@@ -389,8 +389,6 @@ class InodeTree:
                 self.seal(inode)
         if mode is not None:
             inode.mode = stat.S_IFMT(inode.mode) | (mode & 0o7777)
-            if self.journal is not None and inode.is_reg:
-                self.journal.changed_mode(inode.ino, mode & 0o7777)
         if uid is not None and uid != -1 and uid != 0xFFFFFFFF:
             inode.uid = uid
         if gid is not None and gid != -1 and gid != 0xFFFFFFFF:
@@ -399,6 +397,8 @@ class InodeTree:
             inode.atime_ns = atime_ns
         if mtime_ns is not None:
             inode.mtime_ns = mtime_ns
+        if self.journal is not None and (mode, uid, gid, mtime_ns) != (None, None, None, None):
+            self.journal.changed_attrs(inode.ino)
         inode.ctime_ns = now
         return inode
 
@@ -519,7 +519,7 @@ class InodeTree:
             inode.mode &= ~bits
             inode.ctime_ns = time.time_ns()
             if self.journal is not None:
-                self.journal.changed_mode(inode.ino, inode.mode & 0o7777)
+                self.journal.changed_attrs(inode.ino)
 
     def release(self, fh: int) -> Inode | None:
         """Close a handle; returns the inode if this sealed it (last writer)."""
@@ -545,7 +545,7 @@ class InodeTree:
         inode.sealed_version = inode.version
         self.touched.add(inode.ino)
         if self.journal is not None and inode.nlink > 0:
-            self.journal.sealed(inode.ino, inode.generation, inode.data.snapshot(), inode.mode, inode.mtime_ns)
+            self.journal.sealed(inode.ino, inode.generation, inode.data.snapshot())
         return True
 
     def evict(self, ino: int, generation: int) -> int:
@@ -582,31 +582,50 @@ class InodeTree:
             inode.data.fill(blocks)
             self.touched.add(ino)
 
-    def restore(self, path: str, mode: int, size: int = 0, mtime_ns: int = 0, target: str = "", uid: int = 0, gid: int = 0) -> Inode:
-        """Recreate an entry found in the store (restart). Regular files come
-        back evicted (their bytes load on first use); parents are created as
-        needed. Nothing is journaled: the store already has it."""
+    def meta_of(self, ino: int) -> tuple[int, int, int, int] | None:
+        """(mode, uid, gid, mtime_ns) of an inode, None if it is gone."""
+        inode = self.inodes.get(ino)
+        return None if inode is None else (inode.mode, inode.uid, inode.gid, inode.mtime_ns)
+
+    def restore(self, path: str, mode: int, size: int = 0, mtime_ns: int = 0, target: str = "", uid: int | None = None,
+                gid: int | None = None) -> Inode:
+        """Recreate an entry found in the store (restart), with exactly the
+        given mode, owner (None: the mount's owner) and mtime. Regular files
+        come back evicted (their bytes load on first use); parents are
+        created as needed, and a directory that exists already (made as a
+        parent) takes the given attributes. Nothing is journaled: the store
+        already has it. "" is the root."""
         journal, self.journal = self.journal, None
         try:
-            parent = self.inodes[ROOT]
-            parts = [os.fsencode(p) for p in path.split("/")]
-            for part in parts[:-1]:
-                child = parent.children.get(part)  # type: ignore[union-attr]
-                parent = self.inodes[child] if child is not None else self.mkdir(parent.ino, part, 0o755, uid, gid)
-            existing = parent.children.get(parts[-1])  # type: ignore[union-attr]
-            if existing is not None:
-                return self.inodes[existing]
-            if stat.S_ISDIR(mode):
-                inode = self.mkdir(parent.ino, parts[-1], mode, uid, gid)
-            elif stat.S_ISLNK(mode):
-                inode = self.symlink(parent.ino, parts[-1], os.fsencode(target), uid, gid)
-            else:
-                inode = self.mknod(parent.ino, parts[-1], stat.S_IFREG | (mode & 0o7777), uid, gid)
-                assert inode.data is not None
-                inode.data.size = size
-                inode.data.resident = False
-                inode.generation = 1
-                inode.sealed_version = inode.version
+            root = self.inodes[ROOT]
+            owner = (root.uid if uid is None else uid, root.gid if gid is None else gid)
+            parent, inode = root, root
+            if path:
+                parts = [os.fsencode(p) for p in path.split("/")]
+                for part in parts[:-1]:
+                    child = parent.children.get(part)  # type: ignore[union-attr]
+                    parent = self.inodes[child] if child is not None else self.mkdir(parent.ino, part, 0o755, root.uid, root.gid)
+                existing = parent.children.get(parts[-1])  # type: ignore[union-attr]
+                if existing is not None:
+                    inode = self.inodes[existing]
+                    if not (stat.S_ISDIR(mode) and inode.is_dir):
+                        return inode
+                elif stat.S_ISDIR(mode):
+                    inode = self.mkdir(parent.ino, parts[-1], mode, *owner)
+                elif stat.S_ISLNK(mode):
+                    inode = self.symlink(parent.ino, parts[-1], os.fsencode(target), *owner)
+                else:
+                    inode = self.mknod(parent.ino, parts[-1], stat.S_IFREG | (mode & 0o7777), *owner)
+                    assert inode.data is not None
+                    inode.data.size = size
+                    inode.data.resident = False
+                    inode.generation = 1
+                    inode.sealed_version = inode.version
+            elif not stat.S_ISDIR(mode):
+                return root
+            if not stat.S_ISLNK(mode):
+                inode.mode = stat.S_IFMT(inode.mode) | (mode & 0o7777)  # as recorded, whatever the parent's set-group-ID says
+            inode.uid, inode.gid = owner
             if mtime_ns:
                 inode.mtime_ns = mtime_ns
             return inode

@@ -41,17 +41,37 @@ def verify_store(store: Path):
     return verify(open_store(str(store)))
 
 
+def begin_outage(store: Path) -> Path:
+    """Every write to a local store fails from now on (staging becomes a file)
+    until `end_outage`. The daemon may be re-creating the staging directory
+    as this runs: it is taken away until the file is in its place."""
+    staging = store / ".ckptfs" / "staging"
+    for _ in range(1000):
+        shutil.rmtree(staging, ignore_errors=True)
+        try:
+            fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except (FileExistsError, IsADirectoryError):
+            continue
+        os.write(fd, b"outage")
+        os.close(fd)
+        return staging
+    raise AssertionError("could not take the store's staging directory away")
+
+
+def end_outage(store: Path) -> None:
+    staging = store / ".ckptfs" / "staging"
+    staging.unlink()
+    staging.mkdir()
+
+
 @contextlib.contextmanager
 def store_outage(store: Path):
     """Every write to a local store fails while inside (staging is a file)."""
-    staging = store / ".ckptfs" / "staging"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.write_bytes(b"outage")
+    begin_outage(store)
     try:
         yield
     finally:
-        staging.unlink()
-        staging.mkdir()
+        end_outage(store)
 
 
 class StoreWatcher:

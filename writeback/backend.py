@@ -145,9 +145,10 @@ class Backend:
         """Upload `pieces` (`size` bytes) under a hidden name of its own."""
         raise NotImplementedError
 
-    def publish(self, staged: Staged, path: str, pieces: Iterable[memoryview | bytes] = ()) -> None:
+    def publish(self, staged: Staged, path: str, pieces: Iterable[memoryview | bytes] = (), mode: int | None = None) -> None:
         """Make `staged` visible at `path` atomically (replacing what is
-        there). `pieces` are the bytes again, for a `Staged` with no token.
+        there), with permission bits `mode` where the store keeps them (local
+        stores). `pieces` are the bytes again, for a `Staged` with no token.
         FileNotFoundError: the staged data is gone (published already, or
         cleaned away): the caller checks which."""
         raise NotImplementedError
@@ -175,6 +176,9 @@ class Backend:
 
     def copy(self, src: str, dst: str) -> None:
         raise NotImplementedError
+
+    def chmod(self, path: str, mode: int) -> None:
+        """Give `path` these permission bits, where the store keeps them (local stores; object stores have none)."""
 
     def exchange(self, a: str, b: str) -> None:
         """Swap two files (atomically where the store can)."""
@@ -246,9 +250,9 @@ class LocalBackend(Backend):
         fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             for part in filter(None, path.split("/")):
-                if create:
+                if create:  # 0700 until its record gives it the mount's mode (never more open)
                     with contextlib.suppress(FileExistsError):
-                        os.mkdir(part, 0o755, dir_fd=fd)
+                        os.mkdir(part, 0o700, dir_fd=fd)
                 try:
                     below = os.open(part, _DIR, dir_fd=fd)
                 except OSError as exc:
@@ -275,7 +279,8 @@ class LocalBackend(Backend):
     def stage(self, pieces: Iterable[memoryview | bytes], size: int) -> Staged:
         tmp = self._staging_name()
         with self._at(tmp, create=True) as (d, name):
-            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, dir_fd=d)
+            # 0600 until published: the file takes its mount counterpart's mode then (never more open)
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600, dir_fd=d)
             try:
                 for piece in pieces:
                     view = memoryview(piece)
@@ -290,19 +295,21 @@ class LocalBackend(Backend):
             os.close(fd)
         return Staged(size, tmp)
 
-    def publish(self, staged: Staged, path: str, pieces: Iterable[memoryview | bytes] = ()) -> None:
+    def publish(self, staged: Staged, path: str, pieces: Iterable[memoryview | bytes] = (), mode: int | None = None) -> None:
         assert staged.token is not None
-        self._replace(staged.token, path)
+        self._replace(staged.token, path, mode)
 
-    def _replace(self, src: str, dst: str) -> None:
+    def _replace(self, src: str, dst: str, mode: int | None = None) -> None:
         with self._at(src) as (sd, sname), self._at(dst, create=True) as (dd, dname):
+            if mode is not None:
+                os.chmod(sname, mode & 0o777, dir_fd=sd)  # never set-ID bits in the store
             if _kind(dname, dd) == stat.S_IFDIR:
                 os.rmdir(dname, dir_fd=dd)  # an empty directory left where a file now goes
             os.rename(sname, dname, src_dir_fd=sd, dst_dir_fd=dd)
             os.fsync(dd)
 
     def put(self, path: str, data: bytes) -> None:
-        self.publish(self.stage([data], len(data)), path)
+        self.publish(self.stage([data], len(data)), path, mode=0o600)  # ckptfs's own records: nobody else's business
 
     def read(self, path: str) -> Iterator[bytes]:
         with self._at(path) as (d, name):
@@ -323,7 +330,14 @@ class LocalBackend(Backend):
         self._replace(src, dst)
 
     def copy(self, src: str, dst: str) -> None:
-        self.publish(self.stage(self.read(src), -1), dst)
+        with self._at(src) as (d, name):
+            mode = os.stat(name, dir_fd=d, follow_symlinks=False).st_mode
+        self.publish(self.stage(self.read(src), -1), dst, mode=mode)
+
+    def chmod(self, path: str, mode: int) -> None:
+        with self._at(path) as (d, name):
+            if _kind(name, d) in (stat.S_IFREG, stat.S_IFDIR):  # never through a symlink
+                os.chmod(name, mode, dir_fd=d)
 
     def exchange(self, a: str, b: str) -> None:
         with self._at(a) as (da, na), self._at(b) as (db, nb):
@@ -445,7 +459,7 @@ class FsspecBackend(Backend):
                 f.write(piece)
         return Staged(size, tmp)
 
-    def publish(self, staged: Staged, path: str, pieces: Iterable[memoryview | bytes] = ()) -> None:
+    def publish(self, staged: Staged, path: str, pieces: Iterable[memoryview | bytes] = (), mode: int | None = None) -> None:
         assert staged.token is not None
         self.fs.mv(self._abs(staged.token), self._abs(path))
 
@@ -532,7 +546,7 @@ class S3Backend(FsspecBackend):
         r = self.fs.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=n, Body=data)
         return {"PartNumber": n, "ETag": r["ETag"]}
 
-    def publish(self, staged: Staged, path: str, pieces: Iterable[memoryview | bytes] = ()) -> None:
+    def publish(self, staged: Staged, path: str, pieces: Iterable[memoryview | bytes] = (), mode: int | None = None) -> None:
         if staged.token is None:  # a single PUT is atomic too
             self.fs.pipe_file(self._abs(path), b"".join(bytes(p) for p in pieces))
         else:

@@ -35,8 +35,8 @@ import trio
 from . import storeio
 from .backend import HEARTBEAT_S, Backend
 from .calls import Deadlines, StoreCalls, permanent
-from .journal import Chmod, Exchange, FileGen, Link, Mkdir, Op, Remove, Rename, Snapshot, Symlink, kind
-from .manifest import Digest, record_path
+from .journal import Attrs, Exchange, FileGen, Link, Mkdir, Op, Remove, Rename, Snapshot, Symlink, kind
+from .manifest import Digest, Meta, record_path
 from .publisher import MARKERS, Publisher, shown_digest
 from .replica import Dir, File, Shown
 from .replica import Link as RLink
@@ -57,6 +57,7 @@ class Namespace(Protocol):
     """The engine's view of the mount (implemented by fs.tree.InodeTree)."""
 
     def paths_of(self, ino: int) -> list[str]: ...
+    def meta_of(self, ino: int) -> tuple[int, int, int, int] | None: ...  # (mode, uid, gid, mtime_ns)
     def inode_at(self, path: str) -> Node | None: ...
     def evict(self, ino: int, generation: int) -> int: ...
     def fill(self, ino: int, blocks: list[bytes]) -> None: ...
@@ -113,8 +114,18 @@ class Engine:
         self._recent: collections.deque[tuple[float, int]] = collections.deque()  # (monotonic time, bytes published)
 
     # -- the Journal: called by the inode tree on the trio thread --------------
-    def sealed(self, ino: int, generation: int, snapshot: Snapshot, mode: int, mtime_ns: int) -> None:
-        gen = FileGen(self._next(), ino, generation, snapshot, mode, mtime_ns, snapshot.size, self.ns.paths_of(ino))
+    def meta_of(self, ino: int) -> Meta | None:
+        """An inode's mode, owner and mtime in the mount now."""
+        found = self.ns.meta_of(ino)
+        if found is None:
+            return None
+        mode, uid, gid, mtime_ns = found
+        return Meta(stat.S_IMODE(mode), uid, gid, mtime_ns)
+
+    def sealed(self, ino: int, generation: int, snapshot: Snapshot) -> None:
+        meta = self.meta_of(ino)
+        assert meta is not None
+        gen = FileGen(self._next(), ino, generation, snapshot, meta, snapshot.size, self.ns.paths_of(ino))
         older = self.pending.get(ino)
         if older is not None:
             older.superseded_by = gen
@@ -147,10 +158,12 @@ class Engine:
         self._append(Mkdir(self._next(), path, ino))
 
     def made_symlink(self, path: str, ino: int, target: str) -> None:
-        self._append(Symlink(self._next(), path, ino, target))
+        self._append(Symlink(self._next(), path, ino, target, self.meta_of(ino) or Meta(0o777)))
 
-    def changed_mode(self, ino: int, mode: int) -> None:
-        self._append(Chmod(self._next(), ino, mode))
+    def changed_attrs(self, ino: int) -> None:
+        meta = self.meta_of(ino)
+        if meta is not None:
+            self._append(Attrs(self._next(), ino, meta))
 
     def _gone(self, ino: int, seq: int) -> None:
         """`ino` may have lost its last name at op `seq`: then its unpublished
@@ -243,11 +256,16 @@ class Engine:
         """Publish everything queued within `timeout`; returns what is left."""
         with trio.move_on_after(timeout):
             await self.flush()
+            await self.publisher.sync_dirs()  # the directories' final mtimes, as they are at unmount
         return self.unpublished()
 
     async def wait_change(self) -> None:
         """Until anything in the engine changes state."""
         await self._wake.wait()
+
+    def next_change(self) -> trio.Event:
+        """The event the next change sets (to wait for after doing something else)."""
+        return self._wake
 
     def throughput(self) -> float:
         """Bytes per second published over the last 30 s."""
@@ -455,33 +473,43 @@ class Engine:
 
     # -- restart -------------------------------------------------------------
     async def scan(self, restore: Callable[..., Node]) -> int:
-        """Show what the store holds (C9): namespace now, data on first read."""
+        """Show what the store holds (C9): namespace now, data on first read;
+        modes, owners and mtimes as recorded (directories last, deepest
+        first, so that restoring their entries does not change their mtimes)."""
         entries, records, unreadable = await self.calls.run("scan the store", storeio.scan, self.backend)
         bad = set(unreadable)
+        replica = self.publisher.replica
         n = 0
         for e in entries:
             if e.is_dir:
-                node = restore(e.path, 0o040755, 0, 0, "")
+                node = restore(e.path, stat.S_IFDIR | 0o755)
                 self.publisher.restored(e.path, Dir(node.ino))
                 continue
             rec = records.get(e.path)
-            # Set-ID bits come back only with their owner, and records do not keep owners (yet):
-            # a restored file is the mount owner's, and setuid root it must never become.
-            mode = (rec.mode if rec is not None and rec.kind == "file" else 0o644) & ~(stat.S_ISUID | stat.S_ISGID)
-            mtime = rec.mtime_ns if rec is not None else 0
-            node = restore(e.path, 0o100000 | mode, e.size, mtime, "")
+            recorded = rec.meta if rec is not None and rec.kind == "file" else Meta()
+            meta = _restorable(recorded)
+            node = restore(e.path, stat.S_IFREG | meta.mode, e.size, meta.mtime_ns, "", meta.uid, meta.gid)
             digest = rec.current if rec is not None and rec.kind == "file" else None
             if rec is not None and rec.kind == "file":
                 self.residency.expect(node.ino, rec)
             elif record_path(e.path) in bad:
                 self.residency.unverifiable(node.ino, e.path)
-            self.publisher.restored(e.path, File(node.ino, shown=Shown(node.ino, 1, digest, mode, mtime)))
+            self.publisher.restored(e.path, File(node.ino, shown=Shown(node.ino, 1, digest, recorded)))
             self.published_gen[node.ino] = 1
             n += 1
         for rec in records.values():
             if rec.kind == "symlink":
-                node = restore(rec.path, 0o120777, 0, 0, rec.target)
-                self.publisher.restored(rec.path, RLink(node.ino, target=rec.target, shown=True))
+                node = restore(rec.path, stat.S_IFLNK | 0o777, 0, rec.mtime_ns, rec.target, rec.uid, rec.gid)
+                self.publisher.restored(rec.path, RLink(node.ino, target=rec.target, shown=True, meta=rec.meta))
+        dirs = [rec for rec in records.values() if rec.kind == "dir"]
+        for rec in sorted(dirs, key=lambda r: -(r.path.count("/") + bool(r.path))):
+            meta = _restorable(rec.meta)
+            node = restore(rec.path, stat.S_IFDIR | meta.mode, 0, meta.mtime_ns, "", meta.uid, meta.gid)
+            d = replica.lookup(rec.path)
+            if not isinstance(d, Dir):
+                d = Dir(node.ino)
+                self.publisher.restored(rec.path, d)
+            d.recorded = rec.meta
         return n
 
     # -- internals -------------------------------------------------------------
@@ -510,3 +538,11 @@ class _Pieces:
             raise storeio.Cancelled()
         return iter(snapshot.pieces())
 
+
+def _restorable(meta: Meta) -> Meta:
+    """Set-ID bits come back only together with their owner: an entry whose
+    record has no owner (older records) is the mount owner's, and must never
+    become set-user-ID to them."""
+    if meta.uid is None or meta.gid is None:
+        return Meta(meta.mode & ~(stat.S_ISUID | stat.S_ISGID), None, None, meta.mtime_ns)
+    return meta

@@ -14,7 +14,7 @@ from typing import Protocol
 import trio
 
 from .backend import Staged
-from .manifest import Digest
+from .manifest import Digest, Meta
 from .state import State, transition
 
 
@@ -45,8 +45,7 @@ class FileGen(Op):
     ino: int
     generation: int
     snapshot: Snapshot | None
-    mode: int
-    mtime_ns: int
+    meta: Meta  # mode, owner and mtime when it was sealed
     size: int
     names: list[str]  # the file's paths when it was sealed
     state: State = State.DIRTY
@@ -129,15 +128,18 @@ class Mkdir(Named):
 @dataclass(eq=False)
 class Symlink(Named):
     target: str
+    meta: Meta
 
 
 @dataclass(eq=False)
-class Chmod(Op):
+class Attrs(Op):
+    """An inode's mode, owner or mtime was set (chmod, chown, utime)."""
+
     ino: int
-    mode: int
+    meta: Meta
 
 
-NameOp = Rename | Exchange | Link | Remove | Mkdir | Symlink | Chmod
+NameOp = Rename | Exchange | Link | Remove | Mkdir | Symlink | Attrs
 
 
 def kind(op: Op) -> str:

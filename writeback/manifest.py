@@ -29,9 +29,19 @@ class Digest:
 
 
 @dataclass(frozen=True)
+class Meta:
+    """What an entry carries besides its bytes, as the mount shows it."""
+
+    mode: int = 0o644  # permission bits, set-ID and sticky bits included (S_IMODE)
+    uid: int | None = None  # None: not recorded (a restart gives the mount's owner, and no set-ID bits)
+    gid: int | None = None
+    mtime_ns: int = 0
+
+
+@dataclass(frozen=True)
 class Record:
     path: str
-    kind: str  # "file" or "symlink"
+    kind: str  # "file", "symlink" or "dir"
     current: Digest | None = None
     previous: Digest | None = None
     mode: int = 0o644
@@ -39,6 +49,16 @@ class Record:
     target: str = ""  # symlinks
     written_ns: int = 0  # when the bytes were sealed (daemon) or written (store fallback): the newer wins
     source: str = ""  # where the bytes come from while being published: "staged:<path>", "move:<path>", "copy:<path>", "put:<daemon>"
+    uid: int | None = None
+    gid: int | None = None
+
+    @classmethod
+    def of(cls, path: str, kind: str, meta: Meta, **fields) -> Record:
+        return cls(path, kind, mode=meta.mode, mtime_ns=meta.mtime_ns, uid=meta.uid, gid=meta.gid, **fields)
+
+    @property
+    def meta(self) -> Meta:
+        return Meta(self.mode, self.uid, self.gid, self.mtime_ns)
 
     def matches(self, size: int, xxh3: str | None = None) -> Digest | None:
         """The digest (current or previous) that data of this size/hash matches."""

@@ -31,14 +31,13 @@ from __future__ import annotations
 import collections
 import fnmatch
 import logging
-import stat
 from typing import TYPE_CHECKING
 
 import trio
 
 from . import manifest, storeio
 from .backend import META
-from .journal import Chmod, Exchange, FileGen, Link, Mkdir, Op, Remove, Rename, Symlink
+from .journal import Attrs, Exchange, FileGen, Link, Mkdir, Op, Remove, Rename, Symlink
 from .manifest import Record
 from .replica import Dir, File, Node, Replica, Shown
 from .replica import Link as RLink
@@ -58,6 +57,9 @@ class GiveUp(Exception):
     """The op being applied failed for good (parked or skipped, logged)."""
 
 
+DIR_SYNC_QUIET_S = 0.2  # directory records are written after the queue has been empty this long
+
+
 class Publisher:
     def __init__(self, engine: Engine, markers: tuple[str, ...] = MARKERS) -> None:
         self.e = engine
@@ -68,6 +70,10 @@ class Publisher:
         self.parked: set[FileGen] = set()
         self.retry_parked_at = 0.0
         self.current: Op | None = None  # the op being applied: store steps count their failures on it
+        # Directories whose mode, owner or mtime may differ from their record:
+        # recorded when the queue is idle (metadata is not ordered data).
+        self.dirty: set[Dir] = set()
+        self._syncing = trio.Lock()
 
     # -- store steps -------------------------------------------------------------
     async def call(self, what: str, fn, *args, nbytes: int = 0, reading: FileGen | None = None):
@@ -115,6 +121,7 @@ class Publisher:
                 except GiveUp:
                     pass  # parked or skipped, loudly: it no longer blocks the queue
                 self._complete(op)
+                self._dirty_after(op)
             except trio.Cancelled:
                 raise
             except Exception as exc:  # a bug: logged, and the op is tried again at the head of the queue
@@ -128,8 +135,79 @@ class Publisher:
                 self.current = None
 
     async def _idle(self) -> None:
-        with trio.move_on_at(self.retry_parked_at if self.parked else float("inf")):
-            await self.e.wait_change()
+        change = self.e.next_change()  # taken first: a change while directories sync must not be missed
+        if self.dirty and not self.e.queue:
+            # Only once the queue has been quiet a moment: a burst of saves is
+            # not slowed by records of directories it is still changing.
+            with trio.move_on_after(DIR_SYNC_QUIET_S):
+                await change.wait()
+            if change.is_set():
+                return
+            await self.sync_dirs()
+        deadline = self.retry_parked_at if self.parked else float("inf")
+        if self.dirty:  # a sync failed: try again later, or at the next change
+            deadline = min(deadline, trio.current_time() + self.e.retry.max_s)
+        with trio.move_on_at(deadline):
+            await change.wait()
+
+    # -- directory records --------------------------------------------------------
+    def _dirty_after(self, op: Op) -> None:
+        """The directories `op` changed (entries added or removed: their
+        mtimes; an Attrs op on a directory: itself)."""
+        if isinstance(op, FileGen):
+            paths = op.names
+        elif isinstance(op, Rename):
+            paths = [op.src, op.dst]
+        elif isinstance(op, Exchange):
+            paths = [op.a, op.b]
+        elif isinstance(op, Attrs):
+            self.dirty.update(n for _, n in self.replica.nodes_of(op.ino) if isinstance(n, Dir))
+            return
+        else:
+            paths = [op.path]
+        for path in paths:
+            parent = self.replica.lookup(path.rpartition("/")[0])
+            if isinstance(parent, Dir):
+                self.dirty.add(parent)
+        if isinstance(op, Mkdir | Rename):
+            moved = self.replica.lookup(op.name if isinstance(op, Mkdir) else op.dst)
+            if isinstance(moved, Dir):
+                self.dirty.add(moved)
+                self.dirty.update(n for _, n in self.replica.walk(moved) if isinstance(n, Dir))
+
+    async def sync_dirs(self) -> None:
+        """Write the record of every dirty directory whose attributes in the
+        mount differ from it (and, on a local store, give the store's
+        directory the mount's mode). A failure leaves it dirty, for later."""
+        async with self._syncing:
+            for d in sorted(self.dirty, key=lambda n: -len(self.replica.path_of(n) or "")):
+                self.dirty.discard(d)
+                path = self.replica.path_of(d)
+                meta = self.e.meta_of(d.ino)
+                if path is None or meta is None or meta == d.recorded:
+                    continue
+                try:
+                    await self.e.calls.run(f"record {path or '/'}", manifest.write, self.e.backend, Record.of(path, "dir", meta))
+                    if d.made and path:
+                        await self.e.calls.run(f"chmod {path}", self.e.backend.chmod, path, meta.mode & 0o1777)
+                except Exception as exc:
+                    log.warning("cannot record the attributes of directory %s yet: %s", path or "/", exc)
+                    self.dirty.add(d)
+                    return
+                d.recorded = meta
+
+    async def _attrs(self, op: Attrs) -> None:
+        for path, node in self.replica.nodes_of(op.ino):
+            if isinstance(node, File) and node.shown is not None and node.shown.meta != op.meta:
+                rec = Record.of(path, "file", op.meta, current=node.shown.digest)
+                await self.call(f"record {path}", manifest.write, self.e.backend, rec)
+                if node.shown.meta.mode != op.meta.mode:
+                    await self.call(f"chmod {path}", self.e.backend.chmod, path, op.meta.mode & 0o777)
+                node.shown.meta = op.meta
+            elif isinstance(node, RLink):
+                node.meta = op.meta
+                if node.shown:
+                    await self.call(f"record {path}", manifest.write, self.e.backend, Record.of(path, "symlink", op.meta, target=node.target))
 
     def _complete(self, op: Op) -> None:
         popped = self.e.queue.popleft()
@@ -202,7 +280,7 @@ class Publisher:
                 there = newer.record
                 log.warning("%s: the store holds a newer file, written there directly after this generation was sealed "
                             "(the torch helpers' fallback): keeping it, not publishing generation %d over it", path, gen.generation)
-                node.shown = Shown(0, 0, there.current, there.mode, there.mtime_ns)
+                node.shown = Shown(0, 0, there.current, there.meta)
                 node.held = None
                 self.e.superseded_in_store(gen)
                 return False
@@ -220,7 +298,7 @@ class Publisher:
             gen.move(State.FAILED)
             self.e.upload_again(gen)
             return False
-        node.shown = Shown(gen.ino, gen.generation, gen.digest, stat.S_IMODE(gen.mode), gen.mtime_ns)
+        node.shown = Shown(gen.ino, gen.generation, gen.digest, gen.meta)
         node.held = None
         if not at.startswith(META + "/"):
             self._made_parents(at)  # where the bytes landed: their directories exist in the store now
@@ -238,8 +316,7 @@ class Publisher:
         previous = node.shown.digest if node.shown is not None else None
         staged = gen.staged
         source = f"staged:{staged.token}" if staged is not None and staged.token else f"put:{self.e.backend.daemon_id}"
-        return Record(path, "file", gen.digest, previous, stat.S_IMODE(gen.mode), gen.mtime_ns, written_ns=int(gen.sealed_at * 1e9),
-                      source=source)
+        return Record.of(path, "file", gen.meta, current=gen.digest, previous=previous, written_ns=int(gen.sealed_at * 1e9), source=source)
 
     def _made_parents(self, path: str) -> None:
         """The directories holding `path` exist in the store (a publication
@@ -293,7 +370,7 @@ class Publisher:
             node = RLink(op.ino, target=op.target)
             self.replica.bind(op.name, node)
             if self.live_at(op.name, op.ino):
-                await self.call(f"record {op.name}", manifest.write, self.e.backend, Record(op.name, "symlink", target=op.target, mode=0o777))
+                await self.call(f"record {op.name}", manifest.write, self.e.backend, Record.of(op.name, "symlink", op.meta, target=op.target))
                 node.shown = True
         elif isinstance(op, Link):
             node = File(op.ino)
@@ -303,21 +380,17 @@ class Publisher:
                 src = self.replica.lookup(source)
                 assert isinstance(src, File) and src.shown is not None
                 shown = src.shown
-                rec = Record(op.name, "file", shown.digest, None, shown.mode, shown.mtime_ns)
+                rec = Record.of(op.name, "file", shown.meta, current=shown.digest)
                 await self.call(f"copy {source} to {op.name}", storeio.show, self.e.backend, rec, source, op.name, False)
-                node.shown = Shown(shown.ino, shown.generation, shown.digest, shown.mode, shown.mtime_ns)
+                node.shown = Shown(shown.ino, shown.generation, shown.digest, shown.meta)
             else:
                 held = next((n.held for _, n in self.replica.nodes_of(op.ino) if isinstance(n, File) and n.held is not None), None)
                 node.held = held
                 await self._materialize(op.name, node)
         elif isinstance(op, Exchange):
             await self._exchange(op)
-        elif isinstance(op, Chmod):  # the manifest keeps modes (C8: the data is plain)
-            for path, node in self.replica.nodes_of(op.ino):
-                if isinstance(node, File) and node.shown is not None and node.shown.mode != op.mode:
-                    rec = Record(path, "file", node.shown.digest, None, op.mode, node.shown.mtime_ns)
-                    await self.call(f"record {path}", manifest.write, self.e.backend, rec)
-                    node.shown.mode = op.mode
+        elif isinstance(op, Attrs):  # the manifest keeps modes, owners and mtimes (C8: the data is plain)
+            await self._attrs(op)
 
     async def _rename(self, op: Rename) -> None:
         node = self.replica.lookup(op.src)
@@ -338,12 +411,12 @@ class Publisher:
         backend = self.e.backend
         if isinstance(node, File):
             if node.shown is not None:
-                rec = Record(op.dst, "file", node.shown.digest, None, node.shown.mode, node.shown.mtime_ns)
+                rec = Record.of(op.dst, "file", node.shown.meta, current=node.shown.digest)
                 await self.call(f"move {op.src} to {op.dst}", storeio.show, backend, rec, op.src, op.dst, True, nbytes=self._size(node))
             elif isinstance(target, File) and target.shown is not None:
                 node.shown = target.shown  # the old bytes stay until the new ones are sealed
         elif isinstance(node, RLink) and node.shown:
-            await self.call(f"record {op.dst}", manifest.write, backend, Record(op.dst, "symlink", target=node.target, mode=0o777))
+            await self.call(f"record {op.dst}", manifest.write, backend, Record.of(op.dst, "symlink", node.meta, target=node.target))
             await self.call(f"record {op.src}", manifest.delete, backend, op.src)
         self.replica.bind(op.dst, node)
         if isinstance(node, File):
@@ -377,12 +450,12 @@ class Publisher:
             shown = [(rel, f) for rel, f in members if isinstance(f, File) and f.shown is not None]
             for rel, f in shown:  # records first: a crash leaves data with records (stray records are cleaned at mount)
                 assert isinstance(f, File) and f.shown is not None
-                rec = Record(f"{op.dst}/{rel}", "file", f.shown.digest, None, f.shown.mode, f.shown.mtime_ns, source=f"move:{base}/{rel}")
+                rec = Record.of(f"{op.dst}/{rel}", "file", f.shown.meta, current=f.shown.digest, source=f"move:{base}/{rel}")
                 await self.call(f"record {rec.path}", manifest.write, backend, rec)
             links = [(rel, f) for rel, f in members if isinstance(f, RLink) and f.shown]
             for rel, f in links:
                 assert isinstance(f, RLink)
-                await self.call(f"record {op.dst}/{rel}", manifest.write, backend, Record(f"{op.dst}/{rel}", "symlink", target=f.target, mode=0o777))
+                await self.call(f"record {op.dst}/{rel}", manifest.write, backend, Record.of(f"{op.dst}/{rel}", "symlink", f.meta, target=f.target))
             if not await self.call(f"move {base} to {op.dst}", backend.move_dir, base, op.dst):
                 log.info("moving %s to %s member by member (the store has something in the way)", base, op.dst)
                 for rel, _f in sorted(shown, key=lambda rf: self._is_marker(rf[0])):
@@ -405,11 +478,16 @@ class Publisher:
                     if await self._materialize(dst, f) and was is not None:
                         await self.call(f"delete {src}", storeio.delete, backend, src)
                 elif isinstance(f, File) and f.shown is not None:
-                    rec = Record(dst, "file", f.shown.digest, None, f.shown.mode, f.shown.mtime_ns)
+                    rec = Record.of(dst, "file", f.shown.meta, current=f.shown.digest)
                     await self.call(f"move {src} to {dst}", storeio.show, backend, rec, src, dst, True, nbytes=self._size(f))
                 elif isinstance(f, RLink) and f.shown:
-                    await self.call(f"record {dst}", manifest.write, backend, Record(dst, "symlink", target=f.target, mode=0o777))
+                    await self.call(f"record {dst}", manifest.write, backend, Record.of(dst, "symlink", f.meta, target=f.target))
                     await self.call(f"record {src}", manifest.delete, backend, src)
+        for rel, d in [("", node), *((rel, n) for rel, n in members if isinstance(n, Dir))]:
+            if d.recorded is not None:  # records are by path: the new path's are written at the next sync
+                old = f"{op.src}/{rel}" if rel else op.src
+                await self.call(f"record {old}", manifest.delete, backend, old)
+                d.recorded = None
         self.replica.bind(op.dst, node)
         self._made_parents(op.dst)
 
@@ -422,13 +500,13 @@ class Publisher:
             assert isinstance(a, File) and isinstance(b, File) and a.shown and b.shown
             await self.call(f"exchange {op.a} and {op.b}", storeio.exchange, backend, op.a, op.b, a.shown.digest, b.shown.digest)
             for path, shown in ((op.a, b.shown), (op.b, a.shown)):
-                rec = Record(path, "file", shown.digest, None, shown.mode, shown.mtime_ns)
+                rec = Record.of(path, "file", shown.meta, current=shown.digest)
                 await self.call(f"record {path}", manifest.write, backend, rec)
         elif shown_a or shown_b:
             src, dst = (op.a, op.b) if shown_a else (op.b, op.a)
             node = a if shown_a else b
             assert isinstance(node, File) and node.shown is not None
-            rec = Record(dst, "file", node.shown.digest, None, node.shown.mode, node.shown.mtime_ns)
+            rec = Record.of(dst, "file", node.shown.meta, current=node.shown.digest)
             await self.call(f"move {src} to {dst}", storeio.show, backend, rec, src, dst, True)
         if a is not None:
             self.replica.detach(a)
@@ -493,6 +571,10 @@ class Publisher:
                 await self.call(f"record {path}", manifest.delete, backend, path)
         elif isinstance(node, Dir):
             await self.call(f"rmdir {path}", backend.rmdir, path)
+            if node.recorded is not None:
+                await self.call(f"record {path}", manifest.delete, backend, path)
+                node.recorded = None
+            self.dirty.discard(node)
         self.replica.detach(node)
 
     # -- parked generations -----------------------------------------------------

@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .manifest import Meta
+
 if TYPE_CHECKING:
     from .journal import FileGen
     from .manifest import Digest
@@ -33,8 +35,7 @@ class Shown:
     ino: int
     generation: int
     digest: Digest | None  # None: found in the store with no record
-    mode: int = 0o644
-    mtime_ns: int = 0
+    meta: Meta = field(default_factory=Meta)
 
 
 @dataclass(eq=False)
@@ -48,6 +49,7 @@ class Node:
 class Dir(Node):
     children: dict[str, Node] = field(default_factory=dict)
     made: bool = False  # exists in the store as a directory (local stores)
+    recorded: Meta | None = None  # what its record in the store says (None: no record yet)
 
 
 @dataclass(eq=False)
@@ -60,6 +62,7 @@ class File(Node):
 class Link(Node):
     target: str = ""
     shown: bool = False
+    meta: Meta = field(default_factory=Meta)
 
 
 class Replica:

@@ -75,7 +75,7 @@ def publish(backend: Backend, rec: Record | None, staged: Staged, path: str, dig
             raise NewerInStore(there)
         manifest.write(backend, rec)  # first: see manifest.py
     try:
-        backend.publish(staged, path, pieces() if pieces is not None else ())
+        backend.publish(staged, path, pieces() if pieces is not None else (), mode=rec.mode if rec is not None else None)
     except FileNotFoundError:
         if not holds(backend, path, digest):
             raise

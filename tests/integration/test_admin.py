@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -24,7 +23,7 @@ from ckptfs import runtime
 from ckptfs.client import AccessDenied, Client, DaemonUnavailable, FlushIncomplete, NotMounted
 from tests.integration.test_cli import assert_clean_error
 from tests.mountutil import run_cli, signal_and_wait, start_mount, stop_mount
-from tests.storeutil import store_files, store_outage, wait_until
+from tests.storeutil import begin_outage, end_outage, store_files, store_outage, wait_until
 
 OUTAGE_LOG = ["failed (try", "Errno 20", "Not a directory", "FileExistsError", "NotADirectoryError"]
 
@@ -165,13 +164,10 @@ def test_a_flush_may_take_longer_than_the_client_timeout(fresh_mount):
     """Progress lines keep a long flush alive: only silence means hung."""
     m = fresh_mount
     m.allowed_log_errors += OUTAGE_LOG
-    staging = m.store / ".ckptfs" / "staging"
-    shutil.rmtree(staging)
-    staging.write_bytes(b"outage")  # as store_outage(), ended by a timer below
+    begin_outage(m.store)  # ended by a timer below
 
     def store_back() -> None:
-        staging.unlink()
-        staging.mkdir()
+        end_outage(m.store)
 
     write(m.path("late"), b"l" * 1000)
     ender = threading.Timer(3.0, store_back)

@@ -9,6 +9,7 @@ import threading
 
 import pytest
 
+from tests.hfutil import tiny_gpt2, tiny_tokens
 from tests.mountutil import run_cli, start_mount, stop_mount
 from tests.storeutil import StoreWatcher, store_files, verify_store
 
@@ -76,7 +77,7 @@ def test_orbax_checkpoint_manager_steps_appear_whole(tmp_path):
 
 
 def test_hf_trainer_rotation_and_markers(tmp_path):
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     m = start_mount(tmp_path)
     ever = threading.Event()
@@ -99,21 +100,13 @@ def test_hf_trainer_rotation_and_markers(tmp_path):
             out.append("no complete checkpoint in the store")
         return out
 
-    class Data(torch.utils.data.Dataset):
-        def __len__(self):
-            return 64
-
-        def __getitem__(self, i):
-            ids = torch.tensor([(i + k) % 50 for k in range(8)])
-            return {"input_ids": ids, "labels": ids}
-
     try:
         with StoreWatcher(m.store, check) as w:
-            model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50, n_positions=16))
+            model = tiny_gpt2()
             args = transformers.TrainingArguments(output_dir=str(m.path("out")), max_steps=10, save_steps=2, save_total_limit=2,
                                                   per_device_train_batch_size=4, report_to=[], use_cpu=True, logging_steps=100,
                                                   disable_tqdm=True)
-            transformers.Trainer(model=model, args=args, train_dataset=Data()).train()
+            transformers.Trainer(model=model, args=args, train_dataset=tiny_tokens()).train()
             assert run_cli("umount", str(m.mountpoint)).returncode == 0
         assert not w.violations, w.violations[:5]
         assert sorted({p.split("/")[1] for p in store_files(m.store) if p.startswith("out/checkpoint-")}) == ["checkpoint-10", "checkpoint-8"]

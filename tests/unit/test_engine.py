@@ -189,7 +189,7 @@ async def test_restart_scan_shows_files_and_loads_verified(tmp_path):
     await run_until_flushed(rig)
 
     rig2 = Rig(tmp_path / "store")
-    n = await rig2.engine.scan(lambda p, m, sz, mt, tg: rig2.store.restore(p, m, sz, mt, tg))
+    n = await rig2.engine.scan(rig2.store.restore)
     assert n == 1
     node = rig2.store.inode_at("ckpt/model")
     assert node.size == 5000 and not node.data.resident
@@ -204,7 +204,7 @@ async def test_corrupt_store_object_reads_as_eio(tmp_path):
     await run_until_flushed(rig)
     (tmp_path / "store" / "model").write_bytes(b"evil" * 1000)
     rig2 = Rig(tmp_path / "store")
-    await rig2.engine.scan(lambda p, m, sz, mt, tg: rig2.store.restore(p, m, sz, mt, tg))
+    await rig2.engine.scan(rig2.store.restore)
     node = rig2.store.inode_at("model")
     with pytest.raises(OSError):
         await rig2.engine.load(node.ino)
@@ -245,11 +245,11 @@ async def test_failures_retry_until_the_store_comes_back(tmp_path):
     real_publish = rig.backend.publish
     calls = {"n": 0}
 
-    def flaky(staged, path, pieces=()):
+    def flaky(staged, path, pieces=(), mode=None):
         calls["n"] += 1
         if calls["n"] <= 4:
             raise ConnectionError("store unreachable")
-        real_publish(staged, path, pieces)
+        real_publish(staged, path, pieces, mode)
 
     rig.backend.publish = flaky
     rig.write("a", b"1")
@@ -298,7 +298,7 @@ async def test_prefetch_loads_what_only_the_store_holds(tmp_path):
     rig.write("other", b"O")
     await run_until_flushed(rig)
     rig2 = Rig(tmp_path / "store")
-    await rig2.engine.scan(lambda p, m, sz, mt, tg: rig2.store.restore(p, m, sz, mt, tg))
+    await rig2.engine.scan(rig2.store.restore)
     assert await rig2.engine.prefetch("ckpt") == 1
     assert rig2.store.inode_at("ckpt/a").data.resident and not rig2.store.inode_at("other").data.resident
 
@@ -311,7 +311,7 @@ async def test_mode_changes_reach_the_manifest_and_come_back(tmp_path):
     await run_until_flushed(rig)
     assert manifest.read(rig.backend, "model.safetensors").mode == 0o600
     rig2 = Rig(tmp_path / "store")
-    await rig2.engine.scan(lambda p, m, sz, mt, tg: rig2.store.restore(p, m, sz, mt, tg))
+    await rig2.engine.scan(rig2.store.restore)
     assert stat.S_IMODE(rig2.store.inode_at("model.safetensors").mode) == 0o600
 
 

@@ -271,8 +271,8 @@ async def test_a_publish_that_half_succeeded_is_success_on_retry(tmp_path):
     real = rig.backend.publish
     calls = []
 
-    def publish_then_fail(staged, path, pieces=()):
-        real(staged, path, pieces)
+    def publish_then_fail(staged, path, pieces=(), mode=None):
+        real(staged, path, pieces, mode)
         calls.append(path)
         if len(calls) == 1:
             raise ConnectionError("reply lost")
@@ -291,11 +291,11 @@ async def test_a_hung_store_call_is_abandoned_and_retried(tmp_path):
     real = rig.backend.publish
     hung = []
 
-    def publish(staged, path, pieces=()):
+    def publish(staged, path, pieces=(), mode=None):
         if not hung:
             hung.append(path)
             release.wait(30)  # hangs far past its deadline
-        real(staged, path, pieces)
+        real(staged, path, pieces, mode)
 
     rig.backend.publish = publish
     rig.write("a", b"A")

@@ -242,7 +242,7 @@ class Recorder:
     def __init__(self):
         self.events = []
 
-    def sealed(self, ino, generation, snapshot, mode, mtime_ns):
+    def sealed(self, ino, generation, snapshot):
         self.events.append(("sealed", ino, generation, b"".join(bytes(p) for p in snapshot.pieces())))
         snapshot.release()
 
@@ -264,8 +264,8 @@ class Recorder:
     def made_symlink(self, path, ino, target):
         self.events.append(("symlink", path, target))
 
-    def changed_mode(self, ino, mode):
-        self.events.append(("chmod", ino, mode))
+    def changed_attrs(self, ino):
+        self.events.append(("attrs", ino))
 
 
 def test_journal_events_carry_paths_at_event_time():

@@ -1,0 +1,136 @@
+"""What comes back after a restart besides the bytes: mode, owner and mtime
+of files, directories and symlinks, exactly; and what the store shows of
+them (a local store never more open than the mount)."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from tests.mountutil import run_cli, start_mount, stop_mount
+
+
+def attrs(root) -> dict[str, tuple[int, int, int, int]]:
+    """path -> (mode, uid, gid, mtime_ns) of everything under `root`, the root included."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in ["", *dirnames, *filenames]:
+            p = os.path.join(dirpath, name) if name else dirpath
+            if name == "" and dirpath != str(root):
+                continue
+            st = os.lstat(p)
+            out[os.path.relpath(p, root)] = (st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns)
+    return out
+
+
+def test_modes_owners_and_mtimes_come_back_exactly(tmp_path):
+    m = start_mount(tmp_path)
+    mp = m.mountpoint
+    try:
+        (mp / "run").mkdir()
+        (mp / "run" / "checkpoint-25").mkdir()
+        (mp / "run" / "checkpoint-25" / "model.pt").write_bytes(b"25")
+        (mp / "run" / "checkpoint-30").mkdir()
+        (mp / "run" / "checkpoint-30" / "model.pt").write_bytes(b"30")
+        (mp / "shared").mkdir()
+        os.chmod(mp / "shared", 0o1777)  # sticky, world-writable
+        (mp / "private").mkdir(mode=0o700)
+        (mp / "private" / "secret").write_bytes(b"s")
+        os.chmod(mp / "private" / "secret", 0o600)
+        (mp / "theirs").write_bytes(b"t")
+        os.chown(mp / "theirs", 1234, 5678)
+        (mp / "tool").write_bytes(b"#!/bin/sh\n")
+        os.chown(mp / "tool", 4321, 4321)
+        os.chmod(mp / "tool", 0o4755)  # setuid to its owner, who comes back with it
+        os.symlink("run/checkpoint-30", mp / "latest")
+        os.chown(mp / "latest", 1234, 1234, follow_symlinks=False)
+        os.utime(mp / "run" / "checkpoint-25", ns=(1_000_000_000, 1_700_000_000_123_456_789))
+        os.utime(mp / "theirs", ns=(1, 1_600_000_000_000_000_001))
+        os.utime(mp / "latest", ns=(1, 1_650_000_000_000_000_000), follow_symlinks=False)
+        os.chown(mp / "run", 1000, 1000)
+        os.utime(mp / "run", ns=(1, 1_690_000_000_000_000_000))  # last: later entries would change it
+        before = attrs(mp)
+        assert run_cli("umount", str(mp)).returncode == 0
+    finally:
+        stop_mount(m)
+    m = start_mount(tmp_path)
+    try:
+        after = attrs(m.mountpoint)
+        assert after == before, {k: (before.get(k), after.get(k)) for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
+        # the store is never more open than the mount: a secret stays private there too
+        store = m.store
+        assert stat.S_IMODE(os.stat(store / "private" / "secret").st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(store / "private").st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(store / "shared").st_mode) == 0o1777
+        assert stat.S_IMODE(os.stat(store / "tool").st_mode) == 0o755  # no set-ID bits in the store
+    finally:
+        stop_mount(m)
+
+
+def test_a_mode_changed_after_publication_reaches_the_store(fresh_mount):
+    m = fresh_mount
+    p = m.path("weights.bin")
+    p.write_bytes(b"w" * 1000)
+    assert run_cli("flush", str(m.mountpoint), "--timeout", "60").returncode == 0
+    os.chmod(p, 0o600)
+    (m.mountpoint / "d").mkdir()
+    os.chmod(m.mountpoint / "d", 0o750)
+    assert run_cli("flush", str(m.mountpoint), "--timeout", "60").returncode == 0
+    assert stat.S_IMODE(os.stat(m.store / "weights.bin").st_mode) == 0o600
+    deadline_ok = False
+    for _ in range(100):  # directory attributes are recorded when the queue is idle
+        if stat.S_IMODE(os.stat(m.store / "d").st_mode) == 0o750:
+            deadline_ok = True
+            break
+        import time
+
+        time.sleep(0.05)
+    assert deadline_ok
+
+
+def _hf_train(output_dir, max_steps: int, resume: bool) -> None:
+    import torch
+    import transformers
+
+    from tests.hfutil import tiny_gpt2, tiny_tokens
+
+    torch.manual_seed(0)
+    args = transformers.TrainingArguments(output_dir=str(output_dir), max_steps=max_steps, save_steps=2, save_total_limit=2,
+                                          per_device_train_batch_size=4, report_to=[], use_cpu=True, logging_steps=100, disable_tqdm=True)
+    transformers.Trainer(model=tiny_gpt2(), args=args, train_dataset=tiny_tokens()).train(resume_from_checkpoint=True if resume else None)
+
+
+def _checkpoints(d) -> list[str]:
+    return sorted(p.name for p in d.iterdir() if p.name.startswith("checkpoint-"))
+
+
+def test_hf_trainer_resumed_after_a_remount_keeps_what_plain_disk_keeps(tmp_path):
+    """HF Trainer rotates checkpoints by directory mtime: after a restart the
+    directories must carry their mtimes, or it deletes the newest one."""
+    import pytest
+
+    pytest.importorskip("transformers")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    _hf_train(disk / "out", 10, resume=False)
+    _hf_train(disk / "out", 12, resume=True)
+    expected = _checkpoints(disk / "out")
+    assert expected == ["checkpoint-10", "checkpoint-12"]
+
+    m = start_mount(tmp_path / "ckptfs")
+    try:
+        _hf_train(m.path("out"), 10, resume=False)
+        mtimes = {c: os.stat(m.path("out", c)).st_mtime_ns for c in _checkpoints(m.path("out"))}
+        assert run_cli("umount", str(m.mountpoint)).returncode == 0
+    finally:
+        stop_mount(m)
+    m = start_mount(tmp_path / "ckptfs")
+    try:
+        # what rotation goes by (which of the two a restart happens to list first decides the rest otherwise)
+        assert {c: os.stat(m.path("out", c)).st_mtime_ns for c in _checkpoints(m.path("out"))} == mtimes
+        _hf_train(m.path("out"), 12, resume=True)
+        assert _checkpoints(m.path("out")) == expected
+        assert run_cli("umount", str(m.mountpoint)).returncode == 0
+        assert _checkpoints(m.store / "out") == expected
+    finally:
+        stop_mount(m)
