@@ -32,14 +32,7 @@ log = logging.getLogger(__name__)
 READ_AHEAD_KB = 4096  # with 1 MiB requests: several in flight while the reader copies
 
 
-def default_spill_dir(backend) -> str:
-    """Files too big for RAM continue on disk: in the store itself when it is
-    local (so they are written at store speed), else in /var/tmp."""
-    from ckptfs.writeback.backend import SPILL, LocalBackend
-
-    if isinstance(backend, LocalBackend):
-        return os.path.join(backend.root, SPILL)
-    return "/var/tmp"
+DEFAULT_SPILL_DIR = "/var/tmp"  # local disk, and never the store: a write must not depend on the store being up
 
 
 def fuse_options(name: str) -> set[str]:
@@ -55,7 +48,7 @@ def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
     """Mount, serve until unmounted or signalled, drain write-back, unmount.
     Returns 0, or 1 if anything was left unpublished."""
     backend = open_store(config.store_url, config.storage_options)
-    spill_dir = config.spill_dir or default_spill_dir(backend)
+    spill_dir = config.spill_dir or DEFAULT_SPILL_DIR
     tree = InodeTree(MemoryPool(config.memory_limit), uid=os.getuid(), gid=os.getgid(), spill_dir=spill_dir)
     engine = Engine(backend, tree, workers=config.upload_workers, deadlines=Deadlines(call_s=config.store_timeout))
     tree.journal = engine

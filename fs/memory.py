@@ -43,7 +43,6 @@ class MemoryPool:
         self.limit = limit
         self.used = 0
         self._free: list[mmap.mmap] = []
-        self._warned = False
 
     @property
     def available(self) -> int:
@@ -55,14 +54,7 @@ class MemoryPool:
 
     def reserve(self, nbytes: int) -> None:
         """Account `nbytes` more, or raise ENOSPC leaving nothing changed."""
-        if self.used + nbytes > self.limit:
-            if not self._warned:
-                log.error(
-                    "RAM budget exhausted: %d of %d bytes used, a write needing "
-                    "%d more fails with ENOSPC (raise --memory-limit)",
-                    self.used, self.limit, nbytes,
-                )
-                self._warned = True
+        if self.used + nbytes > self.limit:  # the caller evicts, spills or fails, and says so
             raise OSError(errno.ENOSPC, "ckptfs RAM budget exhausted")
         self.used += nbytes
         while self._free and self.used + self.kept > self.limit:
@@ -70,8 +62,6 @@ class MemoryPool:
 
     def unreserve(self, nbytes: int) -> None:
         self.used -= nbytes
-        if self._warned and self.used < self.limit * 0.9:
-            self._warned = False
 
     def take_chunk(self) -> mmap.mmap:
         if self._free:

@@ -5,10 +5,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! command -v fusermount3 >/dev/null || ! pkg-config --exists fuse3 2>/dev/null; then
+# Each tool checked on its own: a machine may have some and not others.
+missing=()
+command -v fusermount3 >/dev/null || missing+=(fuse3)
+command -v pkg-config >/dev/null || missing+=(pkg-config)
+pkg-config --exists fuse3 2>/dev/null || missing+=(libfuse3-dev)  # pyfuse3 builds against it
+command -v gcc >/dev/null || missing+=(gcc)
+command -v getfattr >/dev/null || missing+=(attr)  # tests read user.ckptfs.* xattrs
+{ command -v setpriv >/dev/null && command -v unshare >/dev/null; } || missing+=(util-linux)  # tests act as another user
+if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq fuse3 libfuse3-dev pkg-config attr >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
 if [ ! -x .venv/bin/python ]; then

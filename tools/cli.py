@@ -82,7 +82,8 @@ def main() -> None:
               help="An fsspec storage option, e.g. client_kwargs.endpoint_url=http://host:9000 (repeatable). "
                    "Secrets are better passed as JSON in $CKPTFS_STORE_OPTIONS, or the store's own variables (AWS_*).")
 @click.option("--spill-dir", type=click.Path(file_okay=False), metavar="DIR",
-              help="Where a file too big for the RAM budget continues, on disk [default: the store for local stores, else /var/tmp].")
+              help="Where a file too big for the RAM budget continues, on local disk (never the store: a store outage "
+                   "must not fail a write) [default: /var/tmp].")
 @click.option("--metrics-port", type=click.IntRange(1, 65535), metavar="N", help="Serve Prometheus metrics on this port (/metrics).")
 @click.option("--metrics-host", default="127.0.0.1", show_default=True, metavar="ADDR",
               help="Address for --metrics-port (0.0.0.0: every interface).")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fnmatch
 import json
 import logging
 import os
@@ -45,7 +46,6 @@ log = logging.getLogger(__name__)
 META = ".ckptfs"  # ckptfs's own objects live under this prefix only (C8)
 STAGING = f"{META}/staging"
 DAEMONS = f"{META}/daemons"  # one heartbeat object per live daemon
-SPILL = f"{META}/spill"  # files too big for RAM, on local stores (unlinked, O_TMPFILE)
 HEARTBEAT_S = 20.0  # a daemon rewrites its heartbeat this often
 HEARTBEAT_DEAD_S = 4 * HEARTBEAT_S  # older than this: the daemon is gone
 PART_SIZE = 16 << 20  # grown for huge files to stay under S3's 10,000 parts
@@ -61,8 +61,20 @@ class Staged:
     """Data uploaded but not yet visible anywhere."""
 
     size: int
-    token: str | None  # the hidden staging path; None: not uploaded ahead (published from the snapshot)
+    token: str | None  # the hidden staging path (S3: "mpu:<id>", see `at`); None: not uploaded ahead (published from the snapshot)
     parts: list[dict] = field(default_factory=list)
+    at: str | None = None  # S3: a multipart upload left open at this name; completing it publishes, with no copy
+
+
+MPU = "mpu:"  # a staging token naming an open multipart upload
+# Names a file is likely to be renamed from before its turn: staged under a
+# hidden name (published by a copy), not in place (which a rename would make
+# upload again). Matched against each component of the path.
+TEMPORARY = ("*tmp*", "*.part", "*.partial", "*.incomplete", "*.inprogress")
+
+
+def temporary(path: str) -> bool:
+    return any(fnmatch.fnmatch(part.lower(), pattern) for part in path.split("/") for pattern in TEMPORARY)
 
 
 def new_daemon_id() -> str:
@@ -141,9 +153,15 @@ class Backend:
         """Abort incomplete multipart uploads that no live daemon owns."""
 
     # -- data --------------------------------------------------------------------
-    def stage(self, pieces: Iterable[memoryview | bytes], size: int) -> Staged:
-        """Upload `pieces` (`size` bytes) under a hidden name of its own."""
+    def stage(self, pieces: Iterable[memoryview | bytes], size: int, name: str | None = None) -> Staged:
+        """Upload `pieces` (`size` bytes), invisible: under a hidden name of
+        its own. `name`: where it will probably be published (a store that
+        can stage there invisibly, S3, does; publishing elsewhere still works)."""
         raise NotImplementedError
+
+    def staged_exists(self, token: str) -> bool:
+        """Whether the staged data behind `token` is still there (unpublished)."""
+        return self.exists(token)
 
     def publish(self, staged: Staged, path: str, pieces: Iterable[memoryview | bytes] = (), mode: int | None = None) -> None:
         """Make `staged` visible at `path` atomically (replacing what is
@@ -237,7 +255,6 @@ class LocalBackend(Backend):
         self.url = url
 
     def prepare(self, daemon_id: str, started: float) -> None:
-        os.close(self._dir(SPILL, create=True))  # spill files go there: checked to be a real directory
         super().prepare(daemon_id, started)
         with self._at(f"{STAGING}/x") as (staging, _):
             for name in os.listdir(staging):  # emptied directories of dead daemons
@@ -276,7 +293,7 @@ class LocalBackend(Backend):
         finally:
             os.close(fd)
 
-    def stage(self, pieces: Iterable[memoryview | bytes], size: int) -> Staged:
+    def stage(self, pieces: Iterable[memoryview | bytes], size: int, name: str | None = None) -> Staged:
         tmp = self._staging_name()
         with self._at(tmp, create=True) as (d, name):
             # 0600 until published: the file takes its mount counterpart's mode then (never more open)
@@ -452,7 +469,7 @@ class FsspecBackend(Backend):
     def _abs(self, path: str) -> str:
         return f"{self.root}/{path}" if path else self.root
 
-    def stage(self, pieces: Iterable[memoryview | bytes], size: int) -> Staged:
+    def stage(self, pieces: Iterable[memoryview | bytes], size: int, name: str | None = None) -> Staged:
         tmp = self._staging_name()
         with self.fs.open(self._abs(tmp), "wb") as f:
             for piece in pieces:
@@ -507,22 +524,35 @@ class FsspecBackend(Backend):
 
 class S3Backend(FsspecBackend):
     """S3: small files are PUT whole at publication (from the snapshot, so
-    nothing is uploaded twice); large ones are multipart uploads to a hidden
-    staging key, published by a server-side copy (CopyObject is atomic)."""
+    nothing is uploaded twice). A large file is a multipart upload left open
+    at the name it will probably be published under, and completing it (one
+    atomic step) publishes it: no copy. Published under another name (renamed
+    before its turn), the open upload is aborted and the bytes uploaded there
+    from the snapshot. A file whose name looks temporary (`TEMPORARY`: Orbax's
+    `*.orbax-checkpoint-tmp-*` directories, `*.tmp`) is likely to be renamed,
+    so it is uploaded whole to a hidden staging key instead and published by a
+    server-side copy, which is cheaper than uploading again."""
 
     def _bucket_key(self, path: str) -> tuple[str, str]:
         bucket, _, key = self._abs(path).partition("/")
         return bucket, key
 
-    def stage(self, pieces: Iterable[memoryview | bytes], size: int) -> Staged:
+    def stage(self, pieces: Iterable[memoryview | bytes], size: int, name: str | None = None) -> Staged:
         if 0 <= size <= SMALL_PUT:
             for _ in pieces:  # hashed on the way by the caller; published from the snapshot
                 pass
             return Staged(size, None)
+        if name is not None and not temporary(name):
+            upload_id, parts = self._upload(name, pieces, size, complete=False)
+            return Staged(size, f"{MPU}{upload_id}", parts, at=name)
         tmp = self._staging_name()
-        bucket, key = self._bucket_key(tmp)
-        mpu = self.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
-        upload_id = mpu["UploadId"]
+        _, parts = self._upload(tmp, pieces, size, complete=True)
+        return Staged(size, tmp, parts)
+
+    def _upload(self, path: str, pieces: Iterable[memoryview | bytes], size: int, complete: bool) -> tuple[str, list[dict]]:
+        """A multipart upload of `pieces` to `path`; completed (visible) if asked."""
+        bucket, key = self._bucket_key(path)
+        upload_id = self.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
         part_size = max(PART_SIZE, -(-size // 9000))
         parts: list[dict] = []
         try:
@@ -534,13 +564,21 @@ class S3Backend(FsspecBackend):
                     del buf[:part_size]
             if buf or not parts:
                 parts.append(self._part(bucket, key, upload_id, len(parts) + 1, bytes(buf)))
-            self.fs.call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id,
-                            MultipartUpload={"Parts": parts})
+            if complete:
+                self._complete(bucket, key, upload_id, parts)
         except BaseException:
             with contextlib.suppress(Exception):
                 self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
             raise
-        return Staged(size, tmp, parts)
+        return upload_id, parts
+
+    def _complete(self, bucket: str, key: str, upload_id: str, parts: list[dict]) -> None:
+        try:
+            self.fs.call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts})
+        except Exception as exc:
+            if "NoSuchUpload" in f"{type(exc).__name__} {exc}":  # completed already (or aborted): the caller checks which
+                raise FileNotFoundError(errno.ENOENT, "no such multipart upload", key) from None
+            raise
 
     def _part(self, bucket: str, key: str, upload_id: str, n: int, data: bytes) -> dict:
         r = self.fs.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=n, Body=data)
@@ -549,35 +587,62 @@ class S3Backend(FsspecBackend):
     def publish(self, staged: Staged, path: str, pieces: Iterable[memoryview | bytes] = (), mode: int | None = None) -> None:
         if staged.token is None:  # a single PUT is atomic too
             self.fs.pipe_file(self._abs(path), b"".join(bytes(p) for p in pieces))
+        elif staged.at is not None:
+            if path == staged.at:
+                self._complete(*self._bucket_key(path), staged.token[len(MPU) :], staged.parts)
+            else:  # renamed before its turn: the open upload is at the wrong name
+                log.info("%s was staged at %s, renamed before its turn: uploading it again at its name", path, staged.at)
+                self.discard(staged)
+                self._upload(path, pieces, staged.size, complete=True)
         else:
             self.fs.invalidate_cache(self._abs(staged.token))
             self.fs.copy(self._abs(staged.token), self._abs(path))
             self.delete(staged.token)
         self.fs.invalidate_cache(self._abs(path))
 
+    def discard(self, staged: Staged) -> None:
+        if staged.at is not None and staged.token is not None:
+            bucket, key = self._bucket_key(staged.at)
+            with contextlib.suppress(Exception):
+                self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=staged.token[len(MPU) :])
+            return
+        super().discard(staged)
+
+    def staged_exists(self, token: str) -> bool:
+        if not token.startswith(MPU):
+            return super().staged_exists(token)
+        return any(up["UploadId"] == token[len(MPU) :] for up in self._uploads())
+
+    def _uploads(self) -> Iterator[dict]:
+        """The multipart uploads in progress under the store's prefix."""
+        bucket, prefix = self._bucket_key("")
+        kwargs = {"Bucket": bucket, "Prefix": f"{prefix}/" if prefix else ""}
+        while True:
+            page = self.fs.call_s3("list_multipart_uploads", **kwargs)
+            yield from page.get("Uploads", [])
+            if not page.get("IsTruncated"):
+                return
+            kwargs.update(KeyMarker=page.get("NextKeyMarker", ""), UploadIdMarker=page.get("NextUploadIdMarker", ""))
+
     def move(self, src: str, dst: str) -> None:
         self.fs.copy(self._abs(src), self._abs(dst))
         self.fs.rm_file(self._abs(src))
 
     def _clean_uploads(self, live: set[str], started: float) -> None:
+        """Abort the uploads no live daemon owns: those under a dead daemon's
+        staging prefix, and those left open at a file's name (owned by no
+        prefix) that began before this daemon started (one daemon per store)."""
         bucket, prefix = self._bucket_key("")
-        prefix = f"{prefix}/" if prefix else ""
-        staging = f"{prefix}{STAGING}/"
-        kwargs = {"Bucket": bucket, "Prefix": prefix}
-        while True:
-            page = self.fs.call_s3("list_multipart_uploads", **kwargs)
-            for up in page.get("Uploads", []):
-                key = up["Key"]
-                owner = key[len(staging) :].split("/", 1)[0] if key.startswith(staging) else ""
-                initiated = up.get("Initiated")
-                old = initiated is None or initiated.timestamp() < started
-                if owner not in live and old:
-                    log.info("aborting an abandoned multipart upload of %s", key)
-                    with contextlib.suppress(Exception):
-                        self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=up["UploadId"])
-            if not page.get("IsTruncated"):
-                return
-            kwargs.update(KeyMarker=page.get("NextKeyMarker", ""), UploadIdMarker=page.get("NextUploadIdMarker", ""))
+        staging = f"{prefix}/{STAGING}/" if prefix else f"{STAGING}/"
+        for up in list(self._uploads()):
+            key = up["Key"]
+            owner = key[len(staging) :].split("/", 1)[0] if key.startswith(staging) else ""
+            initiated = up.get("Initiated")
+            old = initiated is None or initiated.timestamp() < started
+            if owner not in live and old:
+                log.info("aborting an abandoned multipart upload of %s", key)
+                with contextlib.suppress(Exception):
+                    self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=up["UploadId"])
 
     def walk(self, prefix: str = "") -> Iterator[Entry]:
         self.fs.invalidate_cache()

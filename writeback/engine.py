@@ -77,6 +77,9 @@ class Retry:
         return min(self.max_s, self.first_s * 2 ** min(max(0, tries - 1), 30))
 
 
+REMIND_S = 60.0  # a change still failing is logged again at most this often
+
+
 @dataclass(frozen=True)
 class Durability:
     """What the engine knows of one file: the durability record status reads."""
@@ -319,8 +322,9 @@ class Engine:
             return gen.state is State.DROPPED or gen.attempt != attempt
 
         try:
+            names = self.ns.paths_of(gen.ino)  # where it will probably be published (the store may stage there)
             staged, digest = await self.read_snapshot(gen, f"upload {gen.path}", storeio.stage, self.backend,
-                                                      _Pieces(gen), gen.size, cancelled, nbytes=gen.size)
+                                                      gen.pieces(), gen.size, cancelled, names[0] if names else None, nbytes=gen.size)
         except storeio.Cancelled:
             return
         except Exception as exc:
@@ -399,8 +403,13 @@ class Engine:
             self.skipped.append(op)
             self.notify()
             return True
-        level = logging.ERROR if op.tries >= self.retry.failed_after else logging.WARNING
-        log.log(level, "%s of %s failed (try %d), retrying in %.1fs: %s", step, op.path or kind(op), op.tries, delay, op.error)
+        # WARNING per try at first, one ERROR when it counts as failed, then a
+        # reminder a minute at most (an outage must not flood the log).
+        now = time.monotonic()
+        if op.tries < self.retry.failed_after or op.tries == self.retry.failed_after or now - op.logged_at >= REMIND_S:
+            level = logging.ERROR if op.tries == self.retry.failed_after else logging.WARNING
+            log.log(level, "%s of %s failed (try %d), retrying in %.1fs: %s", step, op.path or kind(op), op.tries, delay, op.error)
+            op.logged_at = now
         self.notify()
         return False
 
@@ -525,18 +534,6 @@ class Engine:
         self._wake.set()
         self._wake = trio.Event()
 
-
-class _Pieces:
-    """The snapshot's pieces, read lazily in the worker thread."""
-
-    def __init__(self, gen: FileGen) -> None:
-        self.gen = gen
-
-    def __iter__(self):
-        snapshot = self.gen.snapshot
-        if snapshot is None:
-            raise storeio.Cancelled()
-        return iter(snapshot.pieces())
 
 
 def _restorable(meta: Meta) -> Meta:

@@ -16,6 +16,7 @@ import trio
 from .backend import Staged
 from .manifest import Digest, Meta
 from .state import State, transition
+from .storeio import Cancelled
 
 
 class Snapshot(Protocol):
@@ -32,6 +33,7 @@ class Op:
     tries: int = field(default=0, init=False)
     error: str = field(default="", init=False)  # of its last failed step
     error_at: float = field(default=0.0, init=False)  # when (time.time())
+    logged_at: float = field(default=0.0, init=False)  # when a retry of it was last logged (time.monotonic())
 
     @property
     def path(self) -> str:  # for humans: logs, status, flush
@@ -62,6 +64,14 @@ class FileGen(Op):
     @property
     def path(self) -> str:
         return self.names[0] if self.names else ""
+
+    def pieces(self):
+        """The sealed bytes, read lazily (in a store call's thread); Cancelled
+        once the snapshot is let go (the generation was dropped)."""
+        snapshot = self.snapshot
+        if snapshot is None:
+            raise Cancelled()
+        yield from snapshot.pieces()
 
     def move(self, new: State) -> None:
         self.state = transition(self.state, new)

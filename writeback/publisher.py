@@ -273,8 +273,10 @@ class Publisher:
             gen.publishing = True
             try:
                 staged = gen.staged
+                # The bytes again: for stores that PUT small files at publication, or upload again
+                # what was staged at another name (S3).
                 await self.call(f"publish {at}", storeio.publish, self.e.backend, rec, staged, at, gen.digest,
-                                (lambda: gen.snapshot.pieces()) if staged.token is None else None, nbytes=gen.size, reading=gen)
+                                gen.pieces, nbytes=gen.size, reading=gen)
             except storeio.NewerInStore as newer:
                 gen.publishing = False
                 there = newer.record
@@ -619,4 +621,3 @@ def shown_digest(replica: Replica, ino: int) -> tuple[str, Shown] | None:
                 and (best is None or node.shown.generation > best[1].generation)):
             best = (path, node.shown)
     return best
-

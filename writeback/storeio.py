@@ -43,8 +43,9 @@ class NewerInStore(Exception):
 
 
 def stage(backend: Backend, pieces: Iterable[memoryview | bytes], size: int,
-          cancelled: Callable[[], bool] | None = None) -> tuple[Staged, Digest]:
-    """Upload `pieces` invisibly, hashing them on the way."""
+          cancelled: Callable[[], bool] | None = None, name: str | None = None) -> tuple[Staged, Digest]:
+    """Upload `pieces` invisibly, hashing them on the way (`name`: where it
+    will probably be published, see `Backend.stage`)."""
     h = manifest.hasher()
     n = 0
 
@@ -57,7 +58,7 @@ def stage(backend: Backend, pieces: Iterable[memoryview | bytes], size: int,
             n += len(piece)
             yield piece
 
-    staged = backend.stage(hashed(), size)
+    staged = backend.stage(hashed(), size, name)
     if n != size:
         backend.discard(staged)
         raise OSError(errno.EIO, f"snapshot yielded {n} bytes, expected {size}")
@@ -155,7 +156,7 @@ def scan(backend: Backend):
             live = backend.live_daemons() if live is None else live
             leftover = where not in live
         else:
-            leftover = kind in ("staged", "move", "copy") and backend.exists(where)
+            leftover = (kind == "staged" and backend.staged_exists(where)) or (kind in ("move", "copy") and backend.exists(where))
         if leftover:
             log.info("removing the record of %s: its data never reached the store (an earlier crash)", path)
             manifest.delete(backend, path)
@@ -171,7 +172,7 @@ def write_file(backend: Backend, path: str, data: bytes | memoryview, mode: int 
     visible in one step (C2), checksummed (C6)."""
     view = memoryview(data).cast("B")
     pieces = (view[i : i + PIECE] for i in range(0, len(view), PIECE))
-    staged, digest = stage(backend, pieces, len(view))
+    staged, digest = stage(backend, pieces, len(view), name=path)
     try:
         old = manifest.read(backend, path)
         rec = Record(path, "file", digest, old.current if old is not None and old.kind == "file" else None, mode, time.time_ns(),

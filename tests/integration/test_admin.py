@@ -77,14 +77,21 @@ def test_status_totals_files_and_all_mounts(fresh_mount):
     assert r.returncode == 0, r.stderr
     assert "published" in r.stdout and "ck/a.bin" in r.stdout and rows["ck/a.bin"]["xxh3"] in r.stdout
 
-    # no mountpoint: every ckptfs mount on the machine
-    r = run_cli("status", "--json")
-    mounts = {x["mount"]["mountpoint"]: x for x in json.loads(r.stdout)["mounts"]}
-    assert mounts[str(m.mountpoint)]["totals"]["files"]["files"] == 3
-    # exit 3 only if some mount (another test's, being torn down) is unavailable
-    assert r.returncode == (3 if any("error" in x for x in mounts.values()) else 0), r.stderr
-    r = run_cli("status")
-    assert r.returncode == 0 and str(m.mountpoint) in r.stdout
+    # no mountpoint: every ckptfs mount on the machine, whatever else is mounted (here, a dead one too)
+    dead = start_mount(m.mountpoint.parent / "dead")
+    try:
+        os.kill(dead.pid, signal.SIGKILL)
+        dead.proc.wait()
+        r = run_cli("status", "--json")
+        mounts = {x["mount"]["mountpoint"]: x for x in json.loads(r.stdout)["mounts"]}
+        assert mounts[str(m.mountpoint)]["totals"]["files"]["files"] == 3
+        assert "error" in mounts[str(dead.mountpoint)] and r.returncode == 3, r.stderr  # 3: some mount is unavailable
+        r = run_cli("status")
+        assert r.returncode == 3 and str(m.mountpoint) in r.stdout
+        mine = next(ln for ln in r.stdout.splitlines() if ln.startswith(str(m.mountpoint) + " "))
+        assert "unavailable" not in mine and "unavailable" in r.stdout
+    finally:
+        stop_mount(dead)
 
 
 def test_status_shows_dirty_and_failed_while_the_store_is_down(fresh_mount):
@@ -415,3 +422,42 @@ def test_metrics_port_in_use_is_a_clean_error(tmp_path):
         r = run_cli("mount", str(tmp_path / "mnt"), "--store", str(tmp_path / "s"), "--metrics-port", str(port))
         assert_clean_error(r, f"--metrics-port {port}")
         assert r.returncode == 2
+
+
+# -- the log -----------------------------------------------------------------------
+def test_an_outage_logs_one_error_per_change_not_one_per_retry(fresh_mount):
+    """ERROR is for what a user must act on: once per change when it counts
+    as failed (3 tries), then a reminder a minute at most; a RAM budget
+    that a write gets past by evicting or spilling is no error at all."""
+    m = fresh_mount
+    m.allowed_log_errors += OUTAGE_LOG
+    with store_outage(m.store):
+        for i in range(3):
+            write(m.path(f"f{i}"), b"x" * 100)
+        wait_until(lambda: all(f["tries"] >= 5 for f in status_json(m.mountpoint, "--files")["files"]), 30, "five tries of each file")
+    assert run_cli("flush", str(m.mountpoint), "--timeout", "60").returncode == 0
+    errors = [ln for ln in m.log_text().splitlines() if " ERROR " in ln]
+    assert len(errors) == 3 and all("(try 3)" in ln for ln in errors), errors
+
+
+def test_a_write_larger_than_ram_continues_on_disk_while_the_store_is_down(tmp_path):
+    """Spilling does not depend on the store: its default place is on local
+    disk, outside the store (it used to be inside a local store, so a store
+    outage failed the write with ENOTDIR once RAM was full)."""
+    m = start_mount(tmp_path, memory_limit="16M")
+    m.allowed_log_errors += [*OUTAGE_LOG, "RAM budget full", "heartbeat"]
+    meta, away = m.store / ".ckptfs", tmp_path / "ckptfs-away"
+    try:
+        os.rename(meta, away)
+        meta.write_bytes(b"the store is down")
+        try:
+            payload = os.urandom(32 << 20)
+            write(m.path("big"), payload)  # twice the budget
+        finally:
+            meta.unlink()
+            os.rename(away, meta)
+        assert run_cli("flush", str(m.mountpoint), "--timeout", "120").returncode == 0
+        assert (m.store / "big").read_bytes() == payload
+    finally:
+        stop_mount(m)
+    assert not m.unexpected_log_errors()

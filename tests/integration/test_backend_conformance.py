@@ -4,6 +4,7 @@ real S3 server on loopback."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import time
@@ -56,6 +57,72 @@ def test_staging_is_bound_to_no_name(store):
     staged = store.stage(iter([b"x" * 100]), 100)
     store.publish(staged, "final/name", iter([b"x" * 100]))
     assert data_of(store, "final/name") == b"x" * 100
+
+
+def _no_litter(store) -> bool:
+    uploads = list(store._uploads()) if hasattr(store, "_uploads") else []
+    return store.find(".ckptfs/staging") == [] and uploads == []
+
+
+@pytest.fixture
+def multipart(monkeypatch):
+    monkeypatch.setattr(backend_mod, "PART_SIZE", 5 << 20)
+    monkeypatch.setattr(backend_mod, "SMALL_PUT", 0)
+    return os.urandom(6 << 20)
+
+
+def test_staged_at_its_name_is_invisible_until_published(store, multipart):
+    """S3 leaves the upload open at the name and publishes by completing it (no copy)."""
+    staged = store.stage(iter([multipart]), len(multipart), "ck/model.pt")
+    assert not store.exists("ck/model.pt") and [e for e in store.walk() if not e.is_dir] == []
+    assert store.staged_exists(staged.token)
+    store.publish(staged, "ck/model.pt", iter([multipart]))
+    assert data_of(store, "ck/model.pt") == multipart
+    assert not store.staged_exists(staged.token) and _no_litter(store)
+    with contextlib.suppress(FileNotFoundError):  # published already: fine again, or FileNotFoundError (the engine checks the bytes)
+        store.publish(staged, "ck/model.pt", iter([multipart]))
+    assert data_of(store, "ck/model.pt") == multipart
+
+
+def test_staged_at_one_name_and_published_at_another(store, multipart):
+    """Renamed before its turn: published whole at the new name, never seen at the old."""
+    staged = store.stage(iter([multipart]), len(multipart), "ck/model.pt")
+    store.publish(staged, "ck/renamed.pt", iter([multipart]))
+    assert data_of(store, "ck/renamed.pt") == multipart and not store.exists("ck/model.pt")
+    assert _no_litter(store)
+
+
+def test_a_temporary_name_is_staged_under_a_hidden_one(store, multipart):
+    staged = store.stage(iter([multipart]), len(multipart), "1.orbax-checkpoint-tmp-7/d/x")
+    assert staged.at is None
+    store.publish(staged, "1/d/x", iter([multipart]))
+    assert data_of(store, "1/d/x") == multipart and _no_litter(store)
+
+
+def test_discarding_an_upload_staged_at_a_name_leaves_nothing(store, multipart):
+    staged = store.stage(iter([multipart]), len(multipart), "ck/model.pt")
+    store.discard(staged)
+    assert not store.exists("ck/model.pt") and _no_litter(store)
+
+
+def test_a_crash_between_record_and_publication_is_a_leftover(store, multipart):
+    """kill -9 after the record was written, before the staged data was made
+    visible: the next daemon's scan removes the record, and its claim of the
+    store removes the staged data (an open S3 upload too)."""
+    from ckptfs.writeback import storeio
+
+    store.prepare("crashed-one", time.time())
+    staged = store.stage(iter([multipart]), len(multipart), "ck/model.pt")
+    digest = manifest.digest_of([multipart])
+    manifest.write(store, manifest.Record("ck/model.pt", "file", digest, source=f"staged:{staged.token}"))
+    store.delete(".ckptfs/daemons/crashed-one")  # dead: no heartbeat
+    time.sleep(1.1)  # the newcomer starts after the crashed one's upload began
+    newcomer = type(store).__new__(type(store))
+    newcomer.__dict__.update(store.__dict__)
+    _, records, _ = storeio.scan(newcomer)
+    assert "ck/model.pt" not in records and manifest.read(newcomer, "ck/model.pt") is None
+    newcomer.prepare("newcomer", time.time())
+    assert not newcomer.exists("ck/model.pt") and _no_litter(newcomer)
 
 
 def test_publish_replaces_whole(store):

@@ -343,11 +343,11 @@ def test_standard_tools(mnt: Path, tmp_path: Path):
 
 def test_budget_exhaustion_spills_to_disk_with_a_log_line(tmp_path: Path):
     m = start_mount(tmp_path, memory_limit="16M")
-    m.allowed_log_errors += ["RAM budget exhausted", "RAM budget full"]
+    m.allowed_log_errors += ["RAM budget full"]  # a WARNING: the write goes on, on disk
     try:
         payload = os.urandom(32 << 20)
         m.path("big").write_bytes(payload)  # twice the budget: continues on disk
-        assert "RAM budget full" in m.log_text()
+        assert "RAM budget full" in m.log_text() and " ERROR " not in m.log_text()
         assert read_uncached(m.path("big")) == payload
         m.path("small").write_bytes(bytes(4 << 20))
     finally:

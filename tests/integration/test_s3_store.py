@@ -86,3 +86,29 @@ def test_a_hung_store_call_is_abandoned_at_its_deadline(s3, tmp_path):
         assert time.monotonic() - t0 < 30
     finally:
         stop_mount(m)
+
+
+def test_large_files_publish_in_place_and_a_renamed_one_at_its_new_name(s3, tmp_path):
+    """Large files are multipart uploads left open at their name and completed
+    at their turn; one renamed while it uploads is published whole at its new
+    name only. Nothing is left open in the bucket."""
+    import os
+    import time
+
+    url = s3.bucket("in-place")
+    first, second = os.urandom(20 << 20), os.urandom(64 << 20)
+    m = start_mount(tmp_path, extra=("--store", url, *s3.cli_options()))
+    try:
+        m.path("ck").mkdir()
+        m.path("ck", "model.bin").write_bytes(first)
+        m.path("ck", "optim.bin").write_bytes(second)
+        time.sleep(0.1)  # its upload under way, at this name
+        os.rename(m.path("ck", "optim.bin"), m.path("ck", "optim-final.bin"))
+        assert run_cli("umount", str(m.mountpoint)).returncode == 0
+        assert "renamed before its turn" in m.log_text()
+    finally:
+        stop_mount(m)
+    assert objects(s3, "in-place") == {"ck/model.bin": first, "ck/optim-final.bin": second}
+    store = open_store(url, s3.options())
+    assert verify(store).clean
+    assert list(store._uploads()) == []

@@ -384,11 +384,11 @@ async def test_renamed_after_staging_is_published_under_its_final_name_without_a
     real_stage = backend.stage
     gate = threading.Event()
 
-    def stage(pieces, size):
+    def stage(pieces, size, name=None):
         staged_count.append(size)
         if size == 1:
             gate.wait(10)
-        return real_stage(pieces, size)
+        return real_stage(pieces, size, name)
 
     backend.stage = stage
     rig.write("first", b"1")
