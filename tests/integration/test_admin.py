@@ -126,8 +126,11 @@ def test_status_shows_dirty_and_failed_while_the_store_is_down(fresh_mount):
 
 
 def test_status_watch_refreshes_until_interrupted(shared_mount):
+    # SIGINT as at a terminal: a test run started in the background (`cmd &` in a script) has it
+    # ignored, the child would inherit that, and Python raises no KeyboardInterrupt then.
     p = subprocess.Popen([sys.executable, "-m", "ckptfs.tools.cli", "status", str(shared_mount.mountpoint), "--watch", "--interval", "0.2"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(2.0)
     out, err = signal_and_wait(p, signal.SIGINT, 20)
     assert p.returncode == 0, err
