@@ -312,15 +312,19 @@ CAP_FSETID = 4
 
 def _keeps_setid(ctx: pyfuse3.RequestContext):
     """Whether the requesting process has CAP_FSETID (its writes keep set-ID
-    bits), asked from /proc only when a write meets such a bit."""
+    bits), asked from /proc only when a write meets such a bit, and once per
+    open (a privileged writer keeps the bits, so its every write meets them)."""
     uid, pid = ctx.uid, ctx.pid
+    answer: list[bool] = []
 
     def keeps() -> bool:
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                caps = next(line for line in f if line.startswith("CapEff:"))
-            return bool(int(caps.split()[1], 16) >> CAP_FSETID & 1)
-        except (OSError, StopIteration, ValueError):  # gone already: root is the best guess
-            return uid == 0
+        if not answer:
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    caps = next(line for line in f if line.startswith("CapEff:"))
+                answer.append(bool(int(caps.split()[1], 16) >> CAP_FSETID & 1))
+            except (OSError, StopIteration, ValueError):  # gone already: root is the best guess
+                answer.append(uid == 0)
+        return answer[0]
 
     return keeps
