@@ -43,6 +43,7 @@ class MountConfig:
     mountpoint: Path
     store_url: str
     memory_limit: int
+    reuse_ram: int | None = None  # freed RAM kept for the next save (default: see tools/cli.py)
     log_file: Path | None = None
     log_level: str = "INFO"
     fsync: str = "ram"  # "ram": fsync returns at once; "durable": once published

@@ -49,7 +49,7 @@ def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
     Returns 0, or 1 if anything was left unpublished."""
     backend = open_store(config.store_url, config.storage_options)
     spill_dir = config.spill_dir or DEFAULT_SPILL_DIR
-    tree = InodeTree(MemoryPool(config.memory_limit), uid=os.getuid(), gid=os.getgid(), spill_dir=spill_dir)
+    tree = InodeTree(MemoryPool(config.memory_limit, config.reuse_ram), uid=os.getuid(), gid=os.getgid(), spill_dir=spill_dir)
     engine = Engine(backend, tree, workers=config.upload_workers, deadlines=Deadlines(call_s=config.store_timeout))
     tree.journal = engine
     metrics = Metrics()

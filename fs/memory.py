@@ -32,15 +32,18 @@ class MemoryPool:
     """The RAM budget shared by every file, plus recycled large chunks.
 
     `used` counts exactly the bytes held by file contents (chunk capacities).
-    Chunks freed by deletes and truncates are kept for reuse while file data
-    plus kept chunks fit the budget: the next checkpoint then writes into
-    memory that is already faulted in, which on VMs that hand freed pages back
-    to the host is several times faster than fresh memory. (MADV_FREE on kept
-    chunks was measured: rewriting lazily-freed pages costs twice as much.)
+    Chunks freed by deletes, truncates and evictions are kept for reuse, up
+    to `reuse` bytes and while file data plus kept chunks fit the budget: the
+    next checkpoint then writes into memory that is already faulted in, which
+    on VMs that hand freed pages back to the host is several times faster
+    than fresh memory. (MADV_FREE on kept chunks was measured: rewriting
+    lazily-freed pages costs twice as much.) Every other freed chunk is
+    unmapped at once, so the daemon's RSS follows the data it holds.
     """
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, reuse: int | None = None) -> None:
         self.limit = limit
+        self.reuse = limit if reuse is None else min(reuse, limit)
         self.used = 0
         self._free: list[mmap.mmap] = []
 
@@ -69,17 +72,10 @@ class MemoryPool:
         return mmap.mmap(-1, CHUNK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
 
     def give_chunk(self, chunk: mmap.mmap) -> None:
-        if self.used + self.kept + CHUNK <= self.limit:
+        if self.kept + CHUNK <= self.reuse and self.used + self.kept + CHUNK <= self.limit:
             self._free.append(chunk)
         else:
             chunk.close()
-
-    def trim(self) -> int:
-        """Release every kept chunk; returns the bytes released."""
-        n = self.kept
-        while self._free:
-            self._free.pop().close()
-        return n
 
 
 def _small_capacity(needed: int) -> int:

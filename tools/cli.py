@@ -33,6 +33,7 @@ from .preflight import (
 from .units import Number, parse_size
 
 MOUNT_TIMEOUT_S = 60.0
+DEFAULT_REUSE_RAM = "25%"  # of the budget: a checkpoint or two kept warm; bounded so that evict returns RAM to the OS
 MIN_MEMORY_LIMIT = 16 << 20  # 4 chunks of 4 MiB: less leaves nothing to work with
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -69,6 +70,9 @@ def main() -> None:
 @click.argument("mountpoint", type=click.Path())
 @click.option("--store", "store_url", required=True, metavar="URL", help="Durable store: a local directory or any fsspec URL (file://, s3://, gs://).")
 @click.option("--memory-limit", default="50%", show_default=True, metavar="SIZE", help="RAM budget for file data: 512M, 8G, or a percentage of RAM.")
+@click.option("--reuse-ram", default=DEFAULT_REUSE_RAM, show_default=True, metavar="SIZE",
+              help="Freed RAM (deleted, truncated or evicted files) kept for the next save to write into, which is "
+                   "faster than fresh memory; the rest goes back to the OS at once. A size or a percentage of the budget; 0 keeps none.")
 @click.option("--foreground", "-f", is_flag=True, help="Stay in the foreground (logs go to stderr unless --log-file).")
 @click.option("--log-file", type=click.Path(dir_okay=False), help="Log here (default in background: the mount's runtime directory).")
 @click.option("--log-level", default="INFO", show_default=True, type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
@@ -88,7 +92,7 @@ def main() -> None:
 @click.option("--metrics-host", default="127.0.0.1", show_default=True, metavar="ADDR",
               help="Address for --metrics-port (0.0.0.0: every interface).")
 @click.option("--ready-fd", type=int, hidden=True)
-def mount(mountpoint: str, store_url: str, memory_limit: str, foreground: bool, log_file: str | None, log_level: str,
+def mount(mountpoint: str, store_url: str, memory_limit: str, reuse_ram: str, foreground: bool, log_file: str | None, log_level: str,
           fsync_mode: str, drain_timeout: float, store_timeout: float, store_options: tuple[str, ...], spill_dir: str | None,
           metrics_port: int | None, metrics_host: str, ready_fd: int | None) -> None:
     """Mount a ckptfs file system at MOUNTPOINT, backed by the store at URL.
@@ -105,6 +109,10 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, foreground: bool, 
         _fail(f"--memory-limit: {exc}", 2)
     if limit < MIN_MEMORY_LIMIT:
         _fail(f"--memory-limit {memory_limit} is {limit} bytes: the least is {MIN_MEMORY_LIMIT >> 20}M", 2)
+    try:
+        reuse = 0 if reuse_ram.strip() in ("0", "0%") else parse_size(reuse_ram, total=limit)
+    except ValueError as exc:
+        _fail(f"--reuse-ram: {exc}", 2)
     try:
         options = parse_store_options(store_options, os.environ.get("CKPTFS_STORE_OPTIONS"))
     except ValueError as exc:
@@ -129,13 +137,13 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, foreground: bool, 
 
     if not foreground:
         _spawn_daemon(mp, store_url, limit, log_file, log_level,
-                      ["--fsync", fsync_mode, "--drain-timeout", str(drain_timeout), "--store-timeout", str(store_timeout),
+                      ["--reuse-ram", str(reuse), "--fsync", fsync_mode, "--drain-timeout", str(drain_timeout), "--store-timeout", str(store_timeout),
                        *[a for o in store_options for a in ("--store-option", o)],
                        *(["--spill-dir", os.path.abspath(spill_dir)] if spill_dir else []),
                        *(["--metrics-port", str(metrics_port), "--metrics-host", metrics_host] if metrics_port else [])])
         return
 
-    config = MountConfig(mp, store_url, limit, Path(log_file) if log_file else None, log_level.upper(),
+    config = MountConfig(mp, store_url, limit, min(reuse, limit), Path(log_file) if log_file else None, log_level.upper(),
                          fsync=fsync_mode, drain_timeout=drain_timeout, store_timeout=store_timeout, storage_options=options,
                          spill_dir=os.path.abspath(spill_dir) if spill_dir else None, metrics_port=metrics_port, metrics_host=metrics_host)
     _setup_logging(config)

@@ -262,6 +262,34 @@ def test_evict_and_prefetch(fresh_mount):
         assert m.path(p).read_bytes() == d
 
 
+def rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) << 10
+    raise AssertionError("no VmRSS")
+
+
+def test_evict_returns_ram_to_the_os_beyond_the_reuse_bound(tmp_path):
+    """Freed chunks are kept for reuse only up to --reuse-ram; evicting
+    everything gives the rest back to the OS (RSS falls), and a reused chunk
+    never shows stale bytes."""
+    m = start_mount(tmp_path, memory_limit="2G", extra=("--reuse-ram", "64M"))
+    try:
+        base = rss(m.pid)
+        data = os.urandom(1 << 20) * 768
+        write(m.path("big.bin"), data)
+        assert rss(m.pid) > base + (700 << 20)
+        assert run_cli("flush", str(m.mountpoint)).returncode == 0
+        r = run_cli("evict", str(m.mountpoint))
+        assert r.returncode == 0 and "evicted 1 files" in r.stdout, r.stdout + r.stderr
+        assert rss(m.pid) < base + (64 << 20) + (100 << 20)
+        write(m.path("small.bin"), b"s" * (3 << 20))  # into a reused chunk
+        assert m.path("small.bin").read_bytes() == b"s" * (3 << 20)
+        assert m.path("big.bin").read_bytes() == data  # loaded again from the store
+    finally:
+        stop_mount(m)
+
+
 def test_evict_refuses_unpublished_files(fresh_mount):
     m = fresh_mount
     m.allowed_log_errors += OUTAGE_LOG

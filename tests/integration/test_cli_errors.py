@@ -41,6 +41,8 @@ CASES = [
     ("log file in the foreground too", ["mount", "{mp}", "--store", "{store}", "-f", "--log-file", "{tmp}/nope/daemon.log"], {}, 2,
      "--log-file"),
     ("memory limit of 107 bytes", ["mount", "{mp}", "--store", "{store}", "--memory-limit", "0.0000001G"], {}, 2, "--memory-limit"),
+    ("reuse-ram that is no size", ["mount", "{mp}", "--store", "{store}", "--reuse-ram", "lots"], {}, 2, "--reuse-ram"),
+    ("reuse-ram of 120 percent", ["mount", "{mp}", "--store", "{store}", "--reuse-ram", "120%"], {}, 2, "--reuse-ram"),
     ("negative drain timeout", ["mount", "{mp}", "--store", "{store}", "--drain-timeout", "-5"], {}, 2, "--drain-timeout"),
     ("drain timeout nan", ["mount", "{mp}", "--store", "{store}", "--drain-timeout", "nan"], {}, 2, "--drain-timeout"),
     ("store timeout 0", ["mount", "{mp}", "--store", "{store}", "--store-timeout", "0"], {}, 2, "--store-timeout"),
