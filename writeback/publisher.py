@@ -68,6 +68,7 @@ class Publisher:
         self.position = 0  # seq of the last op applied (or deferred)
         self.deferred: collections.deque[tuple[Node | None, Remove]] = collections.deque()
         self.parked: set[FileGen] = set()
+        self.waiting_markers: set[File] = set()  # held: they would vouch for a file the store does not show yet
         self.retry_parked_at = 0.0
         self.current: Op | None = None  # the op being applied: store steps count their failures on it
         # Directories whose mode, owner or mtime may differ from their record:
@@ -122,6 +123,7 @@ class Publisher:
                     pass  # parked or skipped, loudly: it no longer blocks the queue
                 self._complete(op)
                 self._dirty_after(op)
+                await self._show_waiting_markers()
             except trio.Cancelled:
                 raise
             except Exception as exc:  # a bug: logged, and the op is tried again at the head of the queue
@@ -264,6 +266,10 @@ class Publisher:
             return False
         if gen.state is State.PARKED or not self.live_at(path, gen.ino) or self._marker_blocked(path):
             return False
+        if self._vouches_for_held(path, gen):
+            log.debug("%s waits: a file sealed before it in its directory is not in the store yet", path)
+            self.waiting_markers.add(node)
+            return False
         at = into or path
         # The record names where the bytes land; none inside a hidden assembly
         # directory (the directory move writes the records for the final paths).
@@ -337,6 +343,45 @@ class Publisher:
                 if not base or p.startswith(base + "/"):
                     return True
         return False
+
+    def _vouches_for_held(self, path: str, gen: FileGen) -> bool:
+        """Whether a completion marker at `path` would vouch for a file sealed
+        before it, in its directory tree, that the store does not show yet
+        because it was deleted or renamed in the mount after its seal, and
+        that removal or rename has not had its turn: the store would show the
+        marker without its data, a moment the mount never had (C3)."""
+        if not self._is_marker(path):
+            return False
+        base = path.rsplit("/", 1)[0] + "/" if "/" in path else ""
+        d = self.replica.lookup(base.rstrip("/")) if base else self.replica.root
+        if isinstance(d, Dir) and any(isinstance(n, File) and n.held is not None and n.held is not gen and n.held.seq < gen.seq
+                                      and n.held.state is not State.DROPPED for _, n in self.replica.walk(d)):
+            return True  # renamed away: shown again when the rename has its turn
+        for other in self.e.unsettled.values():  # deleted before its turn: never shown, its removal not applied yet
+            if other.seq >= gen.seq:
+                break
+            if (other.state is State.DROPPED and other.ino != gen.ino and not self.settled(other)
+                    and any(n.startswith(base) for n in other.names)):
+                return True
+        return False
+
+    async def _show_waiting_markers(self) -> None:
+        """Show the markers that waited, once what they vouch for is shown,
+        or gone from the replica (a removal had its turn)."""
+        for node in list(self.waiting_markers):
+            path = self.replica.path_of(node)
+            gen = node.held
+            if path is None or gen is None or gen.state is State.DROPPED:
+                self.waiting_markers.discard(node)
+            elif not self._vouches_for_held(path, gen):
+                self.waiting_markers.discard(node)
+                self.current = gen
+                try:
+                    await self._materialize(path, node)
+                except GiveUp:
+                    pass  # parked, loudly
+                finally:
+                    self.current = None
 
     def held_back(self, gen: FileGen) -> bool:
         """A completion marker whose turn came while a file it may vouch for is parked."""

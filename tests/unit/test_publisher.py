@@ -153,6 +153,37 @@ async def test_rotation_never_leaves_the_store_without_a_complete_checkpoint(tmp
     assert sorted(complete()) == ["c5", "c6"] and sorted(os.listdir(tmp_path / "store")) == [".ckptfs", "c5", "c6"]
 
 
+async def test_a_marker_never_shows_without_data_deleted_after_it(tmp_path):
+    """Rotation that has removed an old checkpoint's data but not yet its
+    marker when write-back reaches them (rmtree removes in directory order):
+    the data is never published (deleted before its turn, C4), and the marker
+    must not appear alone in the store before the newer checkpoint (whose
+    files were closed before the removal) is there: the mount never showed
+    that state. Found by the kill -9 crash-point test."""
+    rig = Rig(tmp_path / "store")
+    root = tmp_path / "store"
+
+    def check():
+        if (root / "1" / "commit_success.txt").exists() and not (root / "1" / "a").exists() and not (root / "2" / "a").exists():
+            return ["1/commit_success.txt without its data, before checkpoint 2"]
+        return []
+
+    checked = Checked(rig.backend, check)
+    rig.engine.backend = checked
+    for step in ("1", "2"):
+        rig.mkdir(step)
+        rig.write(f"{step}/a", step.encode() * 100)
+        rig.write(f"{step}/commit_success.txt", b"ok")
+    rig.unlink("1/a")  # rmtree of 1 under way: its marker is next
+    await run_until_flushed(rig)
+    assert not checked.violations, checked.violations
+    assert (root / "2" / "a").exists() and (root / "1" / "commit_success.txt").exists() and not (root / "1" / "a").exists()
+    rig.unlink("1/commit_success.txt")
+    rig.store.rmdir(ROOT, b"1")
+    await run_until_flushed(rig)
+    assert sorted(os.listdir(root)) == [".ckptfs", "2"]
+
+
 async def test_exchange_of_two_published_files_swaps_them_in_the_store(tmp_path):
     rig = Rig(tmp_path / "store")
     rig.write("a", b"AAAA")
