@@ -20,12 +20,14 @@ import mmap
 import os
 from collections.abc import Iterator
 
+from ckptfs.holes import ZEROS, is_hole, read_sparse, zeros
+
 log = logging.getLogger(__name__)
 
 CHUNK = 4 << 20  # big enough to keep mmap counts low (vm.max_map_count)
 SMALL_MAX = 256 << 10  # below this a chunk is a bytearray sized to its content
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-_ZEROS = bytes(CHUNK)
+assert len(ZEROS) == CHUNK  # a hole piece covers at most one chunk
 
 
 class MemoryPool:
@@ -126,8 +128,8 @@ class Snapshot:
             c.refs += 1
 
     def pieces(self) -> Iterator[memoryview]:
-        """The file's bytes in order (holes as zeros), as views, no copies."""
-        zeros = memoryview(_ZEROS)
+        """The file's bytes in order, as views, no copies; holes (and a
+        chunk's uninitialised tail) as hole pieces."""
         for idx in range((self.size + CHUNK - 1) // CHUNK):
             length = min(CHUNK, self.size - idx * CHUNK)
             chunk, hw = self._chunks.get(idx, (None, 0))
@@ -135,7 +137,7 @@ class Snapshot:
             if valid:
                 yield memoryview(chunk.buf)[:valid]  # type: ignore[union-attr]
             if length > valid:
-                yield zeros[: length - valid]
+                yield from zeros(length - valid)
 
     def release(self) -> None:
         chunks, self._chunks = self._chunks, {}
@@ -169,15 +171,9 @@ class SpillSnapshot:
         self._spill: _SpillFile | None = spill
         spill.refs += 1
 
-    def pieces(self) -> Iterator[bytes]:
+    def pieces(self) -> Iterator[memoryview | bytes]:
         assert self._spill is not None
-        off = 0
-        while off < self.size:
-            block = os.pread(self._spill.fd, min(8 << 20, self.size - off), off)
-            if not block:
-                raise OSError(errno.EIO, "spill file shorter than the file")
-            off += len(block)
-            yield block
+        yield from read_sparse(self._spill.fd, self.size)
 
     def release(self) -> None:
         if self._spill is not None:
@@ -197,12 +193,13 @@ class FileData:
     file; a write while one exists first copies it.
     """
 
-    __slots__ = ("_chunks", "_pool", "_spill", "_spill_dir", "allocated", "resident", "size")
+    __slots__ = ("_chunks", "_pool", "_spill", "_spill_dir", "allocated", "loading", "resident", "size")
 
     def __init__(self, pool: MemoryPool) -> None:
         self.size = 0
         self.allocated = 0
         self.resident = True
+        self.loading: Loading | None = None  # an evicted file's bytes on their way back
         self._chunks: dict[int, _Chunk] = {}
         self._pool = pool
         self._spill: _SpillFile | None = None
@@ -265,21 +262,6 @@ class FileData:
         self.resident = False
         return freed
 
-    def fill(self, blocks: list[bytes]) -> None:
-        """Make an evicted file resident again from its bytes, in order."""
-        assert not self.resident
-        size = self.size
-        self.size = 0
-        self.resident = True
-        try:
-            off = 0
-            for b in blocks:
-                self.write(off, b)
-                off += len(b)
-        except BaseException:
-            self.evict()
-            raise
-        self.truncate(size)
 
     # -- reads ---------------------------------------------------------------
     def read(self, off: int, size: int) -> bytes:
@@ -304,10 +286,10 @@ class FileData:
     def _piece(self, idx: int, lo: int, hi: int) -> bytes:
         chunk = self._chunks.get(idx)
         if chunk is None or lo >= chunk.hw:
-            return _ZEROS[: hi - lo]
+            return ZEROS[: hi - lo]
         if hi <= chunk.hw:
             return _slice(chunk.buf, lo, hi)
-        return _slice(chunk.buf, lo, chunk.hw) + _ZEROS[: hi - chunk.hw]
+        return _slice(chunk.buf, lo, chunk.hw) + ZEROS[: hi - chunk.hw]
 
     # -- writes --------------------------------------------------------------
     def write(self, off: int, data: bytes | memoryview) -> int:
@@ -329,7 +311,7 @@ class FileData:
             hi = min(CHUNK, lo + end - pos)
             chunk = self._chunk_for_write(idx, hi)
             if lo > chunk.hw:
-                chunk.buf[chunk.hw : lo] = _ZEROS[: lo - chunk.hw]
+                chunk.buf[chunk.hw : lo] = ZEROS[: lo - chunk.hw]
             chunk.buf[lo:hi] = src[pos - off : pos - off + hi - lo]
             chunk.hw = max(chunk.hw, hi)
             pos += hi - lo
@@ -397,11 +379,118 @@ class FileData:
             self._spill = None
         self.size = 0
         self.resident = True
+        self.loading = None  # a load in progress is fenced out
 
     def _drop(self, idx: int) -> None:
         chunk = self._chunks.pop(idx)
         self.allocated -= len(chunk.buf)
         _unref(chunk, self._pool)
+
+
+class Loading:
+    """An evicted file's bytes on their way back from the store.
+
+    `place` runs in the load's worker thread: it puts the bytes, in order,
+    into chunks of their own (not yet the file's) or into a spill file, and
+    keeps holes as holes. `show` runs on the owning thread once the bytes up
+    to some offset are verified: the file serves reads up to there (`done`);
+    at the end it is resident. Nothing else touches the file meanwhile (the
+    caller fences writers); a truncate or delete of the file drops the load
+    (`data.loading` no longer names it) and `release` returns what it held.
+
+    In RAM, the budget for the whole file is reserved up front and what
+    holes did not use is returned at the end; a file the budget cannot take
+    is loaded into a spill file instead.
+    """
+
+    def __init__(self, data: FileData, spill_dir: str | None) -> None:
+        assert not data.resident and data.loading is None
+        self.size = data.size
+        self.done = 0
+        self.cancelled = False  # the worker thread stops at its next piece
+        self._data = data
+        self._placed = 0
+        self._pending: dict[int, _Chunk] = {}
+        self._reserved = 0
+        self.spilled = spill_dir is not None
+        self._fd = -1  # the worker's own descriptor of the spill file: closed by the worker (`close`), never reused under it
+        if spill_dir is not None:
+            fd = os.open(spill_dir, os.O_TMPFILE | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(fd, self.size)
+                self._fd = os.dup(fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            data._spill, data._spill_dir = _SpillFile(fd), spill_dir
+        else:
+            self._reserved = sum(_capacity(min(CHUNK, self.size - i * CHUNK)) for i in range(-(-self.size // CHUNK)))
+            data._pool.reserve(self._reserved)  # ENOSPC: the caller spills instead
+        data.loading = self
+
+    def close(self) -> None:
+        """The worker is done with the file (worker thread)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def place(self, piece: memoryview | bytes) -> None:
+        """The next bytes of the file (worker thread)."""
+        hole = is_hole(piece)
+        view = memoryview(piece).cast("B")
+        if self._placed + len(view) > self.size:
+            raise OSError(errno.EIO, f"the store holds more than the file's {self.size} bytes")
+        if self._fd >= 0:
+            if not hole:
+                _pwrite_all(self._fd, view, self._placed)
+            self._placed += len(view)
+            return
+        while view:
+            idx, lo = divmod(self._placed, CHUNK)
+            k = min(len(view), CHUNK - lo)
+            if not hole:
+                chunk = self._pending.get(idx)
+                if chunk is None:
+                    length = min(CHUNK, self.size - idx * CHUNK)
+                    cap = _capacity(length)
+                    buf = mmap.mmap(-1, CHUNK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE) if cap == CHUNK else bytearray(cap)
+                    chunk = self._pending[idx] = _Chunk(buf, length)  # fresh memory: what no piece writes reads as zeros
+                chunk.buf[lo : lo + k] = view[:k]
+            self._placed += k
+            view = view[k:]
+
+    def show_done(self, upto: int | None) -> bool:
+        """Whether the bytes up to `upto` (None: all) are served."""
+        return self.done >= (self.size if upto is None else min(upto, self.size))
+
+    def show(self, upto: int) -> bool:
+        """Serve the file's bytes up to `upto`, verified (owning thread);
+        False if the load was dropped meanwhile."""
+        data = self._data
+        if self.cancelled or data.loading is not self:
+            return False
+        for idx in [i for i in self._pending if min((i + 1) * CHUNK, self.size) <= upto]:
+            chunk = self._pending.pop(idx)
+            data._chunks[idx] = chunk
+            data.allocated += len(chunk.buf)
+            self._reserved -= len(chunk.buf)
+        self.done = upto
+        if upto >= self.size:
+            data.resident = True
+            data.loading = None
+            self.release()
+        return True
+
+    def release(self) -> None:
+        """Stop and give back what the load holds (owning thread; idempotent)."""
+        self.cancelled = True
+        if self._reserved:
+            self._data._pool.unreserve(self._reserved)
+            self._reserved = 0
+        self._pending.clear()  # unmapped as they go (fresh chunks, never the pool's)
+        if self._data.loading is self:  # dropped before the end: evicted again, nothing half-loaded stays
+            self._data.loading = None
+            self._data.evict()
 
 
 def _pwrite_all(fd: int, view: memoryview, off: int) -> None:

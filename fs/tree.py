@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .memory import FileData, MemoryPool, Snapshot
+from .memory import FileData, Loading, MemoryPool, Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -576,11 +576,17 @@ class InodeTree:
     def free_bytes(self) -> int:
         return self.pool.available
 
-    def fill(self, ino: int, blocks: list[bytes]) -> None:
+    def begin_load(self, ino: int, spill: bool) -> Loading | None:
+        """Start bringing an evicted file's bytes back: into RAM (the budget
+        reserved for all of it: ENOSPC if it cannot be), or into a spill
+        file; None if the file is resident (or being loaded) already."""
         inode = self.get(ino)
-        if inode.data is not None and not inode.data.resident:
-            inode.data.fill(blocks)
-            self.touched.add(ino)
+        if inode.data is None or inode.data.resident or inode.data.loading is not None:
+            return None
+        if spill and self.spill_dir is None:
+            raise _err(errno.ENOSPC, "RAM budget exhausted and no spill directory")
+        self.touched.add(ino)
+        return Loading(inode.data, self.spill_dir if spill else None)
 
     def meta_of(self, ino: int) -> tuple[int, int, int, int] | None:
         """(mode, uid, gid, mtime_ns) of an inode, None if it is gone."""

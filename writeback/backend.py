@@ -40,6 +40,7 @@ import fsspec
 from fsspec.core import split_protocol
 
 from ckptfs import runtime
+from ckptfs.holes import is_hole, read_sparse
 
 log = logging.getLogger(__name__)
 
@@ -299,10 +300,16 @@ class LocalBackend(Backend):
             # 0600 until published: the file takes its mount counterpart's mode then (never more open)
             fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600, dir_fd=d)
             try:
+                off = 0
                 for piece in pieces:
+                    if is_hole(piece):  # kept a hole: the store file stays sparse
+                        off += len(piece)
+                        continue
                     view = memoryview(piece)
                     while view:
-                        view = view[os.write(fd, view) :]
+                        n = os.pwrite(fd, view, off)
+                        view, off = view[n:], off + n
+                os.ftruncate(fd, off)
                 os.fsync(fd)
             except BaseException:
                 os.close(fd)
@@ -332,11 +339,11 @@ class LocalBackend(Backend):
         with self._at(path) as (d, name):
             # O_NONBLOCK: a FIFO planted in the store must not block the open
             fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=d)
-        with open(fd, "rb", buffering=0) as f:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+        with open(fd, "rb", buffering=0):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
                 raise OSError(errno.EINVAL, "not a regular file", path)
-            while chunk := f.read(8 << 20):
-                yield chunk
+            yield from read_sparse(fd, st.st_size)  # holes stay holes on the way back
 
     def delete(self, path: str) -> None:
         # Under a symlink or a file nothing of ours can be: nothing to delete.

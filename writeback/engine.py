@@ -40,7 +40,7 @@ from .manifest import Digest, Meta, record_path
 from .publisher import MARKERS, Publisher, shown_digest
 from .replica import Dir, File, Shown
 from .replica import Link as RLink
-from .residency import Counters, Residency
+from .residency import Counters, LoadTarget, Residency
 from .state import State
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class Namespace(Protocol):
     def meta_of(self, ino: int) -> tuple[int, int, int, int] | None: ...  # (mode, uid, gid, mtime_ns)
     def inode_at(self, path: str) -> Node | None: ...
     def evict(self, ino: int, generation: int) -> int: ...
-    def fill(self, ino: int, blocks: list[bytes]) -> None: ...
+    def begin_load(self, ino: int, spill: bool) -> LoadTarget | None: ...
     def free_bytes(self) -> int: ...
     def resident(self, ino: int) -> bool: ...
 
@@ -283,13 +283,16 @@ class Engine:
 
     # -- running -------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            for _ in range(self.workers):
-                nursery.start_soon(self._upload_worker, self._recv.clone())
-            nursery.start_soon(self.publisher.run)
-            nursery.start_soon(self._heartbeat)
-            task_status.started()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                for _ in range(self.workers):
+                    nursery.start_soon(self._upload_worker, self._recv.clone())
+                nursery.start_soon(self.publisher.run)
+                nursery.start_soon(self._heartbeat)
+                task_status.started()
+        finally:
+            self._nursery = None  # stopped: background work (a load) runs in its caller instead
 
     async def _heartbeat(self) -> None:
         while True:
@@ -474,8 +477,8 @@ class Engine:
     def touch(self, ino: int) -> None:
         self.residency.touch(ino)
 
-    async def load(self, ino: int) -> None:
-        await self.residency.load(ino)
+    async def load(self, ino: int, upto: int | None = None) -> None:
+        await self.residency.load(ino, upto)
 
     async def prefetch(self, prefix: str = "") -> int:
         return await self.residency.prefetch(prefix)

@@ -12,7 +12,7 @@ its manifest cannot vouch for.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import xxhash
 
@@ -22,10 +22,24 @@ PREFIX = f"{META}/files"
 VERSION = 1
 
 
+BLOCK = 64 << 20  # a load verifies and serves a file block by block (C6)
+
+
 @dataclass(frozen=True)
 class Digest:
+    """A file's size and xxh3-128, and for files of more than one BLOCK the
+    xxh3-128 of each BLOCK in order, so that a load can serve each block as
+    soon as it is verified. Two digests are equal when size and hash are."""
+
     size: int
     xxh3: str  # xxh3-128, hex
+    blocks: tuple[str, ...] = field(default=(), compare=False)
+
+    def block(self, i: int) -> str | None:
+        """The hash block `i` must have; None if only the whole file's is known."""
+        if self.blocks:
+            return self.blocks[i] if i < len(self.blocks) else None
+        return self.xxh3 if i == 0 and self.size <= BLOCK else None
 
 
 @dataclass(frozen=True)
@@ -77,7 +91,7 @@ class Record:
         d = {k: v for k, v in d.items() if k in _FIELDS}  # fields of later versions are ignored
         for k in ("current", "previous"):
             if d.get(k) is not None:
-                d[k] = Digest(**d[k])
+                d[k] = Digest(d[k]["size"], d[k]["xxh3"], tuple(d[k].get("blocks", ())))
         return cls(**d)
 
 
@@ -127,10 +141,34 @@ def hasher() -> xxhash.xxh3_128:
     return xxhash.xxh3_128()
 
 
+class Hashing:
+    """The digest of bytes fed in order: the whole and each BLOCK."""
+
+    def __init__(self) -> None:
+        self.size = 0
+        self._whole = hasher()
+        self._block = hasher()
+        self.blocks: list[str] = []  # the hashes of the whole blocks so far
+
+    def update(self, piece) -> None:
+        view = memoryview(piece).cast("B")
+        while view:
+            k = min(len(view), BLOCK - self.size % BLOCK)
+            self._whole.update(view[:k])
+            self._block.update(view[:k])
+            self.size += k
+            view = view[k:]
+            if self.size % BLOCK == 0:
+                self.blocks.append(self._block.hexdigest())
+                self._block = hasher()
+
+    def digest(self) -> Digest:
+        blocks = self.blocks + ([self._block.hexdigest()] if self.size % BLOCK else [])
+        return Digest(self.size, self._whole.hexdigest(), tuple(blocks) if len(blocks) > 1 else ())
+
+
 def digest_of(pieces) -> Digest:
-    h = hasher()
-    n = 0
+    h = Hashing()
     for p in pieces:
         h.update(p)
-        n += len(p)
-    return Digest(n, h.hexdigest())
+    return h.digest()

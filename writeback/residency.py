@@ -14,18 +14,67 @@ import errno
 import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
 from . import storeio
-from .manifest import Record
+from .manifest import BLOCK, Digest, Hashing, Record
 from .state import State
 
 if TYPE_CHECKING:
     from .engine import Engine
 
 log = logging.getLogger(__name__)
+
+ROOM_PATIENCE_S = 2.0  # how long a load waits for write-back to free RAM before it loads into the spill directory
+
+
+class LoadTarget(Protocol):
+    """Where a load puts a file's bytes (fs.memory.Loading): `place` in the
+    worker thread, `show`/`release` on the owning thread."""
+
+    size: int
+    done: int
+    spilled: bool
+    cancelled: bool
+
+    def place(self, piece: memoryview | bytes) -> None: ...
+    def close(self) -> None: ...
+    def show(self, upto: int) -> bool: ...
+    def show_done(self, upto: int | None) -> bool: ...
+    def release(self) -> None: ...
+
+
+class _Load:
+    """A load in progress: the file, where its bytes go, what they must hash to."""
+
+    def __init__(self, ino: int, path: str, target: LoadTarget, wanted: list[Digest]) -> None:
+        self.ino, self.path, self.target, self.wanted = ino, path, target, wanted
+        self.error: OSError | None = None
+        self.changed = trio.Event()
+
+    def wake(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    def show(self, upto: int) -> None:
+        """Worker thread: serve the bytes up to `upto` (verified)."""
+        if not trio.from_thread.run_sync(self._show, upto):
+            raise storeio.Cancelled()
+
+    def _show(self, upto: int) -> bool:
+        ok = self.target.show(min(upto, self.target.size))
+        self.wake()
+        return ok
+
+
+def _narrow(wanted: list[Digest], i: int, got: str, path: str) -> list[Digest]:
+    """The digests that block `i` hashing to `got` still allows."""
+    left = [d for d in wanted if d.block(i) in (None, got)]
+    if wanted and not left:
+        raise storeio.IntegrityError(f"checksum mismatch in block {i} ({i * BLOCK}-{(i + 1) * BLOCK} bytes) of {path}")
+    return left
 
 
 @dataclass
@@ -50,6 +99,7 @@ class Residency:
         self.verify_failures: dict[str, str] = {}
         self._expected: dict[int, Record] = {}  # restart: the record each file must match
         self._unverifiable: dict[int, str] = {}  # restart: files whose record could not be read
+        self._loads: dict[int, _Load] = {}  # loads in progress
 
     def published(self, ino: int) -> None:
         self.lru[ino] = None
@@ -114,44 +164,123 @@ class Residency:
         return True
 
     # -- loads -----------------------------------------------------------------
-    async def load(self, ino: int) -> None:
-        """Bring an evicted or restored file back from the store, verified."""
+    async def load(self, ino: int, upto: int | None = None) -> None:
+        """Bring an evicted or restored file back from the store, block by
+        block, each verified before it is served (C6); returns once the bytes
+        up to `upto` (None: all of them) can be read. One load per file runs
+        in the background; every caller waits on it."""
+        load = self._loads.get(ino)
+        if load is None:
+            if self.e.ns.resident(ino):
+                return
+            load = await self._start(ino)
+            if load is None:
+                return
+        while load.error is None and not load.target.show_done(upto):
+            await load.changed.wait()
+        if load.error is not None and not load.target.show_done(upto):
+            raise load.error
+
+    async def _start(self, ino: int) -> _Load | None:
         found = self.e.publisher_shown(ino)
         if found is None:
             raise OSError(errno.EIO, "the file's data is in neither RAM nor the store")
         path, shown = found
         if ino in self._unverifiable:
             self._fail(path, "its record in the store cannot be read")
-        try:
-            blocks, digest = await self.e.calls.run(f"load {path}", storeio.fetch, self.e.backend, path, nbytes=shown.digest.size if shown.digest else 0)
-        except FileNotFoundError:
-            self._fail(path, "missing from the store")
         expected = self._expected.get(ino)
         if expected is not None:
-            ok = expected.matches(digest.size, digest.xxh3) is not None
-            want = f"{expected.current}" + (f" or {expected.previous}" if expected.previous else "")
+            wanted = [d for d in (expected.current, expected.previous) if d is not None]
         elif shown.digest is not None:
-            ok = (digest.size, digest.xxh3) == (shown.digest.size, shown.digest.xxh3)
-            want = f"{shown.digest}"
+            wanted = [shown.digest]
         else:
-            ok, want = True, ""
+            wanted = []
             log.warning("loading %s with no checksum to verify it against (not written by ckptfs)", path)
-        if not ok:
-            self._fail(path, f"checksum mismatch: the store has {digest}, the manifest says {want}")
-        if self.e.ns.free_bytes() < digest.size and not await self.make_room(digest.size):
-            raise OSError(errno.ENOSPC, "no RAM to load the file into")
-        if self.e.ns.resident(ino):
-            return  # another load of the same file won
-        self.e.ns.fill(ino, blocks)
-        self.lru[ino] = None
-        self.counters.loads += 1
-        self.counters.loaded_bytes += digest.size
-        log.info("loaded %s from the store (%d bytes%s)", path, digest.size, ", verified" if want else "")
+        size = shown.digest.size if shown.digest is not None else 0
+        spill = self.e.ns.free_bytes() < size and not await self.make_room(size, patience_s=ROOM_PATIENCE_S)
+        if ino in self._loads:  # another caller started it while this one made room
+            return self._loads[ino]
+        try:
+            target = self.e.ns.begin_load(ino, spill)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC or spill:
+                raise
+            target = self.e.ns.begin_load(ino, True)  # the budget went to others meanwhile
+        if target is None:
+            return None
+        if target.spilled:
+            log.info("loading %s (%d bytes) into the spill directory: the RAM budget cannot hold it", path, target.size)
+        load = self._loads[ino] = _Load(ino, path, target, wanted)
+        if self.e._nursery is not None:
+            self.e._nursery.start_soon(self._run, load)
+        else:
+            await self._run(load)
+        return load
 
-    def _fail(self, path: str, why: str) -> None:
+    async def _run(self, load: _Load) -> None:
+        try:
+            await self.e.calls.run(f"load {load.path}", self._stream, load, nbytes=load.target.size)
+            if not load.target.show(load.target.size):
+                raise storeio.Cancelled()
+        except BaseException as exc:
+            load.target.release()
+            if isinstance(exc, storeio.Cancelled):  # truncated, replaced or deleted meanwhile: nothing to load
+                log.info("stopped loading %s: the file changed meanwhile", load.path)
+                load.error = OSError(errno.EIO, "the file changed while it was loading")
+            elif isinstance(exc, FileNotFoundError):
+                load.error = self._failed(load.path, "missing from the store")
+            elif isinstance(exc, storeio.IntegrityError):
+                load.error = self._failed(load.path, str(exc))
+            else:
+                log.error("cannot load %s from the store: %s", load.path, exc)
+                load.error = exc if isinstance(exc, OSError) else OSError(errno.EIO, str(exc))
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            self.lru[load.ino] = None
+            self.counters.loads += 1
+            self.counters.loaded_bytes += load.target.size
+            log.info("loaded %s from the store (%d bytes%s%s)", load.path, load.target.size,
+                     ", verified" if load.wanted else "", ", into the spill directory" if load.target.spilled else "")
+        finally:
+            del self._loads[load.ino]
+            load.wake()
+
+    def _stream(self, load: _Load) -> None:
+        """Worker thread: read the file from the store, place its bytes, and
+        serve each block once its hash matches the record's."""
+        target = load.target
+        hashing = Hashing()
+        wanted = list(load.wanted)
+        try:
+            for piece in self.e.backend.read(load.path):
+                if target.cancelled:
+                    raise storeio.Cancelled()
+                target.place(piece)
+                before = len(hashing.blocks)
+                hashing.update(piece)
+                for i in range(before, len(hashing.blocks)):
+                    wanted = _narrow(wanted, i, hashing.blocks[i], load.path)
+                    # the last block is served only once the whole file is checked (in _run)
+                    if (i + 1) * BLOCK < target.size and all(d.block(i) is not None for d in wanted):
+                        load.show((i + 1) * BLOCK)  # else: verified only as a whole, at the end
+            got = hashing.digest()
+            if wanted and not any(d == got for d in wanted):
+                want = " or ".join(str(d) for d in load.wanted)
+                raise storeio.IntegrityError(f"checksum mismatch: the store has {got.size} bytes with xxh3 {got.xxh3}, "
+                                             f"the manifest says {want}")
+            if got.size != target.size:
+                raise storeio.IntegrityError(f"the store has {got.size} bytes, the file {target.size}")
+        finally:
+            target.close()
+
+    def _failed(self, path: str, why: str) -> OSError:
         self.verify_failures[path] = why
         log.error("cannot load %s from the store: %s", path, why)
-        raise OSError(errno.EIO, why)
+        return OSError(errno.EIO, why)
+
+    def _fail(self, path: str, why: str) -> None:
+        raise self._failed(path, why)
 
     async def prefetch(self, prefix: str = "") -> int:
         """Load every file under `prefix` whose bytes are only in the store

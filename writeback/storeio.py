@@ -46,23 +46,20 @@ def stage(backend: Backend, pieces: Iterable[memoryview | bytes], size: int,
           cancelled: Callable[[], bool] | None = None, name: str | None = None) -> tuple[Staged, Digest]:
     """Upload `pieces` invisibly, hashing them on the way (`name`: where it
     will probably be published, see `Backend.stage`)."""
-    h = manifest.hasher()
-    n = 0
+    h = manifest.Hashing()
 
     def hashed():
-        nonlocal n
         for piece in pieces:
             if cancelled is not None and cancelled():
                 raise Cancelled()  # checked per piece: a dropped or abandoned upload stops promptly
             h.update(piece)
-            n += len(piece)
             yield piece
 
     staged = backend.stage(hashed(), size, name)
-    if n != size:
+    if h.size != size:
         backend.discard(staged)
-        raise OSError(errno.EIO, f"snapshot yielded {n} bytes, expected {size}")
-    return staged, Digest(size, h.hexdigest())
+        raise OSError(errno.EIO, f"snapshot yielded {h.size} bytes, expected {size}")
+    return staged, h.digest()
 
 
 def publish(backend: Backend, rec: Record | None, staged: Staged, path: str, digest: Digest,

@@ -405,3 +405,63 @@ async def test_renamed_after_staging_is_published_under_its_final_name_without_a
     assert rig.files() == {"first": b"1", ".metadata": b"meta"}
     assert sorted(n for n in staged_count if n in (1, 4)) == [1, 4]  # one upload each (records are staged too)
     assert manifest.read(rig.backend, ".metadata.tmp") is None
+
+
+def _evicted_big_file(tmp_path, size: int):
+    rig = Rig(tmp_path / "store")
+    data = os.urandom(1 << 20) * (size >> 20) + os.urandom(size % (1 << 20))
+    rig.write("big", data)
+    return rig, data
+
+
+async def test_a_load_serves_each_block_once_verified_before_the_rest_arrives(tmp_path):
+    import threading
+
+    rig, data = _evicted_big_file(tmp_path, 2 * manifest.BLOCK + 1000)
+    await run_until_flushed(rig)
+    assert len(manifest.read(rig.backend, "big").current.blocks) == 3
+    node = rig.store.inode_at("big")
+    assert rig.engine.evict(1 << 40) == node.data.allocated or not node.data.resident
+    go = threading.Event()
+    read = rig.backend.read
+
+    def slow_read(path):  # the store stalls after the first block
+        n = 0
+        for piece in read(path):
+            if n >= manifest.BLOCK:
+                assert go.wait(30)
+            n += len(piece)
+            yield piece
+
+    rig.backend.read = slow_read
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        with trio.fail_after(20):
+            await rig.engine.load(node.ino, 4096)
+        assert not node.data.resident and node.data.read(0, 4096) == data[:4096]
+        go.set()
+        with trio.fail_after(20):
+            await rig.engine.load(node.ino)
+        assert node.data.resident and node.data.read(0, len(data)) == data
+        assert rig.store.pool.used == node.data.allocated
+        n.cancel_scope.cancel()
+
+
+async def test_a_corrupt_block_is_never_served(tmp_path):
+    rig, data = _evicted_big_file(tmp_path, 2 * manifest.BLOCK + 1000)
+    await run_until_flushed(rig)
+    node = rig.store.inode_at("big")
+    rig.engine.evict(1 << 40)
+    with open(tmp_path / "store" / "big", "r+b") as f:  # the second block rots in the store
+        f.seek(manifest.BLOCK + 10)
+        f.write(bytes([data[manifest.BLOCK + 10] ^ 1]))
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        with trio.fail_after(20):
+            await rig.engine.load(node.ino, 4096)  # the first block is sound
+            assert node.data.read(0, 4096) == data[:4096]
+            with pytest.raises(OSError) as exc:
+                await rig.engine.load(node.ino, manifest.BLOCK + 20)
+        assert "block 1" in str(exc.value) and "big" in rig.engine.verify_failures
+        assert not node.data.resident and rig.store.pool.used == 0  # nothing half-loaded stays
+        n.cancel_scope.cancel()

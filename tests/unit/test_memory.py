@@ -4,7 +4,8 @@ import errno
 import os
 
 import pytest
-from ckptfs.fs.memory import CHUNK, FileData, MemoryPool
+from ckptfs.fs.memory import CHUNK, FileData, Loading, MemoryPool
+from ckptfs.holes import zeros
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -151,14 +152,50 @@ def test_snapshot_pieces_include_holes():
     snap.release()
 
 
-def test_evict_and_fill():
+def test_a_load_serves_what_it_shows_and_keeps_holes_free():
     pool = MemoryPool(1 << 30)
     f = FileData(pool)
     f.write(0, b"q" * 10000)
+    f.write(3 * CHUNK, b"tail")
     f.evict()
-    assert not f.resident and f.size == 10000 and pool.used == 0
-    f.fill([b"q" * 4000, b"q" * 6000])
-    assert f.resident and f.read(0, 20000) == b"q" * 10000
+    assert not f.resident and pool.used == 0
+    load = Loading(f, None)
+    assert pool.used == 3 * CHUNK + 4096  # the whole file reserved up front (its last chunk is small)
+    load.place(b"q" * 4000)
+    load.place(b"q" * 6000)
+    for piece in zeros(3 * CHUNK - 10000):
+        load.place(piece)
+    assert load.show(CHUNK) and not f.resident and f.read(0, 10001) == b"q" * 10000 + b"\0"
+    load.place(b"tail")
+    assert load.show(f.size) and f.resident and f.loading is None
+    assert f.read(3 * CHUNK - 2, 10) == b"\0\0tail"
+    assert pool.used == f.allocated == CHUNK + 4096  # the two holes' chunks given back
+
+
+def test_a_load_into_a_spill_file(tmp_path):
+    pool = MemoryPool(1 << 30)
+    f = FileData(pool)
+    f.write(0, b"s" * (5 << 20))
+    f.evict()
+    load = Loading(f, str(tmp_path))
+    assert pool.used == 0 and f.spilled
+    load.place(b"s" * (5 << 20))
+    load.close()
+    assert load.show(f.size) and f.resident and f.read((5 << 20) - 2, 10) == b"ss"
+
+
+def test_a_truncate_drops_a_load_in_progress():
+    pool = MemoryPool(1 << 30)
+    f = FileData(pool)
+    f.write(0, b"x" * (2 * CHUNK))
+    f.evict()
+    load = Loading(f, None)
+    load.place(b"x" * CHUNK)
+    assert load.show(CHUNK)
+    f.clear()  # open(O_TRUNC) meanwhile
+    assert not load.show(2 * CHUNK)
+    load.release()
+    assert f.resident and f.size == 0 and pool.used == 0
 
 
 def test_spill_moves_bytes_out_of_ram_and_keeps_working(tmp_path):

@@ -1,0 +1,107 @@
+"""After a restart: how fast the bytes come back from a local store.
+
+- cold `torch.load` of a 2 GiB checkpoint from a fresh mount (nothing in
+  RAM, page cache dropped) vs `torch.load` straight from the store directory
+  with the page cache dropped;
+- the first 4 KiB of a 3 GiB file from a fresh mount vs reading one load
+  block (64 MiB, what is verified before the first byte is served) straight
+  from the store, both cold; and the whole file, with the daemon's RSS, when
+  the RAM budget (1 GiB) is smaller than the file (it loads into the spill
+  directory).
+
+Rounds are interleaved. Run as root:
+
+    .venv/bin/python bench/bench_restart.py --rounds 3 --write bench/RESULTS-restart.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
+from common import drop_caches, emit, machine, median, mounted, rss_bytes, timed
+
+from ckptfs.writeback.manifest import BLOCK
+
+
+def read_all(path: Path, n: int | None = None) -> None:
+    """Read the first `n` bytes (None: all) in 8 MiB requests, as a load does."""
+    with open(path, "rb", buffering=0) as f:
+        left = n if n is not None else 1 << 62
+        while left > 0 and (got := len(f.read(min(left, 8 << 20)))):
+            left -= got
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--disk-dir", default="/var/tmp", help="a directory on the plain disk (the store)")
+    ap.add_argument("--write")
+    args = ap.parse_args()
+    base = Path(tempfile.mkdtemp(prefix="ckptfs-restart-", dir=args.disk_dir))
+    spill = base / "spill"
+    spill.mkdir()
+    t: dict[str, list[float]] = {k: [] for k in ("load_mnt", "load_store", "first_mnt", "block_store", "big_mnt", "big_store")}
+    rss: list[int] = []
+    try:
+        sd = {f"t{i}": torch.randn(25 << 20) for i in range(20)}  # 2 GiB
+        with mounted(base, memory_limit="8G") as (mp, _pid):
+            torch.save(sd, mp / "ckpt.pt")
+            with open(mp / "big.bin", "wb") as f:
+                for _ in range(3 * 1024 // 64):
+                    f.write(os.urandom(64 << 20))
+        del sd
+        store = base / "store"
+        for r in range(args.rounds):
+            with mounted(base, memory_limit="8G") as (mp, _pid):
+                drop_caches()
+                t["load_mnt"].append(timed(lambda: torch.load(mp / "ckpt.pt", map_location="cpu")))
+            drop_caches()
+            t["load_store"].append(timed(lambda: torch.load(store / "ckpt.pt", map_location="cpu")))
+            with mounted(base, memory_limit="1G", extra=("--spill-dir", str(spill))) as (mp, pid):
+                drop_caches()
+                t["first_mnt"].append(timed(lambda: read_all(mp / "big.bin", 4096)))
+                t["big_mnt"].append(timed(lambda: read_all(mp / "big.bin")))
+                rss.append(rss_bytes(pid))
+            drop_caches()
+            t["block_store"].append(timed(lambda: read_all(store / "big.bin", BLOCK)))
+            drop_caches()
+            t["big_store"].append(timed(lambda: read_all(store / "big.bin")))
+            print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in t.items()) + f", rss {rss[-1] >> 20} MiB", flush=True)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    m = {k: median(v) for k, v in t.items()}
+    load, first = m["load_mnt"] / m["load_store"], m["first_mnt"] / m["block_store"]
+    lines = [
+        "## After a restart",
+        "",
+        f"Measured {time.strftime('%Y-%m-%d')} on {machine()}; {args.rounds} interleaved rounds, medians.",
+        f"Command: `.venv/bin/python bench/bench_restart.py --rounds {args.rounds}`",
+        "",
+        "| target | measured | goal | met |",
+        "|---|---|---|---|",
+        f"| cold torch.load of a 2 GiB checkpoint from a fresh mount vs from the store directory, cold (time ratio) | {load:.2f}x | <= 1.2x "
+        f"| {'yes' if load <= 1.2 else 'no'} |",
+        f"| first 4 KiB of a 3 GiB file from a fresh mount vs one 64 MiB block from the store, cold (time ratio) | {first:.2f}x "
+        f"| <= 1x (within one block's fetch) | {'yes' if first <= 1.0 else 'no'} |",
+        "",
+        f"- torch.load, seconds: mount {' '.join(f'{x:.2f}' for x in t['load_mnt'])}; store {' '.join(f'{x:.2f}' for x in t['load_store'])}",
+        f"- first 4 KiB from the mount, seconds: {' '.join(f'{x:.3f}' for x in t['first_mnt'])}; "
+        f"64 MiB from the store: {' '.join(f'{x:.3f}' for x in t['block_store'])}",
+        f"- the whole 3 GiB file with a 1 GiB RAM budget (loaded into the spill directory), seconds: mount "
+        f"{' '.join(f'{x:.2f}' for x in t['big_mnt'])}; store {' '.join(f'{x:.2f}' for x in t['big_store'])}; "
+        f"daemon RSS afterwards {' '.join(f'{x >> 20}' for x in rss)} MiB",
+    ]
+    emit(lines, args.write)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""Holes: runs of zeros that nothing needs to store, hash from fresh memory,
+or hold in RAM.
+
+A file's bytes travel as a sequence of pieces (views). A piece that is a
+view of `ZEROS` is a *hole*: the file system yields one where it holds no
+data, a local store skips it with a seek (the store file stays sparse),
+a local store's read yields one where the file has a hole, and a load keeps
+no memory for it. Hashing a hole reads this one shared buffer.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Iterator
+
+ZEROS = bytes(4 << 20)
+_VIEW = memoryview(ZEROS)
+
+
+def is_hole(piece: memoryview | bytes) -> bool:
+    return isinstance(piece, memoryview) and piece.obj is ZEROS
+
+
+def zeros(n: int) -> Iterator[memoryview]:
+    """`n` zero bytes as hole pieces."""
+    while n > 0:
+        k = min(n, len(ZEROS))
+        yield _VIEW[:k]
+        n -= k
+
+
+def read_sparse(fd: int, size: int, piece: int = 8 << 20) -> Iterator[memoryview | bytes]:
+    """The first `size` bytes of the file `fd`, holes as hole pieces (found
+    with SEEK_DATA/SEEK_HOLE; a file system without them reads as dense)."""
+    off = 0
+    while off < size:
+        try:
+            data = min(os.lseek(fd, off, os.SEEK_DATA), size)
+        except OSError as exc:  # ENXIO: a hole up to the end; anything else: no SEEK_DATA here, read it all
+            data = size if exc.errno == errno.ENXIO else off
+        if data > off:
+            yield from zeros(data - off)
+            off = data
+            continue
+        try:
+            end = min(os.lseek(fd, off, os.SEEK_HOLE), size)
+        except OSError:
+            end = size
+        end = max(end, off + 1)  # a file grown since: read on
+        while off < end:
+            block = os.pread(fd, min(piece, end - off), off)
+            if not block:
+                raise OSError(errno.EIO, "file shorter than expected")
+            off += len(block)
+            yield block
+
