@@ -85,9 +85,11 @@ class StoreCalls:
         number = self.count
         self._maybe_crash(number, "before", what)
         seconds = self.deadlines.for_bytes(nbytes)
+        began = trio.current_time()
         with trio.move_on_after(seconds):
             result = await trio.to_thread.run_sync(functools.partial(fn, *args), abandon_on_cancel=True, limiter=self._threads)
             self._maybe_crash(number, "after", what)
+            log.debug("store call %s: %.3fs", what, trio.current_time() - began)
             return result
         self.abandoned += 1
         log.warning("store call %s gave no answer within %.0fs: abandoned, will be retried", what, seconds)
