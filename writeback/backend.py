@@ -563,14 +563,20 @@ class S3Backend(FsspecBackend):
         part_size = max(PART_SIZE, -(-size // 9000))
         parts: list[dict] = []
         try:
-            buf = bytearray()
+            views: list[memoryview] = []  # the next part's bytes, as views of the snapshot: joined in one copy
+            have = 0
             for piece in pieces:
-                buf += piece
-                while len(buf) >= part_size:
-                    parts.append(self._part(bucket, key, upload_id, len(parts) + 1, bytes(buf[:part_size])))
-                    del buf[:part_size]
-            if buf or not parts:
-                parts.append(self._part(bucket, key, upload_id, len(parts) + 1, bytes(buf)))
+                view = memoryview(piece).cast("B")
+                while have + len(view) >= part_size:
+                    k = part_size - have
+                    views.append(view[:k])
+                    parts.append(self._part(bucket, key, upload_id, len(parts) + 1, b"".join(views)))
+                    views, have, view = [], 0, view[k:]
+                if view:
+                    views.append(view)
+                    have += len(view)
+            if views or not parts:
+                parts.append(self._part(bucket, key, upload_id, len(parts) + 1, b"".join(views)))
             if complete:
                 self._complete(bucket, key, upload_id, parts)
         except BaseException:
