@@ -16,6 +16,7 @@ behind multi-gigabyte uploads.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
@@ -80,7 +81,12 @@ class StoreCalls:
         self.count = 0
         self.crash_at: tuple[int, str] | None = None  # fault injection for the crash-point test: (call number, "before"/"after")
 
-    async def run(self, what: str, fn: Callable[..., T], *args, nbytes: int = 0) -> T:
+    async def run(self, what: str, fn: Callable[..., T], *args, nbytes: int = 0, ended: trio.Event | None = None) -> T:
+        """`fn(*args)` in a thread, within its deadline. `ended` is set when
+        the thread is done, abandoned or not (the publisher fences later
+        store changes on the same paths behind a late one)."""
+        if ended is not None:
+            fn = _signalling(fn, ended)
         self.count += 1
         number = self.count
         self._maybe_crash(number, "before", what)
@@ -99,3 +105,16 @@ class StoreCalls:
         if self.crash_at is not None and self.crash_at == (number, when):
             log.warning("crash-point test: SIGKILL %s store call %d (%s)", when, number, what)
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _signalling(fn: Callable[..., T], ended: trio.Event) -> Callable[..., T]:
+    token = trio.lowlevel.current_trio_token()
+
+    def body(*args):
+        try:
+            return fn(*args)
+        finally:
+            with contextlib.suppress(trio.RunFinishedError):
+                trio.from_thread.run_sync(ended.set, trio_token=token)
+
+    return body

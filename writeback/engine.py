@@ -343,7 +343,7 @@ class Engine:
         gen.move(State.STAGED)
         self.notify()
 
-    async def read_snapshot(self, gen: FileGen, what: str, fn: Callable, *args, nbytes: int = 0):
+    async def read_snapshot(self, gen: FileGen, what: str, fn: Callable, *args, nbytes: int = 0, ended: trio.Event | None = None):
         """Run `fn` (which reads `gen`'s snapshot) in a thread with a
         deadline; the snapshot stays allocated until the thread is done, even
         if it is abandoned."""
@@ -357,7 +357,7 @@ class Engine:
                 with contextlib.suppress(trio.RunFinishedError):
                     trio.from_thread.run_sync(self._reader_done, gen, trio_token=token)
 
-        return await self.calls.run(what, body, nbytes=nbytes)
+        return await self.calls.run(what, body, nbytes=nbytes, ended=ended)
 
     def _reader_done(self, gen: FileGen) -> None:
         gen.readers -= 1

@@ -31,12 +31,14 @@ from __future__ import annotations
 import collections
 import fnmatch
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import trio
 
 from . import manifest, storeio
 from .backend import META
+from .calls import StoreTimeout
 from .journal import Attrs, Exchange, FileGen, Link, Mkdir, Op, Remove, Rename, Symlink
 from .manifest import Record
 from .replica import Dir, File, Node, Replica, Shown
@@ -51,6 +53,21 @@ log = logging.getLogger(__name__)
 # Files that vouch for others: shown last when a directory moves on an object
 # store, and held back while a file in their directory tree is parked.
 MARKERS = ("commit_success.txt", ".metadata", "ckptfs-commit.json", "latest", "latest_*", "*.latest", "latest_checkpointed_iteration.txt")
+
+
+@dataclass
+class _Late:
+    """A store step abandoned at its deadline whose thread may still land."""
+
+    at: tuple[str, ...]
+    op: Op | None
+    what: str
+    ended: trio.Event
+
+
+def _overlap(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
+    """Whether two sets of store paths share a path, or one holds the other."""
+    return any(x == y or x.startswith(y + "/") or y.startswith(x + "/") for x in a for y in b)
 
 
 class GiveUp(Exception):
@@ -68,6 +85,7 @@ class Publisher:
         self.position = 0  # seq of the last op applied (or deferred)
         self.deferred: collections.deque[tuple[Node | None, Remove]] = collections.deque()
         self.parked: set[FileGen] = set()
+        self.late: list[_Late] = []  # abandoned steps not finished yet
         self.waiting_markers: set[File] = set()  # held: they would vouch for a file the store does not show yet
         self.retry_parked_at = 0.0
         self.current: Op | None = None  # the op being applied: store steps count their failures on it
@@ -77,21 +95,30 @@ class Publisher:
         self._syncing = trio.Lock()
 
     # -- store steps -------------------------------------------------------------
-    async def call(self, what: str, fn, *args, nbytes: int = 0, reading: FileGen | None = None):
+    async def call(self, what: str, fn, *args, nbytes: int = 0, reading: FileGen | None = None, at: tuple[str, ...] = ()):
         """One store step of the op being applied, retried in place until it
         succeeds, so an op of many steps makes progress through transient
         errors instead of starting over (every step is idempotent). A
         permanent failure, after `Retry.park_after` tries, parks the
-        generation or skips the op: `GiveUp`."""
+        generation or skips the op: `GiveUp`.
+
+        `at`: the store paths the step changes. A step abandoned at its
+        deadline may still land late; until its thread is done, no later op
+        changes those paths (its own retries may: they do the same thing), so
+        a late step can never undo a later one (C11)."""
         attempt = 0
         while True:
+            await self._after_late_steps(at)
+            ended = trio.Event()
             try:
                 if reading is not None:
-                    return await self.e.read_snapshot(reading, what, fn, *args, nbytes=nbytes)
-                return await self.e.calls.run(what, fn, *args, nbytes=nbytes)
+                    return await self.e.read_snapshot(reading, what, fn, *args, nbytes=nbytes, ended=ended)
+                return await self.e.calls.run(what, fn, *args, nbytes=nbytes, ended=ended)
             except storeio.NewerInStore:
                 raise
             except Exception as exc:
+                if isinstance(exc, StoreTimeout) and at:
+                    self.late.append(_Late(at, self.current, what, ended))
                 op = self.current
                 if op is None:
                     raise
@@ -99,6 +126,26 @@ class Publisher:
                     raise GiveUp from exc
                 attempt += 1  # the backoff follows this step's failures in a row, not the op's total
                 await trio.sleep(self.e.retry.delay(attempt))
+
+    async def _after_late_steps(self, at: tuple[str, ...]) -> None:
+        """Wait while an abandoned step of another op may still change `at`."""
+        while True:
+            self.late = [x for x in self.late if not x.ended.is_set()]
+            late = next((x for x in self.late if x.op is not self.current and _overlap(x.at, at)), None)
+            if late is None:
+                return
+            log.warning("waiting for the abandoned store call %s to finish before changing %s again", late.what, ", ".join(at))
+            await late.ended.wait()
+
+    async def _fenced_once(self, what: str, fn, *args, at: tuple[str, ...]):
+        """One try of a store step outside the queue's ops, fenced like `call`."""
+        await self._after_late_steps(at)
+        ended = trio.Event()
+        try:
+            return await self.e.calls.run(what, fn, *args, ended=ended)
+        except StoreTimeout:
+            self.late.append(_Late(at, None, what, ended))
+            raise
 
     # -- the loop --------------------------------------------------------------
     async def run(self) -> None:
@@ -189,9 +236,9 @@ class Publisher:
                 if path is None or meta is None or meta == d.recorded:
                     continue
                 try:
-                    await self.e.calls.run(f"record {path or '/'}", manifest.write, self.e.backend, Record.of(path, "dir", meta))
+                    await self._fenced_once(f"record {path or '/'}", manifest.write, self.e.backend, Record.of(path, "dir", meta), at=(path,))
                     if d.made and path:
-                        await self.e.calls.run(f"chmod {path}", self.e.backend.chmod, path, meta.mode & 0o1777)
+                        await self._fenced_once(f"chmod {path}", self.e.backend.chmod, path, meta.mode & 0o1777, at=(path,))
                 except Exception as exc:
                     log.warning("cannot record the attributes of directory %s yet: %s", path or "/", exc)
                     self.dirty.add(d)
@@ -202,14 +249,14 @@ class Publisher:
         for path, node in self.replica.nodes_of(op.ino):
             if isinstance(node, File) and node.shown is not None and node.shown.meta != op.meta:
                 rec = Record.of(path, "file", op.meta, current=node.shown.digest)
-                await self.call(f"record {path}", manifest.write, self.e.backend, rec)
+                await self.call(f"record {path}", manifest.write, self.e.backend, rec, at=(path,))
                 if node.shown.meta.mode != op.meta.mode:
-                    await self.call(f"chmod {path}", self.e.backend.chmod, path, op.meta.mode & 0o777)
+                    await self.call(f"chmod {path}", self.e.backend.chmod, path, op.meta.mode & 0o777, at=(path,))
                 node.shown.meta = op.meta
             elif isinstance(node, RLink):
                 node.meta = op.meta
                 if node.shown:
-                    await self.call(f"record {path}", manifest.write, self.e.backend, Record.of(path, "symlink", op.meta, target=node.target))
+                    await self.call(f"record {path}", manifest.write, self.e.backend, Record.of(path, "symlink", op.meta, target=node.target), at=(path,))
 
     def _complete(self, op: Op) -> None:
         popped = self.e.queue.popleft()
@@ -282,7 +329,7 @@ class Publisher:
                 # The bytes again: for stores that PUT small files at publication, or upload again
                 # what was staged at another name (S3).
                 await self.call(f"publish {at}", storeio.publish, self.e.backend, rec, staged, at, gen.digest,
-                                gen.pieces, nbytes=gen.size, reading=gen)
+                                gen.pieces, nbytes=gen.size, reading=gen, at=(at,))
             except storeio.NewerInStore as newer:
                 gen.publishing = False
                 there = newer.record
@@ -297,7 +344,7 @@ class Publisher:
             if staged.token is not None:
                 gen.staged = None  # consumed: the staging object is now the file
         elif source is not None:
-            await self.call(f"copy {source} to {at}", storeio.show, self.e.backend, rec, source, at, False, nbytes=gen.size)
+            await self.call(f"copy {source} to {at}", storeio.show, self.e.backend, rec, source, at, False, nbytes=gen.size, at=(at,))
         elif gen.state is State.PUBLISHED:  # shown under another name, since gone: nothing left to show it from
             log.warning("%s: its bytes are no longer staged nor shown anywhere; the next generation will be", path)
             node.held = None
@@ -410,14 +457,14 @@ class Publisher:
                 self.replica.rebind_ino(node, op.ino)
             live = self.e.ns.inode_at(op.name)
             if live is not None and live.ino == op.ino and not node.made:  # C4: only if it still exists
-                await self.call(f"mkdir {op.name}", self.e.backend.mkdir, op.name)
+                await self.call(f"mkdir {op.name}", self.e.backend.mkdir, op.name, at=(op.name,))
                 node.made = True
                 self._made_parents(op.name)
         elif isinstance(op, Symlink):
             node = RLink(op.ino, target=op.target)
             self.replica.bind(op.name, node)
             if self.live_at(op.name, op.ino):
-                await self.call(f"record {op.name}", manifest.write, self.e.backend, Record.of(op.name, "symlink", op.meta, target=op.target))
+                await self.call(f"record {op.name}", manifest.write, self.e.backend, Record.of(op.name, "symlink", op.meta, target=op.target), at=(op.name,))
                 node.shown = True
         elif isinstance(op, Link):
             node = File(op.ino)
@@ -428,7 +475,7 @@ class Publisher:
                 assert isinstance(src, File) and src.shown is not None
                 shown = src.shown
                 rec = Record.of(op.name, "file", shown.meta, current=shown.digest)
-                await self.call(f"copy {source} to {op.name}", storeio.show, self.e.backend, rec, source, op.name, False)
+                await self.call(f"copy {source} to {op.name}", storeio.show, self.e.backend, rec, source, op.name, False, at=(op.name,))
                 node.shown = Shown(shown.ino, shown.generation, shown.digest, shown.meta)
             else:
                 held = next((n.held for _, n in self.replica.nodes_of(op.ino) if isinstance(n, File) and n.held is not None), None)
@@ -459,12 +506,12 @@ class Publisher:
         if isinstance(node, File):
             if node.shown is not None:
                 rec = Record.of(op.dst, "file", node.shown.meta, current=node.shown.digest)
-                await self.call(f"move {op.src} to {op.dst}", storeio.show, backend, rec, op.src, op.dst, True, nbytes=self._size(node))
+                await self.call(f"move {op.src} to {op.dst}", storeio.show, backend, rec, op.src, op.dst, True, nbytes=self._size(node), at=(op.src, op.dst))
             elif isinstance(target, File) and target.shown is not None:
                 node.shown = target.shown  # the old bytes stay until the new ones are sealed
         elif isinstance(node, RLink) and node.shown:
-            await self.call(f"record {op.dst}", manifest.write, backend, Record.of(op.dst, "symlink", node.meta, target=node.target))
-            await self.call(f"record {op.src}", manifest.delete, backend, op.src)
+            await self.call(f"record {op.dst}", manifest.write, backend, Record.of(op.dst, "symlink", node.meta, target=node.target), at=(op.dst,))
+            await self.call(f"record {op.src}", manifest.delete, backend, op.src, at=(op.src,))
         self.replica.bind(op.dst, node)
         if isinstance(node, File):
             await self._materialize(op.dst, node)
@@ -498,23 +545,23 @@ class Publisher:
             for rel, f in shown:  # records first: a crash leaves data with records (stray records are cleaned at mount)
                 assert isinstance(f, File) and f.shown is not None
                 rec = Record.of(f"{op.dst}/{rel}", "file", f.shown.meta, current=f.shown.digest, source=f"move:{base}/{rel}")
-                await self.call(f"record {rec.path}", manifest.write, backend, rec)
+                await self.call(f"record {rec.path}", manifest.write, backend, rec, at=(rec.path,))
             links = [(rel, f) for rel, f in members if isinstance(f, RLink) and f.shown]
             for rel, f in links:
                 assert isinstance(f, RLink)
-                await self.call(f"record {op.dst}/{rel}", manifest.write, backend, Record.of(f"{op.dst}/{rel}", "symlink", f.meta, target=f.target))
-            if not await self.call(f"move {base} to {op.dst}", backend.move_dir, base, op.dst):
+                await self.call(f"record {op.dst}/{rel}", manifest.write, backend, Record.of(f"{op.dst}/{rel}", "symlink", f.meta, target=f.target), at=(f"{op.dst}/{rel}",))
+            if not await self.call(f"move {base} to {op.dst}", backend.move_dir, base, op.dst, at=(base, op.dst)):
                 log.info("moving %s to %s member by member (the store has something in the way)", base, op.dst)
                 for rel, _f in sorted(shown, key=lambda rf: self._is_marker(rf[0])):
                     assert isinstance(_f, File) and _f.shown is not None
-                    await self.call(f"move {base}/{rel}", storeio.move, backend, f"{base}/{rel}", f"{op.dst}/{rel}", _f.shown.digest)
+                    await self.call(f"move {base}/{rel}", storeio.move, backend, f"{base}/{rel}", f"{op.dst}/{rel}", _f.shown.digest, at=(f"{base}/{rel}", f"{op.dst}/{rel}"))
                 for rel, f in sorted(members, key=lambda rf: -rf[0].count("/")):
                     if isinstance(f, Dir):
-                        await self.call(f"rmdir {base}/{rel}", backend.rmdir, f"{base}/{rel}")
-                await self.call(f"rmdir {base}", backend.rmdir, base)
+                        await self.call(f"rmdir {base}/{rel}", backend.rmdir, f"{base}/{rel}", at=(f"{base}/{rel}",))
+                await self.call(f"rmdir {base}", backend.rmdir, base, at=(base,))
             if base == op.src:
                 for rel, _f in shown + links:
-                    await self.call(f"record {op.src}/{rel}", manifest.delete, backend, f"{op.src}/{rel}")
+                    await self.call(f"record {op.src}/{rel}", manifest.delete, backend, f"{op.src}/{rel}", at=(f"{op.src}/{rel}",))
             node.made = True
         else:
             # Object stores: members first, completion markers last.
@@ -523,17 +570,17 @@ class Publisher:
                 if isinstance(f, File) and any(f is g for _, g in show):
                     was = f.shown
                     if await self._materialize(dst, f) and was is not None:
-                        await self.call(f"delete {src}", storeio.delete, backend, src)
+                        await self.call(f"delete {src}", storeio.delete, backend, src, at=(src,))
                 elif isinstance(f, File) and f.shown is not None:
                     rec = Record.of(dst, "file", f.shown.meta, current=f.shown.digest)
-                    await self.call(f"move {src} to {dst}", storeio.show, backend, rec, src, dst, True, nbytes=self._size(f))
+                    await self.call(f"move {src} to {dst}", storeio.show, backend, rec, src, dst, True, nbytes=self._size(f), at=(src, dst))
                 elif isinstance(f, RLink) and f.shown:
-                    await self.call(f"record {dst}", manifest.write, backend, Record.of(dst, "symlink", f.meta, target=f.target))
-                    await self.call(f"record {src}", manifest.delete, backend, src)
+                    await self.call(f"record {dst}", manifest.write, backend, Record.of(dst, "symlink", f.meta, target=f.target), at=(dst,))
+                    await self.call(f"record {src}", manifest.delete, backend, src, at=(src,))
         for rel, d in [("", node), *((rel, n) for rel, n in members if isinstance(n, Dir))]:
             if d.recorded is not None:  # records are by path: the new path's are written at the next sync
                 old = f"{op.src}/{rel}" if rel else op.src
-                await self.call(f"record {old}", manifest.delete, backend, old)
+                await self.call(f"record {old}", manifest.delete, backend, old, at=(old,))
                 d.recorded = None
         self.replica.bind(op.dst, node)
         self._made_parents(op.dst)
@@ -545,16 +592,16 @@ class Publisher:
         shown_b = isinstance(b, File) and b.shown is not None
         if shown_a and shown_b:
             assert isinstance(a, File) and isinstance(b, File) and a.shown and b.shown
-            await self.call(f"exchange {op.a} and {op.b}", storeio.exchange, backend, op.a, op.b, a.shown.digest, b.shown.digest)
+            await self.call(f"exchange {op.a} and {op.b}", storeio.exchange, backend, op.a, op.b, a.shown.digest, b.shown.digest, at=(op.a, op.b))
             for path, shown in ((op.a, b.shown), (op.b, a.shown)):
                 rec = Record.of(path, "file", shown.meta, current=shown.digest)
-                await self.call(f"record {path}", manifest.write, backend, rec)
+                await self.call(f"record {path}", manifest.write, backend, rec, at=(path,))
         elif shown_a or shown_b:
             src, dst = (op.a, op.b) if shown_a else (op.b, op.a)
             node = a if shown_a else b
             assert isinstance(node, File) and node.shown is not None
             rec = Record.of(dst, "file", node.shown.meta, current=node.shown.digest)
-            await self.call(f"move {src} to {dst}", storeio.show, backend, rec, src, dst, True)
+            await self.call(f"move {src} to {dst}", storeio.show, backend, rec, src, dst, True, at=(src, dst))
         if a is not None:
             self.replica.detach(a)
         if b is not None:
@@ -612,14 +659,14 @@ class Publisher:
         backend = self.e.backend
         if isinstance(node, File):
             if node.shown is not None:
-                await self.call(f"delete {path}", storeio.delete, backend, path)
+                await self.call(f"delete {path}", storeio.delete, backend, path, at=(path,))
         elif isinstance(node, RLink):
             if node.shown:
-                await self.call(f"record {path}", manifest.delete, backend, path)
+                await self.call(f"record {path}", manifest.delete, backend, path, at=(path,))
         elif isinstance(node, Dir):
-            await self.call(f"rmdir {path}", backend.rmdir, path)
+            await self.call(f"rmdir {path}", backend.rmdir, path, at=(path,))
             if node.recorded is not None:
-                await self.call(f"record {path}", manifest.delete, backend, path)
+                await self.call(f"record {path}", manifest.delete, backend, path, at=(path,))
                 node.recorded = None
             self.dirty.discard(node)
         self.replica.detach(node)

@@ -458,3 +458,44 @@ async def test_a_newer_file_written_straight_to_the_store_is_not_overwritten(tmp
     await run_until_flushed(rig, body)
     assert rig.files() == {"model.pt": b"written to the store later", "other.pt": b"o"}
     assert verify(rig.backend).clean
+
+
+class LateDelete:
+    """A backend whose first delete of `path` answers only after `delay_s`
+    (past the deadline), and then deletes: a call that lands late."""
+
+    def __init__(self, inner, path: str, delay_s: float) -> None:
+        self.inner, self.path, self.delay_s = inner, path, delay_s
+        self.late_done = threading.Event()
+        self.calls = 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def delete(self, path: str) -> None:
+        if path == self.path:
+            self.calls += 1
+        if path == self.path and self.calls == 1:
+            time.sleep(self.delay_s)
+            self.inner.delete(path)
+            self.late_done.set()
+            return
+        self.inner.delete(path)
+
+
+async def test_a_late_store_call_never_undoes_a_later_change(tmp_path):
+    """A delete abandoned at its deadline still lands later. The new file
+    written under the same name after it must survive it: later changes to
+    that path wait until the abandoned call is done (C11)."""
+    rig = Rig(tmp_path / "store")
+    rig.engine.calls.deadlines = Deadlines(call_s=0.2, min_rate=1 << 40)
+    rig.write("f", b"old")
+    await run_until_flushed(rig)
+    late = LateDelete(rig.backend, "f", delay_s=1.5)
+    rig.engine.backend = late
+    rig.unlink("f")
+    rig.write("f", b"new")
+    await run_until_flushed(rig)
+    assert late.late_done.wait(10)
+    assert rig.files() == {"f": b"new"}
+    assert manifest.read(rig.backend, "f").current == manifest.digest_of([b"new"])
