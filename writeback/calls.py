@@ -93,7 +93,11 @@ class StoreCalls:
         seconds = self.deadlines.for_bytes(nbytes)
         began = trio.current_time()
         with trio.move_on_after(seconds):
-            result = await trio.to_thread.run_sync(functools.partial(fn, *args), abandon_on_cancel=True, limiter=self._threads)
+            try:
+                result = await trio.to_thread.run_sync(functools.partial(fn, *args), abandon_on_cancel=True, limiter=self._threads)
+            except Exception:
+                self._maybe_crash(number, "after", what)  # after a call that failed, too
+                raise
             self._maybe_crash(number, "after", what)
             log.debug("store call %s: %.3fs", what, trio.current_time() - began)
             return result

@@ -229,8 +229,9 @@ def test_bytes_changed_in_the_store_are_refused_after_a_restart(tmp_path):
 
 
 def _checkpoint_workload(m) -> None:
-    """Two Orbax-style steps, then keep-1 rotation; stops quietly once the
-    daemon is gone (every call then fails with ENOTCONN)."""
+    """Two Orbax-style steps, then keep-1 rotation racing the second step's
+    write-back; stops quietly once the daemon is gone (every call then fails
+    with ENOTCONN)."""
     try:
         for step in (1, 2):
             tmp = m.path(f"{step}.tmp")
@@ -239,6 +240,8 @@ def _checkpoint_workload(m) -> None:
                 (tmp / name).write_bytes(bytes([step]) * 5000)
             os.rename(tmp, m.path(str(step)))
             m.path(str(step), "commit").write_text("ok")
+            if step == 1:  # published before the next step: every run makes the same first store calls
+                run_cli("flush", str(m.mountpoint), "--timeout", "30")
         shutil.rmtree(m.path("1"))
         run_cli("flush", str(m.mountpoint), "--timeout", "30")
     except OSError:
