@@ -108,17 +108,11 @@ class Publisher:
         a late step can never undo a later one (C11)."""
         attempt = 0
         while True:
-            await self._after_late_steps(at)
-            ended = trio.Event()
             try:
-                if reading is not None:
-                    return await self.e.read_snapshot(reading, what, fn, *args, nbytes=nbytes, ended=ended)
-                return await self.e.calls.run(what, fn, *args, nbytes=nbytes, ended=ended)
+                return await self._fenced(what, fn, *args, nbytes=nbytes, reading=reading, at=at)
             except storeio.NewerInStore:
                 raise
             except Exception as exc:
-                if isinstance(exc, StoreTimeout) and at:
-                    self.late.append(_Late(at, self.current, what, ended))
                 op = self.current
                 if op is None:
                     raise
@@ -137,14 +131,19 @@ class Publisher:
             log.warning("waiting for the abandoned store call %s to finish before changing %s again", late.what, ", ".join(at))
             await late.ended.wait()
 
-    async def _fenced_once(self, what: str, fn, *args, at: tuple[str, ...]):
-        """One try of a store step outside the queue's ops, fenced like `call`."""
+    async def _fenced(self, what: str, fn, *args, nbytes: int = 0, reading: FileGen | None = None, at: tuple[str, ...] = ()):
+        """One try of a store step that changes `at`: after any abandoned step
+        of another op on those paths is done, and recorded as late if this
+        one is abandoned in turn."""
         await self._after_late_steps(at)
         ended = trio.Event()
         try:
-            return await self.e.calls.run(what, fn, *args, ended=ended)
+            if reading is not None:
+                return await self.e.read_snapshot(reading, what, fn, *args, nbytes=nbytes, ended=ended)
+            return await self.e.calls.run(what, fn, *args, nbytes=nbytes, ended=ended)
         except StoreTimeout:
-            self.late.append(_Late(at, None, what, ended))
+            if at:
+                self.late.append(_Late(at, self.current, what, ended))
             raise
 
     # -- the loop --------------------------------------------------------------
@@ -236,9 +235,9 @@ class Publisher:
                 if path is None or meta is None or meta == d.recorded:
                     continue
                 try:
-                    await self._fenced_once(f"record {path or '/'}", manifest.write, self.e.backend, Record.of(path, "dir", meta), at=(path,))
+                    await self._fenced(f"record {path or '/'}", manifest.write, self.e.backend, Record.of(path, "dir", meta), at=(path,))
                     if d.made and path:
-                        await self._fenced_once(f"chmod {path}", self.e.backend.chmod, path, meta.mode & 0o1777, at=(path,))
+                        await self._fenced(f"chmod {path}", self.e.backend.chmod, path, meta.mode & 0o1777, at=(path,))
                 except Exception as exc:
                     log.warning("cannot record the attributes of directory %s yet: %s", path or "/", exc)
                     self.dirty.add(d)

@@ -178,8 +178,8 @@ class Residency:
                 return
         while load.error is None and not load.target.show_done(upto):
             await load.changed.wait()
-        if load.error is not None and not load.target.show_done(upto):
-            raise load.error
+        if load.error is not None and not load.target.show_done(upto) and not self.e.ns.resident(ino):
+            raise load.error  # not when a truncate meanwhile dropped the load: the file is in RAM, as it is now
 
     async def _start(self, ino: int) -> _Load | None:
         found = self.e.publisher_shown(ino)

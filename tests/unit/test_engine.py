@@ -465,3 +465,38 @@ async def test_a_corrupt_block_is_never_served(tmp_path):
         assert "block 1" in str(exc.value) and "big" in rig.engine.verify_failures
         assert not node.data.resident and rig.store.pool.used == 0  # nothing half-loaded stays
         n.cancel_scope.cancel()
+
+
+async def test_a_reader_waiting_on_a_load_dropped_by_a_truncate_gets_the_file_as_it_is_now(tmp_path):
+    import threading
+
+    rig, data = _evicted_big_file(tmp_path, 2 * manifest.BLOCK)
+    await run_until_flushed(rig)
+    node = rig.store.inode_at("big")
+    rig.engine.evict(1 << 40)
+    go = threading.Event()
+    read = rig.backend.read
+
+    def stalled(path):
+        yield from ()
+        assert go.wait(30)
+        yield from read(path)
+
+    rig.backend.read = stalled
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        waited = []
+
+        async def reader():
+            await rig.engine.load(node.ino)
+            waited.append(True)
+
+        n.start_soon(reader)
+        await trio.sleep(0.2)
+        rig.store.setattr(node.ino, size=0)  # open(O_TRUNC) meanwhile: the load is dropped
+        go.set()
+        with trio.fail_after(20):
+            while not waited:
+                await trio.sleep(0.01)
+        assert node.data.resident and node.data.size == 0
+        n.cancel_scope.cancel()
