@@ -7,8 +7,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from tests.mountutil import Mount, fuse_usable, start_mount, stop_mount
+
+
+# The suite is deterministic: property tests replay the same examples on
+# every run. `pytest --hypothesis-profile=fuzz` explores new ones, many more.
+settings.register_profile("ci", derandomize=True, database=None)
+settings.register_profile("fuzz", max_examples=2000)
+settings.load_profile("ci")
 
 
 def pytest_configure(config: pytest.Config) -> None:

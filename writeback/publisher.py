@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import fnmatch
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -279,6 +280,7 @@ class Publisher:
             await trio.sleep_until(gen.retry_at)
             return False
         log.debug("turn of %s generation %d (seq %d) as %s", gen.path, gen.generation, gen.seq, gen.names)
+        await self._clear_way(gen.names)
         for name, node in self._hold(gen, gen.names):
             await self._materialize(name, node)
         return True
@@ -436,6 +438,12 @@ class Publisher:
     # -- namespace ops ----------------------------------------------------------
     async def _apply(self, op: Op) -> None:
         log.debug("apply %s", op)
+        if isinstance(op, Rename):
+            await self._clear_way((op.src, op.dst))
+        elif isinstance(op, Exchange):
+            await self._clear_way((op.a, op.b))
+        elif isinstance(op, Mkdir | Symlink | Link):
+            await self._clear_way((op.name,))
         if isinstance(op, Rename):
             await self._rename(op)
         elif isinstance(op, Remove):
@@ -636,20 +644,41 @@ class Publisher:
 
     async def _release_deferred(self) -> None:
         while self.deferred and not self._gated(self.deferred[0][1].seq):
-            node, op = self.deferred[0]
-            self.current = op
-            try:
-                if node is not None and self.replica.attached(node):
-                    await self._remove(node, op)
-            except GiveUp:
-                pass  # skipped, loudly
-            finally:
-                self.current = None
-            self.deferred.popleft()
-            op.done.set()
-            self.e.notify()
+            await self._remove_waiting(self.deferred[0])
         if self.deferred and not self.e.queue:
             self.e.notify()  # flushes waiting on them learn that they are stuck
+
+    async def _clear_way(self, paths: Iterable[str]) -> None:
+        """Waiting removals at or above or below `paths` happen now, before
+        the op that takes those names again: the store cannot keep the old
+        entry there (a directory where the file was, a file where the
+        directory was), and a removal released later would delete the new
+        entry. The mount removed them before that op, so the store still
+        follows the mount's order; only the wait for the generations that
+        superseded earlier ones is cut short, for these names alone."""
+        paths = tuple(paths)
+        for item in list(self.deferred):
+            path = self.replica.path_of(item[0]) if item[0] is not None else None
+            if path is not None and _overlap((path,), paths):
+                log.debug("removal of %s happens now: the name is taken again", path)
+                await self._remove_waiting(item)
+
+    async def _remove_waiting(self, item: tuple[Node | None, Remove]) -> None:
+        node, op = item
+        outer, self.current = self.current, op
+        try:
+            if node is not None and self.replica.attached(node):
+                await self._remove(node, op)
+        except GiveUp:
+            pass  # skipped, loudly
+        finally:
+            self.current = outer
+        if self.deferred[0] is item:
+            self.deferred.popleft()
+        else:
+            self.deferred = collections.deque(x for x in self.deferred if x is not item)
+        op.done.set()
+        self.e.notify()
 
     async def _remove(self, node: Node, op: Remove) -> None:
         path = self.replica.path_of(node)

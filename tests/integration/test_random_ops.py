@@ -139,6 +139,6 @@ def test_random_operations_match_tmpfs(mnt: Path):
     SideBySide.mount_dir = mnt
     run_state_machine_as_test(
         SideBySide,
-        settings=settings(max_examples=100, stateful_step_count=40, deadline=None,
+        settings=settings(stateful_step_count=40, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]),
     )

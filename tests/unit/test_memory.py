@@ -102,7 +102,7 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(ops)
 def test_matches_a_bytearray_model(sequence):
     pool = MemoryPool(1 << 30)
