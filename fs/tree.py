@@ -17,6 +17,7 @@ inode + generation, never by path.
 
 from __future__ import annotations
 
+import bisect
 import errno
 import logging
 import os
@@ -36,6 +37,7 @@ XATTR_NAME_MAX = 255
 XATTR_SIZE_MAX = 65536
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
+LISTINGS_KEPT = 64  # directories whose listing in progress is kept for resuming
 RESERVED = b".ckptfs"  # the store's hidden prefix: not a name at the root
 
 
@@ -139,6 +141,7 @@ class InodeTree:
         self.touched: set[int] = set()  # regular files whose size, data, names or seal changed (for status)
         self._next_ino = ROOT
         self._next_fh = 1
+        self._listings: dict[int, list[tuple[int, bytes]]] = {}  # directory -> its names when a listing began
         root = self._new_inode(stat.S_IFDIR | 0o755, uid, gid)
         root.nlink = 2
         root.refs = 1  # the kernel holds the root forever
@@ -648,9 +651,26 @@ class InodeTree:
         """
         d = self._dir(ino)
         assert d.children is not None and d.cookies is not None
-        for name, cookie in list(d.cookies.items()):
-            if cookie > offset and name in d.children:
+        listing = self._listings.get(ino) if offset else None
+        if listing is None:  # a listing starts: the names as they are now, in cookie order
+            listing = self._listings[ino] = [(cookie, name) for name, cookie in d.cookies.items()]
+            while len(self._listings) > LISTINGS_KEPT:
+                del self._listings[next(iter(self._listings))]
+        last = listing[-1][0] if listing else 0
+        # Resumed by bisection, not by a scan from the start: a listing of n
+        # entries costs O(n), not O(n^2) over its many readdir calls.
+        for i in range(bisect.bisect_right(listing, offset, key=lambda e: e[0]), len(listing)):
+            cookie, name = listing[i]  # by index: a slice would copy the rest at every call
+            if d.cookies.get(name) == cookie:  # still there, and not re-created since
                 yield name, self.inodes[d.children[name]], cookie
+        newer = []  # created since the listing started: at the dict's end
+        for name in reversed(d.cookies):
+            if d.cookies[name] <= last:
+                break
+            newer.append(name)
+        for name in reversed(newer):
+            if d.cookies[name] > offset:
+                yield name, self.inodes[d.children[name]], d.cookies[name]
 
     def files_under(self, prefix: str = "") -> Iterator[tuple[str, Inode]]:
         """Every regular file at or under `prefix` with its path, depth first:

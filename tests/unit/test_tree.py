@@ -6,6 +6,8 @@ import stat
 
 import pytest
 from ckptfs.fs.memory import MemoryPool
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from ckptfs.fs.tree import RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT, InodeTree
 
 W = os.O_WRONLY
@@ -215,6 +217,60 @@ def test_readdir_offsets_survive_concurrent_changes(s):
     listed = [n for n, _, _ in first] + rest
     assert sorted(set(listed) - {b"new"}) == sorted({b"f%d" % i for i in range(10)} - {b"f7"})
     assert len(listed) == len(set(listed))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["create", "unlink", "recreate"]), st.integers(0, 29)), max_size=40),
+       st.integers(1, 7), st.integers(0, 10_000))
+def test_a_listing_in_batches_sees_every_entry_that_stays_exactly_once(changes, batch, seed):
+    """readdir resumed batch by batch, with creates, deletes and re-creates
+    between batches (as `ls` of a big directory being written): every entry
+    present from start to end is listed exactly once, no entry deleted
+    before the listing reached it is listed, nothing is listed twice."""
+    import random
+
+    t = InodeTree(MemoryPool(1 << 30))
+    names = {b"f%d" % i for i in range(0, 30, 2)}
+    for n in sorted(names):
+        new_file(t, n)
+    rng = random.Random(seed)
+    listed: list[bytes] = []
+    touched: set[bytes] = set()
+    recreated: set[bytes] = set()  # names created during the listing
+    offset = 0
+    pending = list(changes)
+    while True:
+        got = []
+        for name, _inode, cookie in t.readdir(ROOT, offset):
+            got.append(name)
+            offset = cookie
+            if len(got) == batch:
+                break
+        listed += got
+        for _ in range(rng.randint(0, 3)):
+            if not pending:
+                break
+            what, i = pending.pop(0)
+            name = b"f%d" % i
+            touched.add(name)
+            if what == "create" and name not in names:
+                recreated.add(name)
+                new_file(t, name)
+                names.add(name)
+            elif what == "unlink" and name in names:
+                t.unlink(ROOT, name)
+                names.discard(name)
+            elif what == "recreate" and name in names:
+                recreated.add(name)
+                t.unlink(ROOT, name)
+                new_file(t, name)
+        if len(got) < batch:
+            break
+    assert all(listed.count(n) <= 1 for n in listed if n not in recreated)  # a name created meanwhile is a new entry
+    stayed = {n for n in names if n not in touched}
+    assert stayed <= set(listed)
+    assert all(listed.count(n) == 1 for n in stayed)
+    assert set(listed) <= names | touched
 
 
 def test_removed_directory_accepts_no_entries(s):
