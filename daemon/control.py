@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 from ckptfs.fs.tree import InodeTree
+from ckptfs.writeback.engine import Left
 from ckptfs.writeback.journal import FileGen, Op, kind
 
 from ckptfs.client import MAX_LINE, PROTOCOL_VERSION
@@ -118,17 +119,20 @@ class ControlServer:
         self._check_exists(path)
         ops = self.engine.barrier(path)
         total_files, total_bytes = _left(ops)
+        waiting = Left(self.engine, ops)
+        reported = -math.inf
         with trio.move_on_after(timeout):
-            while True:
-                ops = [op for op in ops if self.engine.waiting(op)]
-                if all(self.engine.stuck(op) for op in ops):
-                    break  # nothing left, or only what waits for a parked file: never by itself
-                files, nbytes = _left(ops)
-                await _send(stream, {"progress": {"files_left": files, "bytes_left": nbytes, "files": total_files,
-                                                  "bytes": total_bytes, "failed": _failed(ops)}})
-                with trio.move_on_after(PROGRESS_EVERY_S):
+            # Checked at every change (cheap: see Left), reported every PROGRESS_EVERY_S.
+            while not waiting.settled():  # else nothing left, or only what waits for a parked file: never by itself
+                if trio.current_time() - reported >= PROGRESS_EVERY_S:
+                    reported = trio.current_time()
+                    ops = waiting.now()
+                    files, nbytes = _left(ops)
+                    await _send(stream, {"progress": {"files_left": files, "bytes_left": nbytes, "files": total_files,
+                                                      "bytes": total_bytes, "failed": _failed(ops)}})
+                with trio.move_on_at(reported + PROGRESS_EVERY_S):
                     await self.engine.wait_change()
-        left = [self._describe(op) for op in ops if self.engine.waiting(op)]
+        left = [self._describe(op) for op in waiting.now()]
         return {"published": not left, "files": total_files, "bytes": total_bytes, "left": left}
 
     def _describe(self, op: Op) -> dict:

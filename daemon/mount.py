@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -28,6 +29,8 @@ from .control import ControlServer
 from .metrics import Metrics
 
 log = logging.getLogger(__name__)
+
+SWITCH_INTERVAL_S = 0.0005  # see `serve`
 
 READ_AHEAD_KB = 4096  # with 1 MiB requests: several in flight while the reader copies
 
@@ -80,6 +83,11 @@ def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
             closed = True
             pyfuse3.close(unmount=True)
 
+    # The trio thread serving FUSE is busy whenever a job saves; store calls
+    # run in threads that release the GIL at every syscall and must win it
+    # back. A shorter switch interval (default 5 ms) bounds that wait, or a
+    # group publication of many small files crawls while files are created.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         info.write()
         log.info("mounted %s (store %s, RAM budget %d bytes, fsync=%s)", mountpoint, config.store_url, config.memory_limit, config.fsync)

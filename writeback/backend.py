@@ -24,8 +24,10 @@ removes only the staging (and S3 multipart uploads) of daemons that are not.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fnmatch
+import itertools
 import json
 import logging
 import os
@@ -51,6 +53,10 @@ HEARTBEAT_S = 20.0  # a daemon rewrites its heartbeat this often
 HEARTBEAT_DEAD_S = 4 * HEARTBEAT_S  # older than this: the daemon is gone
 PART_SIZE = 16 << 20  # grown for huge files to stay under S3's 10,000 parts
 SMALL_PUT = 8 << 20  # object stores: up to this size, one PUT at publish time
+# Local stores: a staged file this big is fsynced at once, by its upload worker
+# (in parallel with others); a smaller one at publication, where a group of
+# them shares one syncfs (`LocalBackend.publish_group`).
+SYNCED_AT_PUBLISH = 1 << 20
 
 
 class StoreError(Exception):
@@ -98,9 +104,16 @@ class Entry:
     is_dir: bool
 
 
+_NAME_PREFIX = uuid.uuid4().hex[:16]
+_names = itertools.count()
+
+
 class Backend:
     url: str
     dirs = False  # real directories, movable in one step (local stores)
+    # Files smaller than this are not staged ahead: hashed when sealed and
+    # written whole at publication, from the snapshot (`Staged` with no token).
+    stage_ahead_from = 0
     daemon_id: str = ""  # set by `prepare`: this daemon stages under its own prefix
 
     @property
@@ -108,7 +121,9 @@ class Backend:
         return f"{STAGING}/{self.daemon_id or 'shared'}"
 
     def _staging_name(self) -> str:
-        return f"{self.staging}/{uuid.uuid4().hex}"
+        # A random prefix per process, then a counter: unique without a
+        # getrandom(2) per name.
+        return f"{self.staging}/{_NAME_PREFIX}{next(_names):x}"
 
     # -- the daemon's own namespace --------------------------------------------
     def prepare(self, daemon_id: str, started: float) -> None:
@@ -171,6 +186,15 @@ class Backend:
         FileNotFoundError: the staged data is gone (published already, or
         cleaned away): the caller checks which."""
         raise NotImplementedError
+
+    def publish_group(self, records: list[tuple[str, bytes]], files: list[tuple[Staged, str, int | None, Iterable]]) -> None:
+        """Write every record (`put`), then `publish` every file (staged,
+        path, mode, its bytes again for a `Staged` with no token): the
+        records before any of the data (see manifest.py)."""
+        for path, data in records:
+            self.put(path, data)
+        for staged, path, mode, pieces in files:
+            self.publish(staged, path, pieces, mode=mode)
 
     def discard(self, staged: Staged) -> None:
         if staged.token is not None:
@@ -250,6 +274,7 @@ class LocalBackend(Backend):
     listed, and one in the way of a path is an error (ELOOP)."""
 
     dirs = True
+    stage_ahead_from = 64 << 10
 
     def __init__(self, root: str, url: str) -> None:
         self.root = root
@@ -266,13 +291,24 @@ class LocalBackend(Backend):
         """A descriptor of directory `path`, reached without following a
         symlink; missing components are made if `create`."""
         fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        if path.strip("/"):
+            below = _open_beneath(fd, path, _DIR)  # one call for the whole path, where the kernel can
+            if below is not None:
+                os.close(fd)
+                return below
         try:
+            # One component at a time: where openat2 is missing, to make what
+            # is missing, and to tell why the path cannot be reached.
             for part in filter(None, path.split("/")):
-                if create:  # 0700 until its record gives it the mount's mode (never more open)
-                    with contextlib.suppress(FileExistsError):
-                        os.mkdir(part, 0o700, dir_fd=fd)
                 try:
-                    below = os.open(part, _DIR, dir_fd=fd)
+                    try:
+                        below = os.open(part, _DIR, dir_fd=fd)
+                    except FileNotFoundError:
+                        if not create:
+                            raise
+                        with contextlib.suppress(FileExistsError):  # 0700 until its record gives it the mount's mode (never more open)
+                            os.mkdir(part, 0o700, dir_fd=fd)
+                        below = os.open(part, _DIR, dir_fd=fd)
                 except OSError as exc:
                     if exc.errno in (errno.ELOOP, errno.ENOTDIR) and stat.S_ISLNK(os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode):
                         raise SymlinkInStore(errno.ELOOP, "a symlink in the store is in the way (ckptfs never follows one)", path) from None
@@ -295,42 +331,95 @@ class LocalBackend(Backend):
             os.close(fd)
 
     def stage(self, pieces: Iterable[memoryview | bytes], size: int, name: str | None = None) -> Staged:
+        return Staged(size, self._write_staged(pieces, sync=not 0 <= size < SYNCED_AT_PUBLISH))
+
+    def _write_staged(self, pieces: Iterable[memoryview | bytes], sync: bool) -> str:
         tmp = self._staging_name()
         with self._at(tmp, create=True) as (d, name):
-            # 0600 until published: the file takes its mount counterpart's mode then (never more open)
-            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600, dir_fd=d)
-            try:
-                off = 0
-                for piece in pieces:
-                    if is_hole(piece):  # kept a hole: the store file stays sparse
-                        off += len(piece)
-                        continue
-                    view = memoryview(piece)
-                    while view:
-                        n = os.pwrite(fd, view, off)
-                        view, off = view[n:], off + n
-                os.ftruncate(fd, off)
-                os.fsync(fd)
-            except BaseException:
-                os.close(fd)
-                with contextlib.suppress(OSError):
-                    os.unlink(name, dir_fd=d)
-                raise
-            os.close(fd)
-        return Staged(size, tmp)
+            _write_new(d, name, pieces, sync)
+        return tmp
 
     def publish(self, staged: Staged, path: str, pieces: Iterable[memoryview | bytes] = (), mode: int | None = None) -> None:
-        assert staged.token is not None
-        self._replace(staged.token, path, mode)
+        if staged.token is None:  # a small file, written whole now
+            self._replace(self._write_staged(pieces, sync=True), path, mode)
+            return
+        self._replace(staged.token, path, mode, sync_src=0 <= staged.size < SYNCED_AT_PUBLISH)
 
-    def _replace(self, src: str, dst: str, mode: int | None = None) -> None:
+    def publish_group(self, records: list[tuple[str, bytes]], files: list[tuple[Staged, str, int | None, Iterable]]) -> None:
+        """Group commit: the records and the small files are written, one
+        syncfs makes them (and files staged without fsync) durable, every
+        record and file is renamed into place, and a second syncfs makes the
+        renames durable: two syncs for the group, not three fsyncs a file.
+        Each directory is opened once for the group."""
+        dirs: dict[str, int] = {}
+
+        def at(path: str) -> tuple[int, str]:
+            head, _, name = path.rpartition("/")
+            if head not in dirs:
+                dirs[head] = self._dir(head, create=True)
+            return dirs[head], name
+
+        written: list[tuple[int, str]] = []  # not renamed into place yet: removed if the group fails
+        try:
+            for _path, data in records:
+                written.append(at(self._staging_name()))
+                _write_new(*written[-1], [data], sync=False)
+            sources = []
+            for staged, _path, _mode, pieces in files:
+                if staged.token is None:
+                    written.append(at(self._staging_name()))
+                    _write_new(*written[-1], pieces, sync=False)
+                    sources.append(written[-1])
+                else:
+                    sources.append(at(staged.token))
+            self.sync()
+            moves = [(src, path, None) for src, (path, _data) in zip(written, records, strict=False)]  # records stay 0600
+            moves += [(src, path, mode) for src, (_staged, path, mode, _pieces) in zip(sources, files, strict=True)]
+            for (sd, sname), path, mode in moves:
+                dd, dname = at(path)
+                if mode is not None:
+                    os.chmod(sname, mode & 0o777, dir_fd=sd)  # never set-ID bits in the store
+                try:
+                    os.rename(sname, dname, src_dir_fd=sd, dst_dir_fd=dd)
+                except IsADirectoryError:  # an empty directory left where a file now goes
+                    os.rmdir(dname, dir_fd=dd)
+                    os.rename(sname, dname, src_dir_fd=sd, dst_dir_fd=dd)
+            written = []
+        finally:
+            for d, name in written:
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=d)
+            for fd in dirs.values():
+                os.close(fd)
+        self.sync()
+
+    def sync(self) -> None:
+        """Make everything written to the store's file system durable (syncfs(2))."""
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            if _libc.syncfs(fd) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, os.strerror(err), self.root)
+        finally:
+            os.close(fd)
+
+    def _replace(self, src: str, dst: str, mode: int | None = None, sync: bool = True, sync_src: bool = False) -> None:
+        """Rename `src` over `dst`; `sync`: made durable (the directory
+        fsynced), `sync_src`: the file's bytes first (staged unsynced)."""
         with self._at(src) as (sd, sname), self._at(dst, create=True) as (dd, dname):
+            if sync_src:
+                fd = os.open(sname, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=sd)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
             if mode is not None:
                 os.chmod(sname, mode & 0o777, dir_fd=sd)  # never set-ID bits in the store
             if _kind(dname, dd) == stat.S_IFDIR:
                 os.rmdir(dname, dir_fd=dd)  # an empty directory left where a file now goes
             os.rename(sname, dname, src_dir_fd=sd, dst_dir_fd=dd)
-            os.fsync(dd)
+            if sync:
+                os.fsync(dd)
 
     def put(self, path: str, data: bytes) -> None:
         self.publish(self.stage([data], len(data)), path, mode=0o600)  # ckptfs's own records: nobody else's business
@@ -445,6 +534,32 @@ class LocalBackend(Backend):
             return False
 
 
+def _write_new(dir_fd: int, name: str, pieces: Iterable[memoryview | bytes], sync: bool) -> None:
+    """A new file `name` (0600: a published file takes its mount
+    counterpart's mode then, never more open) holding `pieces`; holes are
+    kept (the store file stays sparse)."""
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    try:
+        off = 0
+        for piece in pieces:
+            if is_hole(piece):
+                off += len(piece)
+                continue
+            view = memoryview(piece)
+            while view:
+                n = os.pwrite(fd, view, off)
+                view, off = view[n:], off + n
+        os.ftruncate(fd, off)
+        if sync:
+            os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(name, dir_fd=dir_fd)
+        raise
+    os.close(fd)
+
+
 def _kind(name: str, dir_fd: int) -> int | None:
     """The file type of `name` in `dir_fd` (S_IFREG, S_IFDIR, S_IFLNK, ...), not following a symlink; None if missing."""
     try:
@@ -456,11 +571,38 @@ def _kind(name: str, dir_fd: int) -> int | None:
 RENAME_EXCHANGE = 2
 
 
-def _renameat2(dir_a: int, a: str, dir_b: int, b: str, flags: int) -> None:
-    import ctypes
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.renameat2(dir_a, os.fsencode(a), dir_b, os.fsencode(b), flags) != 0:
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+_SYS_OPENAT2 = 437  # the same number on every architecture (Linux 5.6)
+# No symlink, no magic link, no ".." above the root, no other mount.
+_RESOLVE = 0x01 | 0x02 | 0x04 | 0x08  # RESOLVE_NO_XDEV | NO_MAGICLINKS | NO_SYMLINKS | BENEATH
+_openat2_works = True
+
+
+def _open_beneath(dir_fd: int, path: str, flags: int) -> int | None:
+    """openat2(2) of `path` below `dir_fd`, following no symlink: a
+    descriptor, or None if it failed for any reason (or the kernel has no
+    openat2), for the caller's component-by-component walk to redo it."""
+    global _openat2_works
+    if not _openat2_works:
+        return None
+    how = _OpenHow(flags | os.O_CLOEXEC, 0, _RESOLVE)
+    fd = _libc.syscall(_SYS_OPENAT2, dir_fd, os.fsencode(path), ctypes.byref(how), ctypes.sizeof(how))
+    if fd >= 0:
+        return fd
+    if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):  # an old kernel, or a seccomp filter
+        _openat2_works = False
+    return None
+
+
+def _renameat2(dir_a: int, a: str, dir_b: int, b: str, flags: int) -> None:
+    if _libc.renameat2(dir_a, os.fsencode(a), dir_b, os.fsencode(b), flags) != 0:
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code), a)
 
@@ -484,7 +626,11 @@ class FsspecBackend(Backend):
         return Staged(size, tmp)
 
     def publish(self, staged: Staged, path: str, pieces: Iterable[memoryview | bytes] = (), mode: int | None = None) -> None:
-        assert staged.token is not None
+        if staged.token is None:  # not staged ahead: written whole now
+            with self.fs.open(self._abs(path), "wb") as f:
+                for piece in pieces:
+                    f.write(piece)
+            return
         self.fs.mv(self._abs(staged.token), self._abs(path))
 
     def put(self, path: str, data: bytes) -> None:

@@ -119,6 +119,6 @@ def _signalling(fn: Callable[..., T], ended: trio.Event) -> Callable[..., T]:
             return fn(*args)
         finally:
             with contextlib.suppress(trio.RunFinishedError):
-                trio.from_thread.run_sync(ended.set, trio_token=token)
+                token.run_sync_soon(ended.set)  # without waiting for trio to run it
 
     return body

@@ -32,8 +32,8 @@ from typing import Protocol
 
 import trio
 
-from . import storeio
-from .backend import HEARTBEAT_S, Backend
+from . import manifest, storeio
+from .backend import HEARTBEAT_S, Backend, Staged
 from .calls import Deadlines, StoreCalls, permanent
 from .journal import Attrs, Exchange, FileGen, Link, Mkdir, Op, Remove, Rename, Snapshot, Symlink, kind
 from .manifest import Digest, Meta, record_path
@@ -93,6 +93,29 @@ class Durability:
     sealed_at: float
 
 
+class Left:
+    """What a flush still waits for, of the ops it began with. They settle
+    mostly in journal order, so each check trims settled ops off the front:
+    a flush of n files costs O(n) over its life, not O(n) per change."""
+
+    def __init__(self, engine: Engine, ops: list[Op]) -> None:
+        self.e = engine
+        self.ops = collections.deque(ops)
+
+    def settled(self) -> bool:
+        """Nothing left but what waits for a parked file (never by itself)."""
+        while self.ops and not self.e.waiting(self.ops[0]):
+            self.ops.popleft()
+        if not self.ops or not self.e.stuck(self.ops[0]):
+            return not self.ops
+        return all(self.e.stuck(op) for op in self.now())
+
+    def now(self) -> list[Op]:
+        """The ops still waiting (a full pass: for progress reports)."""
+        self.ops = collections.deque(op for op in self.ops if self.e.waiting(op))
+        return list(self.ops)
+
+
 class Engine:
     def __init__(self, backend: Backend, namespace: Namespace, *, workers: int = 4, retry: Retry = Retry(),
                  deadlines: Deadlines | None = None, markers: tuple[str, ...] = MARKERS) -> None:
@@ -103,7 +126,9 @@ class Engine:
         self.calls = StoreCalls(deadlines or Deadlines())
         self.queue: collections.deque[Op] = collections.deque()
         self.pending: dict[int, FileGen] = {}  # the newest unsettled generation per inode
-        self.unsettled: dict[int, FileGen] = {}  # by seq, in order: what removals wait for
+        # By seq, in order: what removals wait for. Settled ones leave from the
+        # front (`Publisher.trim_settled`; an OrderedDict: O(1) at the front).
+        self.unsettled: collections.OrderedDict[int, FileGen] = collections.OrderedDict()
         self.published_gen: dict[int, int] = {}
         self.publisher = Publisher(self, markers)
         self.residency = Residency(self)
@@ -208,8 +233,8 @@ class Engine:
 
     def barrier(self, prefix: str = "") -> list[Op]:
         """What a flush of `prefix` ("" for everything) waits for: what is
-        unpublished now and concerns it."""
-        ops = self.unpublished()
+        unpublished now and concerns it, in journal order."""
+        ops = sorted(self.unpublished(), key=lambda op: op.seq)
         if not prefix:
             return ops
 
@@ -251,8 +276,8 @@ class Engine:
     async def flush(self) -> None:
         """A barrier: until everything queued before the call is applied
         (or stuck behind a parked file)."""
-        ops = self.barrier()
-        while any(self.waiting(op) and not self.stuck(op) for op in ops):
+        left = Left(self, self.barrier())
+        while not left.settled():
             await self.wait_change()
 
     async def drain(self, timeout: float) -> list[Op]:
@@ -316,6 +341,18 @@ class Engine:
     async def _upload(self, gen: FileGen) -> None:
         if gen.state not in (State.DIRTY, State.FAILED) or gen.staged is not None:
             return
+        if gen.size < self.backend.stage_ahead_from:
+            # Small: hashed here (microseconds), written whole at publication
+            # with its group (a thread round trip each would cost far more).
+            try:
+                digest = manifest.digest_of(gen.pieces())
+            except storeio.Cancelled:
+                return
+            gen.move(State.UPLOADING)
+            gen.staged, gen.digest = Staged(gen.size, None), digest
+            gen.move(State.STAGED)
+            self.notify()
+            return
         gen.move(State.UPLOADING)
         gen.attempt += 1
         attempt = gen.attempt
@@ -343,26 +380,35 @@ class Engine:
         gen.move(State.STAGED)
         self.notify()
 
-    async def read_snapshot(self, gen: FileGen, what: str, fn: Callable, *args, nbytes: int = 0, ended: trio.Event | None = None):
-        """Run `fn` (which reads `gen`'s snapshot) in a thread with a
-        deadline; the snapshot stays allocated until the thread is done, even
+    async def read_snapshot(self, gens: FileGen | list[FileGen], what: str, fn: Callable, *args, nbytes: int = 0,
+                            ended: trio.Event | None = None):
+        """Run `fn` (which reads the snapshots of `gens`) in a thread with a
+        deadline; the snapshots stay allocated until the thread is done, even
         if it is abandoned."""
         token = trio.lowlevel.current_trio_token()
-        gen.readers += 1
+        gens = gens if isinstance(gens, list) else [gens]
+        for gen in gens:
+            gen.readers += 1
 
         def body():
             try:
                 return fn(*args)
             finally:
                 with contextlib.suppress(trio.RunFinishedError):
-                    trio.from_thread.run_sync(self._reader_done, gen, trio_token=token)
+                    for gen in gens:
+                        token.run_sync_soon(self._reader_done, gen)  # without waiting for trio to run it
 
         return await self.calls.run(what, body, nbytes=nbytes, ended=ended)
 
     def _reader_done(self, gen: FileGen) -> None:
+        """Run by trio at a thread's request (`run_sync_soon`): an exception
+        here would end the whole run, so none leaves."""
         gen.readers -= 1
         if gen.state in (State.PUBLISHED, State.DROPPED):
-            self._release(gen)
+            try:
+                self._release(gen)
+            except Exception:
+                log.exception("releasing the snapshot of %s failed", gen.path)
             self.notify()  # its memory may be free now
 
     def upload_again(self, gen: FileGen, delay: float = 0.0) -> None:
@@ -438,6 +484,13 @@ class Engine:
     def superseded_in_store(self, gen: FileGen) -> None:
         """A newer file was written straight to the store over `gen`'s name."""
         self._drop(gen, "a newer file was written to the store directly")
+
+    def publication_ended(self, gen: FileGen) -> None:
+        """A publication under way ended without showing `gen` (its file
+        left that name meanwhile, or its group's call failed): a deletion
+        that `_drop` left alone while it was under way takes effect now."""
+        if gen.dropped_by and not gen.publishing and not self.ns.paths_of(gen.ino):
+            self._drop(gen, "deleted while its publication was under way")
 
     def _drop(self, gen: FileGen, why: str) -> None:
         if gen.state in (State.DROPPED, State.PUBLISHED) or gen.publishing:

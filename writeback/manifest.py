@@ -12,7 +12,7 @@ its manifest cannot vouch for.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import xxhash
 
@@ -82,7 +82,11 @@ class Record:
         return None
 
     def encode(self) -> bytes:
-        return json.dumps({"version": VERSION, **asdict(self)}, sort_keys=True).encode()
+        d = {name: getattr(self, name) for name in _FIELDS}  # what asdict gives, without its deep copies
+        for k in ("current", "previous"):
+            if d[k] is not None:
+                d[k] = {"size": d[k].size, "xxh3": d[k].xxh3, "blocks": d[k].blocks}
+        return json.dumps({"version": VERSION, **d}, sort_keys=True).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> Record:

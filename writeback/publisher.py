@@ -31,7 +31,7 @@ from __future__ import annotations
 import collections
 import fnmatch
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -61,7 +61,7 @@ class _Late:
     """A store step abandoned at its deadline whose thread may still land."""
 
     at: tuple[str, ...]
-    op: Op | None
+    ops: tuple[Op | None, ...]  # whose step it was (a group: every generation in it)
     what: str
     ended: trio.Event
 
@@ -71,10 +71,15 @@ def _overlap(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
     return any(x == y or x.startswith(y + "/") or y.startswith(x + "/") for x in a for y in b)
 
 
+class Stale(Exception):
+    """A step retried after a failure is no longer wanted (see `call`)."""
+
+
 class GiveUp(Exception):
     """The op being applied failed for good (parked or skipped, logged)."""
 
 
+GROUP_MAX = 512  # generations shown by one group commit
 DIR_SYNC_QUIET_S = 0.2  # directory records are written after the queue has been empty this long
 
 
@@ -90,13 +95,15 @@ class Publisher:
         self.waiting_markers: set[File] = set()  # held: they would vouch for a file the store does not show yet
         self.retry_parked_at = 0.0
         self.current: Op | None = None  # the op being applied: store steps count their failures on it
+        self.single_until = 0  # seq up to which ops go one at a time (a group of them failed)
         # Directories whose mode, owner or mtime may differ from their record:
         # recorded when the queue is idle (metadata is not ordered data).
         self.dirty: set[Dir] = set()
         self._syncing = trio.Lock()
 
     # -- store steps -------------------------------------------------------------
-    async def call(self, what: str, fn, *args, nbytes: int = 0, reading: FileGen | None = None, at: tuple[str, ...] = ()):
+    async def call(self, what: str, fn, *args, nbytes: int = 0, reading: FileGen | None = None, at: tuple[str, ...] = (),
+                   still: Callable[[], bool] | None = None):
         """One store step of the op being applied, retried in place until it
         succeeds, so an op of many steps makes progress through transient
         errors instead of starting over (every step is idempotent). A
@@ -106,9 +113,15 @@ class Publisher:
         `at`: the store paths the step changes. A step abandoned at its
         deadline may still land late; until its thread is done, no later op
         changes those paths (its own retries may: they do the same thing), so
-        a late step can never undo a later one (C11)."""
+        a late step can never undo a later one (C11).
+
+        `still`: checked before each retry; False ends the step with `Stale`
+        (what it would do is no longer wanted: the file left that name while
+        the store was failing, and C4 wants it shown under its new name only)."""
         attempt = 0
         while True:
+            if attempt and still is not None and not still():
+                raise Stale(what)
             try:
                 return await self._fenced(what, fn, *args, nbytes=nbytes, reading=reading, at=at)
             except storeio.NewerInStore:
@@ -126,16 +139,17 @@ class Publisher:
         """Wait while an abandoned step of another op may still change `at`."""
         while True:
             self.late = [x for x in self.late if not x.ended.is_set()]
-            late = next((x for x in self.late if x.op is not self.current and _overlap(x.at, at)), None)
+            late = next((x for x in self.late if not any(op is self.current for op in x.ops) and _overlap(x.at, at)), None)
             if late is None:
                 return
             log.warning("waiting for the abandoned store call %s to finish before changing %s again", late.what, ", ".join(at))
             await late.ended.wait()
 
-    async def _fenced(self, what: str, fn, *args, nbytes: int = 0, reading: FileGen | None = None, at: tuple[str, ...] = ()):
+    async def _fenced(self, what: str, fn, *args, nbytes: int = 0, reading: FileGen | list[FileGen] | None = None, at: tuple[str, ...] = ()):
         """One try of a store step that changes `at`: after any abandoned step
         of another op on those paths is done, and recorded as late if this
-        one is abandoned in turn."""
+        one is abandoned in turn (a group's step: late for each generation
+        in it, whose own retries may go on: they do the same thing)."""
         await self._after_late_steps(at)
         ended = trio.Event()
         try:
@@ -144,7 +158,7 @@ class Publisher:
             return await self.e.calls.run(what, fn, *args, nbytes=nbytes, ended=ended)
         except StoreTimeout:
             if at:
-                self.late.append(_Late(at, self.current, what, ended))
+                self.late.append(_Late(at, tuple(reading) if isinstance(reading, list) else (self.current,), what, ended))
             raise
 
     # -- the loop --------------------------------------------------------------
@@ -159,6 +173,8 @@ class Publisher:
                     await self._idle()
                     continue
                 op = self.current = e.queue[0]
+                if isinstance(op, FileGen) and await self._publish_group():
+                    continue
                 try:
                     if isinstance(op, FileGen):
                         if not await self._turn(op):
@@ -262,6 +278,7 @@ class Publisher:
         popped = self.e.queue.popleft()
         assert popped is op
         self.position = op.seq
+        self.trim_settled()
         if not (isinstance(op, Remove) and any(o is op for _, o in self.deferred)):
             op.done.set()
         self.e.notify()
@@ -283,6 +300,89 @@ class Publisher:
         await self._clear_way(gen.names)
         for name, node in self._hold(gen, gen.names):
             await self._materialize(name, node)
+        return True
+
+    # -- group commit ----------------------------------------------------------
+    def _group(self) -> list[FileGen]:
+        """The plain generations at the head of the queue: staged, one live
+        name each, not a completion marker, nothing else to do there (no
+        waiting removal, no other name showing the file, no failed try).
+        Among themselves they are unordered data (C3 orders markers, renames
+        and removals after them), so they can be shown in any order."""
+        group: list[FileGen] = []
+        names: set[str] = set()
+        now = trio.current_time()
+        for op in self.e.queue:
+            if (len(group) == GROUP_MAX or not isinstance(op, FileGen) or op.state is not State.STAGED or op.tries
+                    or op.staged is None or op.retry_at > now or len(op.names) != 1):
+                break
+            name = op.names[0]
+            if name in names or self._is_marker(name) or not self._plain_spot(name, op.ino) or not self.live_at(name, op.ino):
+                break
+            group.append(op)
+            names.add(name)
+        return group
+
+    def _plain_spot(self, path: str, ino: int) -> bool:
+        """Whether the replica has directories (or nothing) above `path`, and
+        at it nothing or a file showing `ino` or another inode, with nothing
+        held, no other name of `ino`, and no waiting removal or late call."""
+        if any(_overlap((path,), (self.replica.path_of(n) or "",)) for n, _ in self.deferred if n is not None):
+            return False
+        if any(_overlap((path,), late.at) for late in self.late):
+            return False
+        node: Node | None = self.replica.root
+        for part in path.split("/")[:-1]:
+            node = node.children.get(part) if isinstance(node, Dir) else None
+            if node is None:
+                break
+            if not isinstance(node, Dir):
+                return False
+        at = self.replica.lookup(path)
+        if at is not None and (not isinstance(at, File) or at.held is not None):
+            return False
+        return all(n is at for _, n in self.replica.nodes_of(ino))
+
+    async def _publish_group(self) -> bool:
+        """Show a group of plain generations with one store call: records,
+        then data, made durable together (local stores: two syncfs for the
+        group instead of three fsyncs per file). False if there is no group
+        or the call failed: the head of the queue then goes the usual way,
+        one op at a time, retried in place (publication is idempotent)."""
+        if self.e.queue[0].seq <= self.single_until:
+            return False
+        group = self._group()
+        if len(group) < 2:
+            return False
+        held = [(gen, *self._hold(gen, gen.names)[0]) for gen in group]
+        items = [(self._record(name, gen, node), gen.staged, name, gen.pieces) for gen, name, node in held]
+        for gen in group:
+            gen.publishing = True
+        try:
+            await self._fenced(f"publish {len(group)} files", storeio.publish_group, self.e.backend, items,
+                               nbytes=sum(g.size for g in group), reading=group, at=tuple(name for _, name, _ in held))
+        except Exception as exc:
+            # Its files go one at a time (each retried in place, a permanent
+            # failure parked): a failing group is never tried again whole.
+            log.debug("group of %d files not published together (%s): one at a time", len(group), exc)
+            self.single_until = group[-1].seq
+            for gen in group:
+                gen.publishing = False
+                self.e.publication_ended(gen)
+            return False
+        finally:
+            for gen in group:
+                gen.publishing = False
+        for gen, name, node in held:
+            node.shown = Shown(gen.ino, gen.generation, gen.digest, gen.meta)
+            node.held = None
+            if gen.staged is not None and gen.staged.token is not None:
+                gen.staged = None  # consumed: the staging object is now the file
+            self._made_parents(name)
+            self.e.published(gen, name)
+            self._complete(gen)
+            self._dirty_after(gen)
+        await self._show_waiting_markers()
         return True
 
     def _hold(self, gen: FileGen, names: list[str]) -> list[tuple[str, File]]:
@@ -330,7 +430,13 @@ class Publisher:
                 # The bytes again: for stores that PUT small files at publication, or upload again
                 # what was staged at another name (S3).
                 await self.call(f"publish {at}", storeio.publish, self.e.backend, rec, staged, at, gen.digest,
-                                gen.pieces, nbytes=gen.size, reading=gen, at=(at,))
+                                gen.pieces, nbytes=gen.size, reading=gen, at=(at,), still=lambda: self.live_at(path, gen.ino))
+            except Stale:
+                gen.publishing = False
+                if gen.state is State.FAILED:
+                    gen.move(State.STAGED)  # held under the name it left, shown at its rename's turn
+                self.e.publication_ended(gen)
+                return False
             except storeio.NewerInStore as newer:
                 gen.publishing = False
                 there = newer.record
@@ -621,13 +727,18 @@ class Publisher:
     # -- removals wait ----------------------------------------------------------
     def _gated(self, seq: int) -> bool:
         """Whether a generation sealed before `seq` is not settled yet."""
-        e = self.e
-        while e.unsettled:
-            first = next(iter(e.unsettled.values()))
+        self.trim_settled()
+        return bool(self.e.unsettled) and next(iter(self.e.unsettled)) < seq
+
+    def trim_settled(self) -> None:
+        """Settled generations leave the front of `unsettled` (in seal
+        order), so what is in flight stays cheap to look at."""
+        unsettled = self.e.unsettled
+        while unsettled:
+            first = next(iter(unsettled.values()))
             if not self.settled(first):
-                return first.seq < seq
-            del e.unsettled[first.seq]
-        return False
+                return
+            unsettled.popitem(last=False)
 
     def settled(self, gen: FileGen) -> bool:
         if gen.state is State.PUBLISHED:

@@ -68,9 +68,8 @@ def publish(backend: Backend, rec: Record | None, staged: Staged, path: str, dig
     the staged data is gone because an earlier attempt published it, that is
     success."""
     if rec is not None:
-        there = manifest.read(backend, rec.path)
-        if there is not None and there.kind == "file" and there.current not in (rec.previous, rec.current) and there.written_ns > rec.written_ns:
-            raise NewerInStore(there)
+        _refuse_newer(backend, rec)
+        rec, staged = _staged_now(backend, rec, staged, pieces)
         manifest.write(backend, rec)  # first: see manifest.py
     try:
         backend.publish(staged, path, pieces() if pieces is not None else (), mode=rec.mode if rec is not None else None)
@@ -78,6 +77,39 @@ def publish(backend: Backend, rec: Record | None, staged: Staged, path: str, dig
         if not holds(backend, path, digest):
             raise
         log.info("%s was published already by an earlier attempt", path)
+
+
+def publish_group(backend: Backend, items: list[tuple[Record, Staged, str, Callable[[], Iterable]]]) -> None:
+    """`publish` of many files at once (record, staged data, path, its
+    bytes again): every record, then every file, made durable together
+    (`Backend.publish_group`). Any error fails the group; the caller then
+    publishes them one by one (idempotent)."""
+    for rec, _staged, _path, _pieces in items:
+        _refuse_newer(backend, rec)
+    items = [(*_staged_now(backend, rec, staged, pieces), path, pieces) for rec, staged, path, pieces in items]
+    backend.publish_group([(manifest.record_path(rec.path), rec.encode()) for rec, _, _, _ in items],
+                          [(staged, path, rec.mode, pieces() if staged.token is None else ()) for rec, staged, path, pieces in items])
+
+
+def _staged_now(backend: Backend, rec: Record, staged: Staged, pieces: Callable[[], Iterable] | None) -> tuple[Record, Staged]:
+    """A small file not staged ahead, on a store that stages everything
+    (`stage_ahead_from`: local stores): staged now, before its record, which
+    names the staged copy. So a crash between the record and the data is
+    told from a real loss at the next mount (`scan`): the staged copy is
+    still there. (A record saying `put:` could not tell them apart once its
+    daemon is gone: a file lost from the store later would be forgotten.)"""
+    if staged.token is not None or not backend.stage_ahead_from or pieces is None:
+        return rec, staged
+    staged = backend.stage(pieces(), staged.size)
+    return dataclasses.replace(rec, source=f"staged:{staged.token}"), staged
+
+
+def _refuse_newer(backend: Backend, rec: Record) -> None:
+    """NewerInStore if the store holds a newer file at `rec.path`, written
+    there directly after this generation was sealed."""
+    there = manifest.read(backend, rec.path)
+    if there is not None and there.kind == "file" and there.current not in (rec.previous, rec.current) and there.written_ns > rec.written_ns:
+        raise NewerInStore(there)
 
 
 def holds(backend: Backend, path: str, digest: Digest) -> bool:

@@ -464,7 +464,7 @@ def test_an_outage_logs_one_error_per_change_not_one_per_retry(fresh_mount):
     m.allowed_log_errors += OUTAGE_LOG
     with store_outage(m.store):
         for i in range(3):
-            write(m.path(f"f{i}"), b"x" * 100)
+            write(m.path(f"f{i}"), b"x" * (128 << 10))  # staged ahead: each upload fails on its own
         wait_until(lambda: all(f["tries"] >= 5 for f in status_json(m.mountpoint, "--files")["files"]), 30, "five tries of each file")
     assert run_cli("flush", str(m.mountpoint), "--timeout", "60").returncode == 0
     errors = [ln for ln in m.log_text().splitlines() if " ERROR " in ln]

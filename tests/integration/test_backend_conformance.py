@@ -59,6 +59,23 @@ def test_staging_is_bound_to_no_name(store):
     assert data_of(store, "final/name") == b"x" * 100
 
 
+def test_a_group_publishes_records_then_files_and_leaves_no_litter(store):
+    """`publish_group`: records first, then every file, staged ahead or not
+    (a `Staged` with no token is written from its bytes), replacing what is
+    there; nothing left in staging."""
+    store.put("g/old", b"replaced")
+    big = [b"b" * 1000]
+    small = [b"tiny", memoryview(b" file")]
+    files = [(store.stage(iter(big), 1000), "g/big", 0o640, iter(big)),
+             (backend_mod.Staged(9, None), "g/small", 0o600, iter(small)),
+             (backend_mod.Staged(3, None), "g/old", None, iter([b"new"]))]
+    records = [(f".ckptfs/files/t{i}.json", b"{}") for i in range(3)]
+    store.publish_group(records, files)
+    assert [data_of(store, p) for p in ("g/big", "g/small", "g/old")] == [b"b" * 1000, b"tiny file", b"new"]
+    assert all(data_of(store, p) == b"{}" for p, _ in records)
+    assert _no_litter(store)
+
+
 def _no_litter(store) -> bool:
     uploads = list(store._uploads()) if hasattr(store, "_uploads") else []
     return store.find(".ckptfs/staging") == [] and uploads == []

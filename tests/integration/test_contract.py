@@ -211,17 +211,18 @@ def test_C3_hf_rotation_old_checkpoint_removed_only_after_new_one_is_in(m):
 
 def test_C4_temp_names_renamed_before_their_turn_never_reach_the_store(m):
     m.allowed_log_errors += RETRY_LOG
+    big = 1 << 20  # staged ahead: the outage holds their turns back until after the renames
     with StoreWatcher(m.store, lambda snap: [p for p in snap if "tmp" in p]) as w:
-        with store_outage(m.store):  # hold publication back until after the renames
-            m.path(".metadata.tmp").write_bytes(b"meta")
+        with store_outage(m.store):
+            m.path(".metadata.tmp").write_bytes(b"meta" * big)
             os.replace(m.path(".metadata.tmp"), m.path(".metadata"))
             tmpd = m.path("tmp-checkpoint-5")
             tmpd.mkdir()
-            (tmpd / "model.bin").write_bytes(b"m" * 1000)
+            (tmpd / "model.bin").write_bytes(b"m" * big)
             os.rename(tmpd, m.path("checkpoint-5"))
             m.path("tmpgone").write_bytes(b"deleted before its turn")
             m.path("tmpgone").unlink()
-        wait_store_matches(m.store, {".metadata": b"meta", "checkpoint-5/model.bin": b"m" * 1000})
+        wait_store_matches(m.store, {".metadata": b"meta" * big, "checkpoint-5/model.bin": b"m" * big})
     assert not w.violations, w.violations
 
 

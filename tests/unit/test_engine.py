@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 import time
@@ -12,7 +13,7 @@ import trio.lowlevel
 from ckptfs.fs.memory import MemoryPool
 from ckptfs.fs.tree import ROOT, InodeTree
 from ckptfs.writeback import manifest
-from ckptfs.writeback.backend import open_store
+from ckptfs.writeback.backend import Backend, open_store
 from ckptfs.writeback.engine import Engine, Retry
 from ckptfs.writeback.state import State
 
@@ -252,6 +253,7 @@ async def test_failures_retry_until_the_store_comes_back(tmp_path):
         real_publish(staged, path, pieces, mode)
 
     rig.backend.publish = flaky
+    rig.backend.publish_group = functools.partial(Backend.publish_group, rig.backend)  # groups meet the fault too
     rig.write("a", b"1")
     rig.write("b", b"2")
 
@@ -386,13 +388,14 @@ async def test_renamed_after_staging_is_published_under_its_final_name_without_a
 
     def stage(pieces, size, name=None):
         staged_count.append(size)
-        if size == 1:
+        if size == len(first):
             gate.wait(10)
         return real_stage(pieces, size, name)
 
     backend.stage = stage
-    rig.write("first", b"1")
-    rig.write(".metadata.tmp", b"meta")
+    first, meta = b"1" * backend.stage_ahead_from, b"meta" * backend.stage_ahead_from  # staged ahead, not inline
+    rig.write("first", first)
+    rig.write(".metadata.tmp", meta)
 
     async def body():
         with trio.fail_after(10):
@@ -402,8 +405,8 @@ async def test_renamed_after_staging_is_published_under_its_final_name_without_a
         gate.set()
 
     await run_until_flushed(rig, body)
-    assert rig.files() == {"first": b"1", ".metadata": b"meta"}
-    assert sorted(n for n in staged_count if n in (1, 4)) == [1, 4]  # one upload each (records are staged too)
+    assert rig.files() == {"first": first, ".metadata": meta}
+    assert sorted(n for n in staged_count if n in (len(first), len(meta))) == [len(first), len(meta)]  # one upload each
     assert manifest.read(rig.backend, ".metadata.tmp") is None
 
 
@@ -500,3 +503,16 @@ async def test_a_reader_waiting_on_a_load_dropped_by_a_truncate_gets_the_file_as
                 await trio.sleep(0.01)
         assert node.data.resident and node.data.size == 0
         n.cancel_scope.cancel()
+
+
+async def test_settled_generations_leave_the_in_flight_set(tmp_path):
+    """Status and removals look at the generations still in flight; once
+    published they must leave it (they stayed forever: status cost O(files
+    ever written) per query)."""
+    rig = Rig(tmp_path / "store")
+    for i in range(50):
+        rig.write(f"f{i}", b"x" * i)
+    rig.write("f0", b"again")  # supersedes one
+    await run_until_flushed(rig)
+    assert len(rig.files()) == 50
+    assert not rig.engine.unsettled

@@ -6,6 +6,7 @@ verified restarts. Real inode tree, real local store, in-process."""
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import threading
 import time
@@ -14,7 +15,7 @@ import pytest
 import trio
 from ckptfs.fs.tree import RENAME_EXCHANGE, ROOT
 from ckptfs.writeback import manifest
-from ckptfs.writeback.backend import STAGING, open_store
+from ckptfs.writeback.backend import STAGING, Backend, open_store
 from ckptfs.writeback.calls import Deadlines
 from ckptfs.writeback.engine import Retry
 from ckptfs.writeback.state import State
@@ -329,6 +330,7 @@ async def test_a_hung_store_call_is_abandoned_and_retried(tmp_path):
         real(staged, path, pieces, mode)
 
     rig.backend.publish = publish
+    rig.backend.publish_group = functools.partial(Backend.publish_group, rig.backend)  # groups meet the hang too
     rig.write("a", b"A")
     rig.write("b", b"B")
     try:
@@ -543,3 +545,100 @@ async def test_a_name_taken_again_while_its_removal_waits(tmp_path, reuse):
         node = rig.store.inode_at(path)
         await rig.engine.load(node.ino)
         assert node.data.read(0, 10) == data
+
+
+async def test_small_files_are_published_in_groups_and_a_failed_group_goes_one_by_one(tmp_path):
+    """Group commit: many small files closed while the publisher is busy
+    are shown by a few store calls (records, then data, two syncs), not
+    several calls each. A group that fails halfway (some files already
+    renamed into place) is published again one file at a time, and the
+    store ends exactly as the mount is, with a clean verify."""
+    rig = Rig(tmp_path / "store")
+    files = {f"d{i % 3}/f{i}": os.urandom(100 + i) for i in range(300)}
+    for d in ("d0", "d1", "d2"):
+        rig.mkdir(d)
+    for path, data in files.items():
+        rig.write(path, data)
+    before = rig.engine.calls.count
+    await run_until_flushed(rig)
+    assert rig.files() == files
+    assert rig.engine.calls.count - before < 20  # 300 files, a few group calls (and a heartbeat, a directory sync)
+    assert verify(rig.backend).clean
+
+    real = rig.backend.publish_group
+    broke = []
+
+    def half(records, group_files):
+        if not broke:  # the records and the first half land, then the store fails
+            broke.append(len(group_files))
+            real(records, group_files[: len(group_files) // 2])
+            raise ConnectionError("injected: the store went away in the middle of a group")
+        real(records, group_files)
+
+    rig.backend.publish_group = half
+    again = {path: os.urandom(50) for path in files}
+    for path, data in again.items():
+        rig.write(path, data)
+    await run_until_flushed(rig)
+    assert broke and broke[0] > 1
+    assert rig.files() == again
+    assert verify(rig.backend).clean
+
+
+def _failing_publication(rig: Rig, inner) -> FaultyBackend:
+    """The store (`inner`, wrapped) goes down, and `x.tmp` is written."""
+    faulty = FaultyBackend(inner, error_rate=0.0, latency_s=0.0)
+    rig.engine.backend = faulty
+    faulty.down = True
+    rig.write("x.tmp", b"data")
+    return faulty
+
+
+async def _until_a_publication_failed(rig: Rig) -> None:
+    """Until a turn came and its publication failed (its retry then waits `Retry.first_s`)."""
+    with trio.fail_after(10):
+        while not any(g.tries for g in rig.engine.unpublished()):
+            await trio.sleep(0.01)
+
+
+async def test_a_publication_retried_after_its_file_was_renamed_is_not_made_under_the_old_name(tmp_path):
+    """The turn of `x.tmp` comes, its publication fails (store down), the
+    file is renamed meanwhile: the retry must not publish under the temp
+    name (C4); the file appears under its new name at the rename's turn."""
+    rig = Rig(tmp_path / "store", retry=Retry(first_s=0.5, max_s=0.5))  # the rename lands while it waits to retry
+    root = tmp_path / "store"
+    checked = Checked(rig.backend, lambda: ["x.tmp in the store"] if (root / "x.tmp").exists() else [])
+    faulty = _failing_publication(rig, checked)
+
+    async def body():
+        await _until_a_publication_failed(rig)
+        rig.rename("x.tmp", "x")
+        faulty.down = False
+
+    await run_until_flushed(rig, body)
+    assert not checked.violations, checked.violations
+    assert rig.files() == {"x": b"data"}
+    assert verify(rig.backend).clean
+
+
+async def test_a_file_deleted_while_its_publication_failed_settles_and_lets_removals_go(tmp_path):
+    """Its publication is under way (failing: store down) when the file is
+    renamed and deleted (a checkpoint manager pruning an unpublished step):
+    the deletion cannot drop a publication under way, so it must take effect
+    when that publication ends unshown. It stayed in flight forever, and
+    every later removal (and flush) waited for it."""
+    rig = Rig(tmp_path / "store", retry=Retry(first_s=0.5, max_s=0.5))  # the changes land while it waits to retry
+    rig.write("old", b"published")
+    await run_until_flushed(rig)
+    faulty = _failing_publication(rig, rig.backend)
+
+    async def body():
+        await _until_a_publication_failed(rig)
+        rig.rename("x.tmp", "x")
+        rig.unlink("x")
+        rig.unlink("old")  # waits for the generations sealed before it
+        faulty.down = False
+
+    await run_until_flushed(rig, body)
+    assert rig.files() == {}
+    assert not rig.engine.unsettled

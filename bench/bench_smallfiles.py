@@ -1,0 +1,99 @@
+"""Many small files: create rate vs /dev/shm, publication rate, flush time vs
+create time, status latency and daemon memory per file. Run as root:
+
+    .venv/bin/python bench/bench_smallfiles.py --files 10000 --write bench/RESULTS-smallfiles.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import emit, machine, median, mounted, rss_bytes, timed
+
+from ckptfs.client import Client
+
+PER_DIR = 1000
+
+
+def create(root: Path, n: int, payload: bytes, tag: str) -> None:
+    for i in range(n):
+        d = root / f"{tag}{i // PER_DIR:04d}"
+        if i % PER_DIR == 0:
+            d.mkdir()
+        fd = os.open(d / f"f{i:07d}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        if payload:
+            os.write(fd, payload)
+        os.close(fd)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--files", type=int, default=10_000)
+    ap.add_argument("--write")
+    args = ap.parse_args()
+    n = args.files
+    base = Path(tempfile.mkdtemp(prefix="ckptfs-small-", dir="/var/tmp"))
+    shm = Path(tempfile.mkdtemp(prefix="ckptfs-small-", dir="/dev/shm"))
+    out: dict[str, float] = {}
+    try:
+        with mounted(base) as (mp, pid):
+            c = Client(mp)
+            rss0 = rss_bytes(pid)
+            for label, payload in (("empty", b""), ("100B", b"x" * 100)):
+                out[f"shm {label}"] = timed(lambda: create(shm, n, payload, label))
+                t0 = time.perf_counter()
+                create(mp, n, payload, label)
+                out[f"mnt {label}"] = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                r = c.flush(timeout=3600)
+                out[f"flush {label}"] = time.perf_counter() - t1
+                out[f"queued {label}"] = r["files"]  # not yet published when the flush began
+                out[f"published {label}"] = time.perf_counter() - t0
+            out["rss per file"] = (rss_bytes(pid) - rss0) / (2 * n)
+            for flag in (False, True):
+                ts = []
+                for _ in range(5):
+                    ts.append(timed(lambda: c.status(files=flag)))
+                out[f"status files={flag}"] = median(ts)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(base, ignore_errors=True)
+    lines = [
+        "## Many small files",
+        "",
+        f"Measured {time.strftime('%Y-%m-%d')} on {machine()}; {n:,} files per kind, {PER_DIR} per directory.",
+        f"Command: `.venv/bin/python bench/bench_smallfiles.py --files {n}`",
+        "",
+        "| target | measured | goal | met |",
+        "|---|---|---|---|",
+    ]
+    for label in ("empty", "100B"):
+        r = out[f"mnt {label}"] / out[f"shm {label}"]
+        lines.append(f"| create {n:,} files ({label}) vs /dev/shm (time ratio) | {r:.0f}x | <= 25x | {'yes' if r <= 25 else 'no'} |")
+    for label in ("empty", "100B"):
+        rate = out[f"queued {label}"] / out[f"flush {label}"]
+        lines.append(f"| files published per second while `flush` drains the queue ({label}; {out[f'queued {label}']:,.0f} queued) | {rate:,.0f}/s | >= 3,000/s | {'yes' if rate >= 3000 else 'no'} |")
+    for label in ("empty", "100B"):
+        r = out[f"flush {label}"] / out[f"mnt {label}"]
+        lines.append(f"| flush after creating them vs the time to create them ({label}) | {r:.2f}x | <= 2x | {'yes' if r <= 2 else 'no'} |")
+    s = out["status files=False"] * 1000
+    lines.append(f"| `status` with {2 * n:,} files (client call, ms) | {s:.1f} ms | <= 50 ms | {'yes' if s <= 50 else 'no'} |")
+    lines += [
+        "",
+        "- seconds: " + ", ".join(f"{k} {v:.2f}" for k, v in out.items() if not k.startswith(("rss", "status", "queued"))),
+        f"- `status --files` with {2 * n:,} files: {out['status files=True'] * 1000:.0f} ms",
+        f"- daemon RSS per file: {out['rss per file'] / 1024:.1f} KiB",
+    ]
+    emit(lines, args.write)
+
+
+if __name__ == "__main__":
+    main()
