@@ -336,7 +336,10 @@ class Engine:
                     await self._upload(gen)
                 except Exception as exc:  # a bug must not take the mount (and its data) down
                     log.exception("write-back upload error for %s", gen.path)
-                    self.failed(gen, "upload", exc)
+                    try:
+                        self.failed(gen, "upload", exc)
+                    except Exception:
+                        log.exception("cannot count the failed upload of %s", gen.path)
 
     async def _upload(self, gen: FileGen) -> None:
         if gen.state not in (State.DIRTY, State.FAILED) or gen.staged is not None:
@@ -344,11 +347,14 @@ class Engine:
         if gen.size < self.backend.stage_ahead_from:
             # Small: hashed here (microseconds), written whole at publication
             # with its group (a thread round trip each would cost far more).
+            gen.move(State.UPLOADING)
             try:
                 digest = manifest.digest_of(gen.pieces())
             except storeio.Cancelled:
                 return
-            gen.move(State.UPLOADING)
+            except OSError as exc:  # a spilled file's bytes could not be read back
+                self.failed(gen, "upload", exc)
+                return
             gen.staged, gen.digest = Staged(gen.size, None), digest
             gen.move(State.STAGED)
             self.notify()

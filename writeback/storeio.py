@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from . import manifest
-from .backend import Backend, Staged
+from .backend import DAEMONS, Backend, Staged
 from .manifest import Digest, Record
 
 log = logging.getLogger(__name__)
@@ -174,16 +174,22 @@ def scan(backend: Backend):
     records, unreadable = manifest.read_all(backend)
     files = {e.path for e in entries if not e.is_dir}
     moved_to = {r.source[len("move:") :]: p for p, r in records.items() if r.source.startswith("move:") and p in files}
-    live = None
+    crashed = None
     for path, rec in list(records.items()):
         if rec.kind != "file" or path in files:
             continue
         kind, _, where = rec.source.partition(":")
         if path in moved_to and records[moved_to[path]].current == rec.current:
             leftover = True  # moved away (a directory move), its old record not yet deleted
-        elif kind == "put":  # a small object PUT whole: nothing was staged to prove it
-            live = backend.live_daemons() if live is None else live
-            leftover = where not in live
+        elif kind == "put":
+            # A small object PUT whole: nothing was staged to prove it. Only a
+            # daemon that died (its heartbeat still there, no longer live) can
+            # have left a record before its data; one that exited cleanly
+            # removed its heartbeat, so its files missing now are real losses.
+            if crashed is None:
+                beating = {p.rsplit("/", 1)[-1] for p in backend.find(DAEMONS)}  # before live_daemons() clears the dead
+                crashed = beating - backend.live_daemons()
+            leftover = where in crashed
         else:
             leftover = (kind == "staged" and backend.staged_exists(where)) or (kind in ("move", "copy") and backend.exists(where))
         if leftover:

@@ -516,3 +516,24 @@ async def test_settled_generations_leave_the_in_flight_set(tmp_path):
     await run_until_flushed(rig)
     assert len(rig.files()) == 50
     assert not rig.engine.unsettled
+
+
+async def test_a_small_file_whose_bytes_cannot_be_read_is_retried_and_the_engine_lives(tmp_path):
+    """Small files are hashed on the spot; an I/O error reading a snapshot
+    (a spilled file's disk) is a failed try like any other. It used to
+    escape as an illegal state change and end the whole engine."""
+    rig = Rig(tmp_path / "store")
+    h = rig.write("small", b"bytes")
+    gen = rig.engine.pending[h.inode.ino]
+    real = gen.snapshot.pieces
+    calls = []
+
+    def pieces():
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(5, "Input/output error (injected)")
+        return real()
+
+    gen.snapshot.pieces = pieces
+    await run_until_flushed(rig)
+    assert rig.files() == {"small": b"bytes"} and len(calls) >= 2

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import json
 import os
 import threading
 import time
@@ -15,7 +16,7 @@ import pytest
 import trio
 from ckptfs.fs.tree import RENAME_EXCHANGE, ROOT
 from ckptfs.writeback import manifest
-from ckptfs.writeback.backend import STAGING, Backend, open_store
+from ckptfs.writeback.backend import DAEMONS, STAGING, Backend, open_store
 from ckptfs.writeback.calls import Deadlines
 from ckptfs.writeback.engine import Retry
 from ckptfs.writeback.state import State
@@ -642,3 +643,23 @@ async def test_a_file_deleted_while_its_publication_failed_settles_and_lets_remo
     await run_until_flushed(rig, body)
     assert rig.files() == {}
     assert not rig.engine.unsettled
+
+
+async def test_a_small_object_put_whole_is_a_leftover_only_if_its_daemon_crashed(tmp_path):
+    """Object stores PUT small files whole at publication (record source
+    `put:<daemon>`). A record without its data is a crash leftover only if
+    that daemon died (its heartbeat is still there); a daemon that exited
+    cleanly took its heartbeat away, and a file of its missing later is a
+    real loss that verify must report (it was forgotten without a word)."""
+    store = tmp_path / "store"
+    backend = open_store(str(store))
+    backend.prepare("setup", time.time())
+    backend.put(f"{DAEMONS}/crashed", json.dumps({"time": time.time() - 3600, "pid": 1}).encode())
+    for name, daemon in (("torn", "crashed"), ("lost", "exited")):
+        manifest.write(backend, manifest.Record(name, "file", manifest.Digest(1, "00"), None, source=f"put:{daemon}"))
+    backend.retire()
+    rig = Rig(store, claim=False)
+    await rig.engine.scan(rig.store.restore)
+    rig.backend.prepare("next-daemon", time.time())
+    assert manifest.read(rig.backend, "torn") is None
+    assert verify(rig.backend).missing == ["lost"]
