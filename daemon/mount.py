@@ -16,7 +16,7 @@ import trio
 from ckptfs.fs.memory import MemoryPool
 from ckptfs.fs.ops import Operations
 from ckptfs.fs.tree import InodeTree
-from ckptfs.writeback.backend import new_daemon_id, open_store
+from ckptfs.writeback.backend import StoreError, new_daemon_id, open_store
 from ckptfs.writeback.calls import Deadlines
 from ckptfs.writeback.engine import Engine
 from ckptfs.writeback.journal import FileGen, Op, kind
@@ -91,7 +91,15 @@ def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
     try:
         info.write()
         log.info("mounted %s (store %s, RAM budget %d bytes, fsync=%s)", mountpoint, config.store_url, config.memory_limit, config.fsync)
-        left = trio.run(_main, config, tree, engine, control, metrics, unmount, ready)
+        try:
+            left = trio.run(_main, config, tree, engine, control, metrics, unmount, ready)
+        except BaseExceptionGroup as group:
+            refused, rest = group.split(StoreError)  # the store could not be used: no traceback, the reason
+            if refused is None or rest is not None:
+                raise
+            while isinstance(refused, BaseExceptionGroup):
+                refused = refused.exceptions[0]
+            raise refused from None
     finally:
         unmount()
         metrics.close()
@@ -132,7 +140,7 @@ async def _main(config: MountConfig, tree: InodeTree, engine: Engine, control: C
         nursery.start_soon(control.ledger.keep_up)
         started = time.time()
         n = await engine.scan(tree.restore)  # first: it tells crash leftovers by dead daemons' staging
-        await engine.calls.run("claim the store", engine.backend.prepare, new_daemon_id(), started)
+        await engine.claim(new_daemon_id(), started)
         engine.calls.crash_at = _crash_point()
         if n:
             log.info("the store holds %d files: shown now, loaded on first use", n)

@@ -156,7 +156,7 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, reuse_ram: str, fo
 
     try:
         code = serve(config, ready)
-    except RuntimeError as exc:  # pyfuse3.init failed: the kernel refused the mount
+    except (RuntimeError, StoreError) as exc:  # the kernel refused the mount (pyfuse3.init), or the store could not be used
         logging.getLogger("ckptfs").error("cannot mount %s: %s", mp, exc)
         _fail(f"cannot mount {mp}: {exc}")
     sys.exit(code)
@@ -195,7 +195,7 @@ def _spawn_daemon(mp: Path, store_url: str, limit: int, log_file: str | None, lo
         if str(mp) in runtime.all_mountpoints():
             subprocess.run(["fusermount3", "-u", "-z", str(mp)], check=False)
         _fail(f"the daemon did not mount {mp} within {MOUNT_TIMEOUT_S:.0f}s; see {log_file}")
-    _fail(f"the daemon could not mount {mp}: {_last_error(log_file)}")
+    _fail(f"the daemon could not mount {mp}: {_last_error(log_file).removeprefix(f'cannot mount {mp}: ')}")
 
 
 def wait_ready(proc: subprocess.Popen, fd: int, timeout: float) -> bool | None:
@@ -223,7 +223,7 @@ def _last_error(log_file: str) -> str:
     except OSError:
         return "no log"
     errors = [ln for ln in lines if "error" in ln.lower()]
-    return (errors or lines or ["no log"])[-1]
+    return (errors or lines or ["no log"])[-1].removeprefix("ckptfs: error: ")  # the daemon's own stderr line
 
 
 @main.command()

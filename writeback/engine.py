@@ -33,7 +33,7 @@ from typing import Protocol
 import trio
 
 from . import manifest, storeio
-from .backend import HEARTBEAT_S, Backend, Staged
+from .backend import HEARTBEAT_S, Backend, Staged, StoreError
 from .calls import Deadlines, StoreCalls, permanent
 from .journal import Attrs, Exchange, FileGen, Link, Mkdir, Op, Remove, Rename, Snapshot, Symlink, kind
 from .manifest import Digest, Meta, record_path
@@ -78,6 +78,7 @@ class Retry:
 
 
 REMIND_S = 60.0  # a change still failing is logged again at most this often
+STARTUP_TRIES = 6  # of a call the mount cannot start without (scan, claim): about 15 s of backoff
 
 
 @dataclass(frozen=True)
@@ -547,7 +548,7 @@ class Engine:
         """Show what the store holds (C9): namespace now, data on first read;
         modes, owners and mtimes as recorded (directories last, deepest
         first, so that restoring their entries does not change their mtimes)."""
-        entries, records, unreadable = await self.calls.run("scan the store", storeio.scan, self.backend)
+        entries, records, unreadable = await self.patiently("scan the store", storeio.scan, self.backend)
         bad = set(unreadable)
         replica = self.publisher.replica
         n = 0
@@ -582,6 +583,27 @@ class Engine:
                 self.publisher.restored(rec.path, d)
             d.recorded = rec.meta
         return n
+
+    async def claim(self, daemon_id: str, started: float) -> None:
+        """Become the store's writer (`Backend.prepare`): after the scan."""
+        await self.patiently("claim the store", self.backend.prepare, daemon_id, started)
+
+    async def patiently(self, what: str, fn, *args):
+        """A store call the mount cannot start without. A store can be slow
+        to answer its first requests (a server just started, a cold cache):
+        transient failures are retried with backoff a few times; then, or on
+        a permanent failure, `StoreError` says why the mount cannot start."""
+        tries = 0
+        while True:
+            try:
+                return await self.calls.run(what, fn, *args)
+            except Exception as exc:
+                tries += 1
+                if permanent(exc) or tries >= STARTUP_TRIES:
+                    raise StoreError(f"{what} failed{f' {tries} times' if tries > 1 else ''}: {exc}") from exc
+                delay = self.retry.delay(tries)
+                log.warning("%s failed (try %d of %d), retrying in %.1fs: %s", what, tries, STARTUP_TRIES, delay, exc)
+                await trio.sleep(delay)
 
     # -- internals -------------------------------------------------------------
     def _next(self) -> int:

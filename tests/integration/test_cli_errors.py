@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import pytest
 from ckptfs import runtime
 from ckptfs.client import Client, RequestFailed
 from tests.mountutil import is_mounted, run_cli, start_mount, stop_mount
-from tests.storeutil import store_outage
+from tests.storeutil import begin_outage, end_outage, store_outage
 
 # (name, argv with {placeholders}, extra environment, exit status, a word the one stderr line must hold)
 CASES = [
@@ -260,3 +261,39 @@ def _cleanup_background(mp: Path) -> None:
             time.sleep(0.05)
         if runtime.pid_alive(info.pid):
             os.kill(info.pid, signal.SIGKILL)
+
+
+def test_a_store_that_fails_its_first_calls_is_waited_for_at_startup(tmp_path):
+    """A store can fail its first requests (a server still starting, a disk
+    briefly full): the daemon retries the calls it cannot start without
+    (scan, claim) with backoff, and the mount comes up once the store
+    answers, instead of dying with a traceback."""
+    mp, store = tmp_path / "mnt", tmp_path / "store"
+    mp.mkdir()
+    (store / ".ckptfs").mkdir(parents=True)
+    begin_outage(store)  # claiming the store (clearing dead daemons' staging) fails
+    timer = threading.Timer(3.0, end_outage, (store,))
+    timer.start()
+    try:
+        r = run_cli("mount", str(mp), "--store", str(store), timeout=90)
+        assert r.returncode == 0, r.stderr
+        (mp / "x").write_bytes(b"x")
+        assert run_cli("umount", str(mp)).returncode == 0
+        assert (store / "x").read_bytes() == b"x"
+    finally:
+        timer.cancel()
+        timer.join()
+        _cleanup_background(mp)
+
+
+def test_a_store_that_stays_unusable_at_startup_is_one_clear_error(tmp_path):
+    mp, store = tmp_path / "mnt", tmp_path / "store"
+    mp.mkdir()
+    (store / ".ckptfs").mkdir(parents=True)
+    begin_outage(store)
+    try:
+        r = run_cli("mount", str(mp), "--store", str(store), timeout=120)
+        assert_one_line(r, 1, "claim the store")
+        assert not is_mounted(mp)
+    finally:
+        _cleanup_background(mp)
