@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -139,7 +140,16 @@ async def _main(config: MountConfig, tree: InodeTree, engine: Engine, control: C
         metrics.watch(control.ledger.totals, trio.lowlevel.current_trio_token())
         nursery.start_soon(control.ledger.keep_up)
         started = time.time()
-        n = await engine.scan(tree.restore)  # first: it tells crash leftovers by dead daemons' staging
+        # Restoring makes a few objects per file in the store; the cyclic
+        # collector would walk all of them again and again (half the restart
+        # time at 100,000 files). They live as long as the mount: frozen out
+        # of its reach once made.
+        gc.disable()
+        try:
+            n = await engine.scan(tree.restore)  # first: it tells crash leftovers by dead daemons' staging
+        finally:
+            gc.enable()
+            gc.freeze()
         await engine.claim(new_daemon_id(), started)
         engine.calls.crash_at = _crash_point()
         if n:
@@ -161,6 +171,7 @@ async def _main(config: MountConfig, tree: InodeTree, engine: Engine, control: C
         with signals.abort_scope:  # a second signal stops waiting
             await engine.drain(config.drain_timeout)
         left = engine.unpublished()
+        await engine.leave_index()
         with contextlib.suppress(Exception):  # this daemon's staging and heartbeat go; a dead store must not hold the exit
             await engine.calls.run("retire", engine.backend.retire)
         nursery.cancel_scope.cancel()

@@ -53,6 +53,7 @@ HEARTBEAT_S = 20.0  # a daemon rewrites its heartbeat this often
 HEARTBEAT_DEAD_S = 4 * HEARTBEAT_S  # older than this: the daemon is gone
 PART_SIZE = 16 << 20  # grown for huge files to stay under S3's 10,000 parts
 SMALL_PUT = 8 << 20  # object stores: up to this size, one PUT at publish time
+READ_MANY_BATCH = 500  # object stores: records fetched concurrently per batch
 # Local stores: a staged file this big is fsynced at once, by its upload worker
 # (in parallel with others); a smaller one at publication, where a group of
 # them shares one syncfs (`LocalBackend.publish_group`).
@@ -115,6 +116,8 @@ class Backend:
     # written whole at publication, from the snapshot (`Staged` with no token).
     stage_ahead_from = 0
     daemon_id: str = ""  # set by `prepare`: this daemon stages under its own prefix
+    # The record objects this daemon changed, from `prepare` on (see manifest.Image).
+    records_changed: set[str] | None = None
 
     @property
     def staging(self) -> str:
@@ -131,7 +134,9 @@ class Backend:
         and clear what dead daemons left (staging, multipart uploads). Never
         another live daemon's: verify and watchers must not call this."""
         self.daemon_id = daemon_id
+        self.records_changed = set()
         self.heartbeat()
+        self.delete(f"{META}/index")  # records change from now on (see manifest.Image)
         live = self.live_daemons()
         for path in self.find(STAGING):
             owner = path[len(STAGING) + 1 :].split("/", 1)[0] if "/" in path[len(STAGING) + 1 :] else ""
@@ -209,6 +214,13 @@ class Backend:
 
     def read_all(self, path: str) -> bytes:
         return b"".join(self.read(path))
+
+    def read_many(self, paths: list[str]) -> Iterator[tuple[str, bytes]]:
+        """(path, whole contents) of many small files (ckptfs's own records);
+        missing ones are left out. Stores do better than one call each."""
+        for path in paths:
+            with contextlib.suppress(FileNotFoundError):
+                yield path, self.read_all(path)
 
     def delete(self, path: str) -> None:
         """Remove a file; a missing file is not an error."""
@@ -434,6 +446,27 @@ class LocalBackend(Backend):
                 raise OSError(errno.EINVAL, "not a regular file", path)
             yield from read_sparse(fd, st.st_size)  # holes stay holes on the way back
 
+    def read_many(self, paths: list[str]) -> Iterator[tuple[str, bytes]]:
+        """Each directory is opened once, not once per file (a restart reads
+        one record per file in the store)."""
+        heads: dict[str, int] = {}
+        try:
+            for path in paths:
+                head, _, name = path.rpartition("/")
+                try:
+                    if head not in heads:
+                        heads[head] = self._dir(head)
+                    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=heads[head])
+                except (FileNotFoundError, NotADirectoryError):
+                    continue
+                with open(fd, "rb", buffering=0) as f:
+                    if not stat.S_ISREG(os.fstat(fd).st_mode):
+                        raise OSError(errno.EINVAL, "not a regular file", path)
+                    yield path, f.read()
+        finally:
+            for fd in heads.values():
+                os.close(fd)
+
     def delete(self, path: str) -> None:
         # Under a symlink or a file nothing of ours can be: nothing to delete.
         with contextlib.suppress(FileNotFoundError, NotADirectoryError, SymlinkInStore), self._at(path) as (d, name):
@@ -640,6 +673,20 @@ class FsspecBackend(Backend):
         with self.fs.open(self._abs(path), "rb") as f:
             while chunk := f.read(8 << 20):
                 yield chunk
+
+    def read_many(self, paths: list[str]) -> Iterator[tuple[str, bytes]]:
+        """Fetched concurrently (fsspec's `cat` of many paths: one request
+        each, in flight together on async stores such as S3)."""
+        for i in range(0, len(paths), READ_MANY_BATCH):
+            batch = paths[i : i + READ_MANY_BATCH]
+            found = self.fs.cat([self._abs(p) for p in batch], on_error="return")
+            for path in batch:
+                data = found.get(self._abs(path))
+                if isinstance(data, FileNotFoundError) or data is None:
+                    continue
+                if isinstance(data, BaseException):
+                    raise data
+                yield path, data
 
     def delete(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):

@@ -22,6 +22,7 @@ import functools
 import logging
 import os
 import signal
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -79,6 +80,7 @@ class StoreCalls:
         self._threads = trio.CapacityLimiter(10_000)
         self.abandoned = 0
         self.count = 0
+        self._stragglers: list[threading.Event] = []  # of abandoned calls: set once their thread is done
         self.crash_at: tuple[int, str] | None = None  # fault injection for the crash-point test: (call number, "before"/"after")
 
     async def run(self, what: str, fn: Callable[..., T], *args, nbytes: int = 0, ended: trio.Event | None = None) -> T:
@@ -87,6 +89,8 @@ class StoreCalls:
         store changes on the same paths behind a late one)."""
         if ended is not None:
             fn = _signalling(fn, ended)
+        finished = threading.Event()
+        fn = _flagging(fn, finished)
         self.count += 1
         number = self.count
         self._maybe_crash(number, "before", what)
@@ -102,13 +106,29 @@ class StoreCalls:
             log.debug("store call %s: %.3fs", what, trio.current_time() - began)
             return result
         self.abandoned += 1
+        self._stragglers.append(finished)
         log.warning("store call %s gave no answer within %.0fs: abandoned, will be retried", what, seconds)
         raise StoreTimeout(what, seconds)
+
+    def stragglers(self) -> int:
+        """Abandoned calls whose thread still runs (and may still change the store)."""
+        self._stragglers = [f for f in self._stragglers if not f.is_set()]
+        return len(self._stragglers)
 
     def _maybe_crash(self, number: int, when: str, what: str) -> None:
         if self.crash_at is not None and self.crash_at == (number, when):
             log.warning("crash-point test: SIGKILL %s store call %d (%s)", when, number, what)
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _flagging(fn: Callable[..., T], finished: threading.Event) -> Callable[..., T]:
+    def body(*args):
+        try:
+            return fn(*args)
+        finally:
+            finished.set()
+
+    return body
 
 
 def _signalling(fn: Callable[..., T], ended: trio.Event) -> Callable[..., T]:

@@ -141,6 +141,8 @@ class Engine:
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._recent: collections.deque[tuple[float, int]] = collections.deque()  # (monotonic time, bytes published)
+        self._image: bytes | None = None  # every record at the scan (manifest.Image, packed)
+        self._outside: list[str] = []
 
     # -- the Journal: called by the inode tree on the trio thread --------------
     def meta_of(self, ino: int) -> Meta | None:
@@ -548,8 +550,9 @@ class Engine:
         """Show what the store holds (C9): namespace now, data on first read;
         modes, owners and mtimes as recorded (directories last, deepest
         first, so that restoring their entries does not change their mtimes)."""
-        entries, records, unreadable = await self.patiently("scan the store", storeio.scan, self.backend)
-        bad = set(unreadable)
+        scanned = await self.patiently("scan the store", storeio.scan, self.backend)
+        entries, records, bad = scanned.entries, scanned.records, set(scanned.unreadable)
+        self._image, self._outside = scanned.image, scanned.outside
         replica = self.publisher.replica
         n = 0
         for e in entries:
@@ -587,6 +590,33 @@ class Engine:
     async def claim(self, daemon_id: str, started: float) -> None:
         """Become the store's writer (`Backend.prepare`): after the scan."""
         await self.patiently("claim the store", self.backend.prepare, daemon_id, started)
+        for mark in self._outside:  # the scan read every record: what they warned of is known
+            await self.patiently("claim the store", self.backend.delete, mark)
+
+    async def leave_index(self) -> None:
+        """At a clean exit: leave every record in one object for the next
+        mount (manifest.Image), if this daemon knows them all: everything
+        published, no abandoned call that may still change one, no record
+        changed meanwhile without a daemon."""
+        if self._image is None or self.unpublished() or self.calls.stragglers():
+            return
+        changed = self.backend.records_changed or set()
+
+        def body() -> None:
+            if self.backend.find(manifest.OUTSIDE):
+                return
+            if not changed:  # as it was found
+                self.backend.put(manifest.INDEX, self._image)
+                return
+            image = manifest.Image.unpacked(self._image)
+            image.refresh(self.backend, changed)
+            image.save(self.backend)
+
+        try:
+            async with self.publisher.syncing:  # no directory record changes meanwhile
+                await self.calls.run("leave the manifest index", body)
+        except Exception as exc:  # the next mount reads every record instead
+            log.warning("cannot leave the manifest index in the store (%s): the next mount reads every record", exc)
 
     async def patiently(self, what: str, fn, *args):
         """A store call the mount cannot start without. A store can be slow

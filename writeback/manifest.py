@@ -12,11 +12,16 @@ its manifest cannot vouch for.
 from __future__ import annotations
 
 import json
+import logging
+import uuid
+import zlib
 from dataclasses import dataclass, field
 
 import xxhash
 
 from .backend import META, Backend
+
+log = logging.getLogger(__name__)
 
 PREFIX = f"{META}/files"
 VERSION = 1
@@ -82,17 +87,22 @@ class Record:
         return None
 
     def encode(self) -> bytes:
+        return json.dumps(self.as_dict(), sort_keys=True).encode()
+
+    def as_dict(self) -> dict:
         d = {name: getattr(self, name) for name in _FIELDS}  # what asdict gives, without its deep copies
         for k in ("current", "previous"):
             if d[k] is not None:
                 d[k] = {"size": d[k].size, "xxh3": d[k].xxh3, "blocks": d[k].blocks}
-        return json.dumps({"version": VERSION, **d}, sort_keys=True).encode()
+        return {"version": VERSION, **d}
 
     @classmethod
     def decode(cls, raw: bytes) -> Record:
-        d = json.loads(raw)
-        d.pop("version", None)
-        d = {k: v for k, v in d.items() if k in _FIELDS}  # fields of later versions are ignored
+        return cls.of_dict(json.loads(raw))
+
+    @classmethod
+    def of_dict(cls, d: dict) -> Record:
+        d = {k: v for k, v in d.items() if k in _FIELDS}  # "version", and fields of later versions, are ignored
         for k in ("current", "previous"):
             if d.get(k) is not None:
                 d[k] = Digest(d[k]["size"], d[k]["xxh3"], tuple(d[k].get("blocks", ())))
@@ -108,7 +118,7 @@ def record_path(path: str) -> str:
 
 
 def write(backend: Backend, record: Record) -> None:
-    backend.put(record_path(record.path), record.encode())
+    backend.put(changing(backend, record_path(record.path)), record.encode())
 
 
 def read(backend: Backend, path: str) -> Record | None:
@@ -119,26 +129,145 @@ def read(backend: Backend, path: str) -> Record | None:
 
 
 def delete(backend: Backend, path: str) -> None:
-    backend.delete(record_path(path))
+    backend.delete(changing(backend, record_path(path)))
+
+
+def changing(backend: Backend, objpath: str) -> str:
+    """Note that the record object `objpath` is about to change (see Image)."""
+    if backend.records_changed is not None:
+        backend.records_changed.add(objpath)
+    return objpath
 
 
 def read_all(backend: Backend) -> tuple[dict[str, Record], list[str]]:
     """Every record in the store, by path, and the record objects that could
     not be read (their files cannot be verified: reading them is an error)."""
-    out = {}
-    unreadable = []
-    for entry in backend.find(PREFIX):
-        if not entry.endswith(".json"):
-            continue
+    return Image.of_store(backend).records()
+
+
+# -- the manifest in one object -------------------------------------------------
+# Reading one record object per file makes a restart over 100,000 files take
+# many seconds (and over S3 one request per file). A daemon that exits
+# cleanly leaves every record in one object, the index; the next mount reads
+# it instead, and still lists the store (the store's files are what the mount
+# shows; the index only stands in for their records). It is trusted only as
+# long as nothing changed a record since: a daemon deletes it when it claims
+# the store, and anyone changing records without a daemon (the torch
+# helpers' direct writes, C7) first leaves a mark under OUTSIDE, which makes
+# the next mount read every record (and only then are the marks removed).
+INDEX = f"{META}/index"
+OUTSIDE = f"{META}/outside"
+
+
+class Image:
+    """Every record object of the store: its path -> the record, or None
+    where it cannot be read."""
+
+    def __init__(self, objects: dict[str, Record | None], packed: bytes | None = None) -> None:
+        self.objects = objects
+        self._packed = packed  # as read from the index, while unchanged
+
+    @classmethod
+    def of_store(cls, backend: Backend) -> Image:
+        paths = [p for p in backend.find(PREFIX) if p.endswith(".json")]
+        return cls({objpath: _decoded(raw) for objpath, raw in backend.read_many(paths)})
+
+    @classmethod
+    def of_index(cls, backend: Backend) -> Image | None:
+        """The index, if it is there (trusted only with no OUTSIDE mark: the caller's check)."""
         try:
-            rec = Record.decode(backend.read_all(entry))
+            return cls.unpacked(backend.read_all(INDEX))
         except FileNotFoundError:
-            continue
-        except (ValueError, TypeError, KeyError):
-            unreadable.append(entry)
-            continue
-        out[rec.path] = rec
-    return out, unreadable
+            return None
+        except (ValueError, TypeError, KeyError, IndexError, zlib.error) as exc:
+            log.warning("the store's manifest index cannot be read (%s): reading every record instead", exc)
+            return None
+
+    def packed(self) -> bytes:
+        """The image as the index holds it, one row per record (compact: a
+        daemon keeps this, not the records)."""
+        if self._packed is None:
+            rows = {objpath: None if rec is None else _row(rec) for objpath, rec in self.objects.items()}
+            self._packed = zlib.compress(json.dumps({"version": VERSION, "rows": rows}).encode(), 1)
+        return self._packed
+
+    @classmethod
+    def unpacked(cls, packed: bytes) -> Image:
+        d = json.loads(zlib.decompress(packed))
+        if d["version"] != VERSION:
+            raise ValueError(f"index version {d['version']}")
+        return cls({objpath: None if row is None else _of_row(row) for objpath, row in d["rows"].items()}, packed)
+
+    def records(self) -> tuple[dict[str, Record], list[str]]:
+        """By path, and the record objects that could not be read (their
+        files cannot be verified: reading them is an error)."""
+        out: dict[str, Record] = {}
+        unreadable = []
+        for objpath, rec in self.objects.items():
+            if rec is None:
+                unreadable.append(objpath)
+            else:
+                out[rec.path] = rec
+        return out, unreadable
+
+    def refresh(self, backend: Backend, objpaths: set[str]) -> None:
+        """Read these record objects again (changed since the image was taken)."""
+        self.forget(objpaths)
+        for objpath, raw in backend.read_many(sorted(objpaths)):
+            self.objects[objpath] = _decoded(raw)
+
+    def forget(self, objpaths) -> None:
+        for objpath in objpaths:
+            self.objects.pop(objpath, None)
+        self._packed = None
+
+    def save(self, backend: Backend) -> None:
+        backend.put(INDEX, self.packed())
+
+
+def _decoded(raw: bytes) -> Record | None:
+    try:
+        return Record.decode(raw)
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+_ROW = ("path", "kind", "current", "previous", "mode", "mtime_ns", "target", "written_ns", "source", "uid", "gid")
+assert set(_ROW) == {f for f in Record.__dataclass_fields__}
+
+
+def _row(rec: Record) -> list:
+    return [rec.path, rec.kind, _digest_row(rec.current), _digest_row(rec.previous), rec.mode, rec.mtime_ns, rec.target,
+            rec.written_ns, rec.source, rec.uid, rec.gid]
+
+
+def _digest_row(d: Digest | None) -> list | None:
+    return None if d is None else [d.size, d.xxh3, list(d.blocks)]
+
+
+def _of_row(row: list) -> Record:
+    # A restart makes one Record per file: built without the frozen
+    # dataclass's __init__ (one object.__setattr__ per field, 5x the cost).
+    path, kind, cur, prev, mode, mtime_ns, target, written_ns, source, uid, gid = row
+    if not (isinstance(path, str) and isinstance(kind, str) and isinstance(mode, int)):
+        raise ValueError(f"bad index row for {path!r}")
+    return _built(Record, {"path": path, "kind": kind, "current": _of_digest_row(cur), "previous": _of_digest_row(prev), "mode": mode,
+                           "mtime_ns": mtime_ns, "target": target, "written_ns": written_ns, "source": source, "uid": uid, "gid": gid})
+
+
+def _of_digest_row(row: list | None) -> Digest | None:
+    return None if row is None else _built(Digest, {"size": row[0], "xxh3": row[1], "blocks": tuple(row[2])})
+
+
+def _built(cls, fields: dict):
+    obj = object.__new__(cls)
+    obj.__dict__.update(fields)
+    return obj
+
+
+def mark_outside(backend: Backend) -> None:
+    """Records are about to change without a daemon: the index is not to be trusted."""
+    backend.put(f"{OUTSIDE}/{uuid.uuid4().hex}", b"")
 
 
 def hasher() -> xxhash.xxh3_128:

@@ -99,7 +99,7 @@ class Publisher:
         # Directories whose mode, owner or mtime may differ from their record:
         # recorded when the queue is idle (metadata is not ordered data).
         self.dirty: set[Dir] = set()
-        self._syncing = trio.Lock()
+        self.syncing = trio.Lock()
 
     # -- store steps -------------------------------------------------------------
     async def call(self, what: str, fn, *args, nbytes: int = 0, reading: FileGen | None = None, at: tuple[str, ...] = (),
@@ -244,7 +244,7 @@ class Publisher:
         """Write the record of every dirty directory whose attributes in the
         mount differ from it (and, on a local store, give the store's
         directory the mount's mode). A failure leaves it dirty, for later."""
-        async with self._syncing:
+        async with self.syncing:
             for d in sorted(self.dirty, key=lambda n: -len(self.replica.path_of(n) or "")):
                 self.dirty.discard(d)
                 path = self.replica.path_of(d)

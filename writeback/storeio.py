@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from . import manifest
-from .backend import DAEMONS, Backend, Staged
+from .backend import DAEMONS, Backend, Entry, Staged
 from .manifest import Digest, Record
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ def publish_group(backend: Backend, items: list[tuple[Record, Staged, str, Calla
     for rec, _staged, _path, _pieces in items:
         _refuse_newer(backend, rec)
     items = [(*_staged_now(backend, rec, staged, pieces), path, pieces) for rec, staged, path, pieces in items]
-    backend.publish_group([(manifest.record_path(rec.path), rec.encode()) for rec, _, _, _ in items],
+    backend.publish_group([(manifest.changing(backend, manifest.record_path(rec.path)), rec.encode()) for rec, _, _, _ in items],
                           [(staged, path, rec.mode, pieces() if staged.token is None else ()) for rec, staged, path, pieces in items])
 
 
@@ -164,14 +164,25 @@ def fetch(backend: Backend, path: str) -> tuple[list[bytes], Digest]:
     return blocks, Digest(n, h.hexdigest())
 
 
-def scan(backend: Backend):
+@dataclasses.dataclass
+class Scanned:
+    entries: list[Entry]  # what the store holds: the mount shows these
+    records: dict[str, Record]  # by path
+    unreadable: list[str]  # record objects that cannot be read
+    image: bytes  # every record, packed (manifest.Image): what a clean exit leaves as the index
+    outside: list[str]  # marks of record changes made without a daemon (all records were read)
+
+
+def scan(backend: Backend) -> Scanned:
     """What the store holds, and its records. Called before this daemon
     claims the store (`Backend.prepare`), while dead daemons' staging is still
     there: a record whose data is missing is a crash leftover (removed) if the
     bytes it was being published from still exist; otherwise the file was
     lost from the store, and its record stays so `verify` reports it."""
+    outside = backend.find(manifest.OUTSIDE)
+    image = (None if outside else manifest.Image.of_index(backend)) or manifest.Image.of_store(backend)
     entries = list(backend.walk())
-    records, unreadable = manifest.read_all(backend)
+    records, unreadable = image.records()
     files = {e.path for e in entries if not e.is_dir}
     moved_to = {r.source[len("move:") :]: p for p, r in records.items() if r.source.startswith("move:") and p in files}
     crashed = None
@@ -195,16 +206,20 @@ def scan(backend: Backend):
         if leftover:
             log.info("removing the record of %s: its data never reached the store (an earlier crash)", path)
             manifest.delete(backend, path)
+            image.forget([manifest.record_path(path)])
             del records[path]
         else:
             log.warning("%s is recorded but missing from the store", path)
-    return entries, records, unreadable
+    return Scanned(entries, records, unreadable, image.packed(), outside)
 
 
 # -- whole files, straight to and from the store --------------------------------
 def write_file(backend: Backend, path: str, data: bytes | memoryview, mode: int = 0o644) -> Digest:
     """Publish `data` at `path` as the engine would: staged, recorded, then
-    visible in one step (C2), checksummed (C6)."""
+    visible in one step (C2), checksummed (C6). Without a daemon (C7): the
+    next mount must read every record again (`manifest.mark_outside`)."""
+    if backend.records_changed is None:
+        manifest.mark_outside(backend)
     view = memoryview(data).cast("B")
     pieces = (view[i : i + PIECE] for i in range(0, len(view), PIECE))
     staged, digest = stage(backend, pieces, len(view), name=path)

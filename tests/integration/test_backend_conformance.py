@@ -136,7 +136,7 @@ def test_a_crash_between_record_and_publication_is_a_leftover(store, multipart):
     time.sleep(1.1)  # the newcomer starts after the crashed one's upload began
     newcomer = type(store).__new__(type(store))
     newcomer.__dict__.update(store.__dict__)
-    _, records, _ = storeio.scan(newcomer)
+    records = storeio.scan(newcomer).records
     assert "ck/model.pt" not in records and manifest.read(newcomer, "ck/model.pt") is None
     newcomer.prepare("newcomer", time.time())
     assert not newcomer.exists("ck/model.pt") and _no_litter(newcomer)
@@ -258,3 +258,19 @@ def test_walk_of_a_single_file(store):
     store.put("dir/one", b"1")
     store.put("dir/two", b"22")
     assert [(e.path, e.size) for e in store.walk("dir/two") if not e.is_dir] == [("dir/two", 2)]
+
+
+def test_read_many_returns_what_is_there_and_leaves_out_what_is_not(store):
+    """A restart reads every record at once (`read_many`: one directory
+    descriptor per directory, or concurrent requests): the contents of each
+    file asked for, missing ones left out, in any number."""
+    names = [f"r/{i % 7}/{i}.json" for i in range(backend_mod.READ_MANY_BATCH + 50)]  # more than one batch on object stores
+    contents = {name: str(i).encode() * (i % 5 + 1) for i, name in enumerate(names)}
+    if isinstance(store, backend_mod.FsspecBackend):
+        store.fs.pipe({store._abs(name): data for name, data in contents.items()})  # concurrently: set-up only
+    else:
+        for name, data in contents.items():
+            store.put(name, data)
+    asked = names + ["r/0/missing.json", "nowhere/x.json"]
+    got = dict(store.read_many(asked))
+    assert got == contents

@@ -1,0 +1,150 @@
+"""Restart over many published small files: from `ckptfs mount` until `find`
+through the mount lists them all.
+
+- local store (file://), N files of 100 B in directories of 1,000: after a
+  clean exit (the manifest index: one object for every record), and after a
+  crash (no index: one record object read per file), vs `find` over the
+  store directory itself in the same round;
+- S3 (SeaweedFS on loopback, started and stopped here), M files: the same
+  two cases.
+
+The store is filled once through a mount (created, flushed, unmounted).
+Rounds are interleaved; medians. Run as root:
+
+    .venv/bin/python bench/bench_remount.py --files 100000 --s3-files 10000 --write bench/RESULTS-remount.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import emit, machine, median
+
+from ckptfs.client import Client
+from ckptfs.writeback.manifest import INDEX
+
+PER_DIR = 1000
+CLI = [sys.executable, "-m", "ckptfs.tools.cli"]
+
+
+def cli(*args: str) -> None:
+    r = subprocess.run([*CLI, *args], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"ckptfs {' '.join(args[:2])} failed: {r.stderr}")
+
+
+def fill(mp: Path, store: str, n: int, options: list[str]) -> None:
+    cli("mount", str(mp), "--store", store, *options)
+    try:
+        for i in range(n):
+            d = mp / f"d{i // PER_DIR:04d}"
+            if i % PER_DIR == 0:
+                d.mkdir()
+            fd = os.open(d / f"f{i:07d}", os.O_WRONLY | os.O_CREAT, 0o644)
+            os.write(fd, b"x" * 100)
+            os.close(fd)
+        Client(mp).flush(timeout=7200)
+    finally:
+        cli("umount", str(mp))
+
+
+def count(path: Path) -> int:
+    out = subprocess.run(["find", str(path), "-type", "f"], capture_output=True, check=True).stdout
+    return out.count(b"\n")
+
+
+def remount(mp: Path, store: str, n: int, options: list[str]) -> float:
+    """Seconds from `ckptfs mount` until `find` lists all n files."""
+    t0 = time.perf_counter()
+    cli("mount", str(mp), "--store", store, *options)
+    try:
+        found = count(mp)
+        took = time.perf_counter() - t0
+    finally:
+        cli("umount", str(mp))  # a clean exit: leaves the index again
+    if found != n:
+        raise SystemExit(f"the mount listed {found} files, not {n}")
+    return took
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--files", type=int, default=100_000)
+    ap.add_argument("--s3-files", type=int, default=10_000, help="0: no S3 rows")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--disk-dir", default="/var/tmp")
+    ap.add_argument("--write")
+    args = ap.parse_args()
+    base = Path(tempfile.mkdtemp(prefix="ckptfs-remount-", dir=args.disk_dir))
+    t: dict[str, list[float]] = {k: [] for k in ("local index", "local crash", "local find", "s3 index", "s3 crash")}
+    server = None
+    try:
+        mp, store = base / "mnt", base / "store"
+        mp.mkdir()
+        fill(mp, str(store), args.files, [])
+        s3_url, s3_opts, s3fs = "", [], None
+        if args.s3_files:
+            from tests.s3server import start_s3
+
+            server = start_s3(base / "s3")
+            s3_url, s3_opts = server.bucket("remount"), server.cli_options()
+            s3fs = server._s3fs()
+            fill(mp, s3_url, args.s3_files, s3_opts)
+        for _ in range(args.rounds):
+            t["local index"].append(remount(mp, str(store), args.files, []))
+            t0 = time.perf_counter()
+            assert count(store) >= args.files
+            t["local find"].append(time.perf_counter() - t0)
+            (store / INDEX).unlink()  # as after a crash: every record is read
+            t["local crash"].append(remount(mp, str(store), args.files, []))
+            if s3fs is not None:
+                t["s3 index"].append(remount(mp, s3_url, args.s3_files, s3_opts))
+                s3fs.rm_file(f"remount/{INDEX}")
+                t["s3 crash"].append(remount(mp, s3_url, args.s3_files, s3_opts))
+    finally:
+        if os.path.ismount(base / "mnt"):
+            subprocess.run(["fusermount3", "-u", "-z", str(base / "mnt")])
+        if server is not None:
+            server.stop()
+        shutil.rmtree(base, ignore_errors=True)
+    med = {k: median(v) for k, v in t.items() if v}
+    n, m = args.files, args.s3_files
+    lines = [
+        "## Restart over many small files",
+        "",
+        f"Measured {time.strftime('%Y-%m-%d')} on {machine()}; {args.rounds} interleaved rounds, medians; page cache warm.",
+        f"Command: `.venv/bin/python bench/bench_remount.py --files {n} --s3-files {m} --rounds {args.rounds}`",
+        "",
+        "| target | measured | goal | met |",
+        "|---|---|---|---|",
+        f"| `ckptfs mount` until `find` lists {n:,} files, local store, after a clean exit | {med['local index']:.2f} s "
+        f"({med['local index'] / med['local find']:.1f}x `find` over the store itself) | <= 3 s | {'yes' if med['local index'] <= 3 else 'no'} |",
+    ]
+    if m:
+        lines.append(f"| the same over S3 (SeaweedFS on loopback), {m:,} files, after a clean exit | {med['s3 index']:.2f} s | <= 3 s | "
+                     f"{'yes' if med['s3 index'] <= 3 else 'no'} |")
+    lines += [
+        "",
+        "- seconds, local, after a clean exit: " + " ".join(f"{x:.2f}" for x in t["local index"]),
+        "- seconds, local, after a crash (no index: one record read per file): " + " ".join(f"{x:.2f}" for x in t["local crash"]),
+        "- seconds, `find` over the store directory: " + " ".join(f"{x:.2f}" for x in t["local find"]),
+    ]
+    if m:
+        lines += [
+            "- seconds, S3, after a clean exit: " + " ".join(f"{x:.2f}" for x in t["s3 index"]),
+            "- seconds, S3, after a crash: " + " ".join(f"{x:.2f}" for x in t["s3 crash"]),
+        ]
+    emit(lines, args.write)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""The manifest index: a daemon that exits cleanly leaves every record in one
+object, and the next mount reads it instead of one record per file. It must
+never stand in for records that changed after it was written."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from ckptfs.writeback import manifest, storeio
+from ckptfs.writeback.backend import open_store
+
+from tests.mountutil import run_cli, start_mount, stop_mount
+from tests.storeutil import verify_store, wait_until
+
+
+def _session(tmp_path, body, clean: bool = True):
+    """One mount over tmp_path's store: `body(mount)`, then a clean unmount
+    (or, if not `clean`, kill -9 of the daemon once `body` returns)."""
+    m = start_mount(tmp_path)
+    try:
+        body(m)
+        if clean:
+            r = run_cli("umount", str(m.mountpoint), timeout=120)
+            assert r.returncode == 0, r.stderr
+        else:
+            os.kill(m.pid, signal.SIGKILL)
+            m.proc.wait(timeout=30)
+    finally:
+        stop_mount(m)
+    return m
+
+
+def _flush(m) -> None:
+    r = run_cli("flush", str(m.mountpoint), timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def _records(store) -> list:
+    return sorted((store / manifest.PREFIX).rglob("*.json"))
+
+
+def test_a_clean_exit_leaves_the_index_and_the_next_mount_reads_it(tmp_path):
+    """Every record object is garbled after a clean exit: the next mount
+    still shows and verifies every file, so it read the index, not them."""
+
+    def write(m):
+        m.path("ck").mkdir()
+        for i in range(20):
+            m.path("ck", f"f{i}").write_bytes(bytes([i]) * (1000 + i))
+        os.chmod(m.path("ck", "f3"), 0o600)
+
+    m = _session(tmp_path, write)
+    assert (m.store / manifest.INDEX).is_file()
+    for rec in _records(m.store):
+        rec.write_bytes(b"garbled")
+    again = start_mount(tmp_path)
+    try:
+        assert sorted(os.listdir(again.path("ck"))) == sorted(f"f{i}" for i in range(20))
+        assert all(again.path("ck", f"f{i}").read_bytes() == bytes([i]) * (1000 + i) for i in range(20))
+        assert again.path("ck", "f3").stat().st_mode & 0o777 == 0o600
+        assert "cannot be verified" not in again.log_text()
+        assert not (again.store / manifest.INDEX).exists()  # claimed: records change from now on
+    finally:
+        stop_mount(again)
+
+
+def test_changes_of_a_session_reach_the_index_it_leaves(tmp_path):
+    """Rewritten, deleted and re-moded files: the index the second session
+    leaves has their records as they are now (a stale one would fail the
+    rewritten file's verification: EIO)."""
+
+    def first(m):
+        for name in ("a", "b", "c"):
+            m.path(name).write_bytes(name.encode() * 5000)
+
+    def second(m):
+        assert m.path("a").read_bytes() == b"a" * 5000
+        m.path("a").write_bytes(b"A" * 7000)
+        m.path("b").unlink()
+        os.chmod(m.path("c"), 0o640)
+        m.path("d").write_bytes(b"d" * 100)
+
+    _session(tmp_path, first)
+    m = _session(tmp_path, second)
+    assert verify_store(m.store).clean
+    third = start_mount(tmp_path)
+    try:
+        assert sorted(os.listdir(third.mountpoint)) == ["a", "c", "d"]
+        assert third.path("a").read_bytes() == b"A" * 7000
+        assert third.path("c").stat().st_mode & 0o777 == 0o640
+        assert third.path("d").read_bytes() == b"d" * 100
+    finally:
+        stop_mount(third)
+
+
+def test_after_a_crash_the_index_of_an_earlier_exit_is_not_used(tmp_path):
+    """A clean exit leaves an index; the next daemon rewrites a file,
+    publishes it and is killed: the mount after it reads every record (a
+    stale index would fail the rewritten file's verification: EIO)."""
+
+    def first(m):
+        m.path("a").write_bytes(b"1" * 9000)
+
+    def rewrite(m):
+        m.path("a").write_bytes(b"2" * 9000)
+        _flush(m)
+
+    _session(tmp_path, first)
+    m = _session(tmp_path, rewrite, clean=False)
+    assert not (m.store / manifest.INDEX).exists()
+    again = start_mount(tmp_path)
+    again.allowed_log_errors.append("heartbeat")
+    try:
+        assert again.path("a").read_bytes() == b"2" * 9000
+    finally:
+        stop_mount(again)
+
+
+def test_a_write_straight_to_the_store_makes_the_next_mount_read_every_record(tmp_path):
+    """The torch helpers write straight to the store when the daemon cannot
+    serve (C7). Done between two mounts, it changes a record the index holds:
+    the next mount must not trust the index, and reads the new bytes,
+    verified. The mark it left is cleared once every record was read."""
+
+    def first(m):
+        m.path("model.pt").write_bytes(b"old" * 3000)
+
+    m = _session(tmp_path, first)
+    assert (m.store / manifest.INDEX).is_file()
+    storeio.write_file(open_store(str(m.store)), "model.pt", b"new" * 4000)
+    assert list((m.store / manifest.OUTSIDE).iterdir())
+    again = start_mount(tmp_path)
+    try:
+        assert again.path("model.pt").read_bytes() == b"new" * 4000
+        wait_until(lambda: not list((again.store / manifest.OUTSIDE).iterdir()), 10, "the mark to be cleared")
+    finally:
+        stop_mount(again)
