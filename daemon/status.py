@@ -157,14 +157,14 @@ class Ledger:
     def refresh(self, limit: int | None = None) -> bool:
         """Bring the sums up to date; with `limit`, for at most that many
         files (True: some are left for the next call)."""
-        inos = self.tree.touched | self.engine.touched | {g.ino for g in self.engine.unsettled.values()}
+        touched = self.tree.touched | self.engine.touched
         self.tree.touched, self.engine.touched = set(), set()
         left = False
-        if limit is not None and len(inos) > limit:
-            now = list(inos)
-            inos, self.tree.touched = now[:limit], set(now[limit:])
+        if limit is not None and len(touched) > limit:
+            now = list(touched)
+            touched, self.tree.touched = set(now[:limit]), set(now[limit:])
             left = True
-        for ino in inos:
+        for ino in touched | {g.ino for g in self.engine.unsettled.values()}:  # those in flight, always
             old = self.entries.pop(ino, None)
             if old is not None:
                 _count(self.sums, old, -1)
