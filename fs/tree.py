@@ -59,7 +59,7 @@ def _err(code: int, what: str = "") -> OSError:
     return OSError(code, os.strerror(code) + (f": {what}" if what else ""))
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: one per file of 100,000, a __dict__ each would be most of its memory
 class Inode:
     ino: int
     mode: int
@@ -76,7 +76,7 @@ class Inode:
     cookies: dict[bytes, int] | None = None  # directories: name -> readdir offset
     next_cookie: int = 1
     parent: int = ROOT  # directories: for rename loop checks
-    xattrs: dict[bytes, bytes] = field(default_factory=dict)
+    xattrs: dict[bytes, bytes] | None = None  # made at the first setxattr: few files have any
     refs: int = 0  # references held by the client (kernel lookup count)
     opens: int = 0
     writers: int = 0
@@ -426,7 +426,7 @@ class InodeTree:
     # -- extended attributes -------------------------------------------------
     def getxattr(self, ino: int, name: bytes) -> bytes:
         try:
-            return self.get(ino).xattrs[name]
+            return (self.get(ino).xattrs or {})[name]
         except KeyError:
             raise _err(errno.ENODATA) from None
 
@@ -438,15 +438,17 @@ class InodeTree:
         if not name.startswith((b"user.", b"trusted.", b"security.")):
             raise _err(errno.EOPNOTSUPP)
         inode = self.get(ino)
+        if inode.xattrs is None:
+            inode.xattrs = {}
         inode.xattrs[name] = bytes(value)
         inode.ctime_ns = time.time_ns()
 
     def listxattr(self, ino: int) -> list[bytes]:
-        return list(self.get(ino).xattrs)
+        return list(self.get(ino).xattrs or ())
 
     def removexattr(self, ino: int, name: bytes) -> None:
         inode = self.get(ino)
-        if inode.xattrs.pop(name, None) is None:
+        if inode.xattrs is None or inode.xattrs.pop(name, None) is None:
             raise _err(errno.ENODATA)
         inode.ctime_ns = time.time_ns()
 

@@ -701,7 +701,17 @@ class FsspecBackend(Backend):
     def walk(self, prefix: str = "") -> Iterator[Entry]:
         base = self._abs(prefix)
         try:
-            found = self.fs.find(base, withdirs=True, detail=True)
+            if prefix:
+                found = self.fs.find(base, withdirs=True, detail=True)
+            else:  # the top level first, so that ckptfs's own objects (a record per file) are never listed
+                found = {}
+                for info in self.fs.ls(base, detail=True):
+                    full = info["name"].rstrip("/")
+                    if full.rsplit("/", 1)[-1] == META:
+                        continue
+                    found[full] = info
+                    if info.get("type") == "directory":
+                        found.update(self.fs.find(full, withdirs=True, detail=True))
         except FileNotFoundError:
             return
         for full, info in sorted(found.items()):
