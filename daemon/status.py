@@ -164,7 +164,9 @@ class Ledger:
             now = list(touched)
             touched, self.tree.touched = set(now[:limit]), set(now[limit:])
             left = True
-        for ino in touched | {g.ino for g in self.engine.unsettled.values()}:  # those in flight, always
+        # Those in flight change state without being touched: looked at by
+        # every full refresh, and by the last of a run of batches only.
+        for ino in touched if left else touched | {g.ino for g in self.engine.unsettled.values()}:
             old = self.entries.pop(ino, None)
             if old is not None:
                 _count(self.sums, old, -1)
