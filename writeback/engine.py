@@ -553,6 +553,7 @@ class Engine:
         scanned = await self.patiently("scan the store", storeio.scan, self.backend)
         entries, records, bad = scanned.entries, scanned.records, set(scanned.unreadable)
         self._image, self._outside = scanned.image, scanned.outside
+        self.residency.recheck = scanned.indexed
         replica = self.publisher.replica
         n = 0
         for e in entries:

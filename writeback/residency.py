@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
-from . import storeio
+from . import manifest, storeio
 from .manifest import BLOCK, Digest, Hashing, Record
 from .state import State
 
@@ -100,6 +100,12 @@ class Residency:
         self._expected: dict[int, Record] = {}  # restart: the record each file must match
         self._unverifiable: dict[int, str] = {}  # restart: files whose record could not be read
         self._loads: dict[int, _Load] = {}  # loads in progress
+        # The expected records came from the manifest index: each is read
+        # again from the store when its file first loads, and that one is
+        # verified against. The index is only a cache of the records: one
+        # made stale by a write straight to the store racing this mount's
+        # start must cost a lookup, not a false EIO.
+        self.recheck = False
 
     def published(self, ino: int) -> None:
         self.lru[ino] = None
@@ -189,6 +195,14 @@ class Residency:
         if ino in self._unverifiable:
             self._fail(path, "its record in the store cannot be read")
         expected = self._expected.get(ino)
+        if expected is not None and self.recheck:
+            try:
+                there = await self.e.calls.run(f"read the record of {path}", manifest.read, self.e.backend, path)
+            except (OSError, ValueError, KeyError, TypeError) as exc:  # the index's copy, then
+                log.warning("cannot read the record of %s again (%s): verifying against the manifest index", path, exc)
+                there = None
+            if there is not None and there.kind == "file" and ino in self._expected:
+                expected = self._expected[ino] = there
         if expected is not None:
             wanted = [d for d in (expected.current, expected.previous) if d is not None]
         elif shown.digest is not None:

@@ -171,6 +171,7 @@ class Scanned:
     unreadable: list[str]  # record objects that cannot be read
     image: bytes  # every record, packed (manifest.Image): what a clean exit leaves as the index
     outside: list[str]  # marks of record changes made without a daemon (all records were read)
+    indexed: bool  # the records came from the manifest index
 
 
 def scan(backend: Backend) -> Scanned:
@@ -180,7 +181,8 @@ def scan(backend: Backend) -> Scanned:
     bytes it was being published from still exist; otherwise the file was
     lost from the store, and its record stays so `verify` reports it."""
     outside = backend.find(manifest.OUTSIDE)
-    image = (None if outside else manifest.Image.of_index(backend)) or manifest.Image.of_store(backend)
+    indexed = (None if outside else manifest.Image.of_index(backend))
+    image = indexed or manifest.Image.of_store(backend)
     entries = list(backend.walk())
     records, unreadable = image.records()
     files = {e.path for e in entries if not e.is_dir}
@@ -210,7 +212,7 @@ def scan(backend: Backend) -> Scanned:
             del records[path]
         else:
             log.warning("%s is recorded but missing from the store", path)
-    return Scanned(entries, records, unreadable, image.packed(), outside)
+    return Scanned(entries, records, unreadable, image.packed(), outside, indexed is not None)
 
 
 # -- whole files, straight to and from the store --------------------------------

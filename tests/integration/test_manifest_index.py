@@ -136,3 +136,24 @@ def test_a_write_straight_to_the_store_makes_the_next_mount_read_every_record(tm
         wait_until(lambda: not list((again.store / manifest.OUTSIDE).iterdir()), 10, "the mark to be cleared")
     finally:
         stop_mount(again)
+
+
+def test_a_stale_index_costs_a_lookup_not_a_false_eio(tmp_path):
+    """A write straight to the store can race a mount's start (its mark
+    read and cleared by that mount's claim before its record lands): the
+    index then holds an old record. A load verifies against the record the
+    store holds then, so the new bytes read back, verified."""
+
+    def first(m):
+        m.path("model.pt").write_bytes(b"old" * 3000)
+
+    m = _session(tmp_path, first)
+    storeio.write_file(open_store(str(m.store)), "model.pt", b"new" * 4000)
+    for mark in (m.store / manifest.OUTSIDE).iterdir():
+        mark.unlink()  # as if the claim had cleared it before the record was written
+    again = start_mount(tmp_path)
+    try:
+        assert again.path("model.pt").read_bytes() == b"new" * 4000
+        assert "verified" in again.log_text()
+    finally:
+        stop_mount(again)
