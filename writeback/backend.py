@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 META = ".ckptfs"  # ckptfs's own objects live under this prefix only (C8)
 STAGING = f"{META}/staging"
 DAEMONS = f"{META}/daemons"  # one heartbeat object per live daemon
+INDEX = f"{META}/index"  # every record in one object, left by a clean exit (manifest.Image)
 HEARTBEAT_S = 20.0  # a daemon rewrites its heartbeat this often
 HEARTBEAT_DEAD_S = 4 * HEARTBEAT_S  # older than this: the daemon is gone
 PART_SIZE = 16 << 20  # grown for huge files to stay under S3's 10,000 parts
@@ -136,7 +137,7 @@ class Backend:
         self.daemon_id = daemon_id
         self.records_changed = set()
         self.heartbeat()
-        self.delete(f"{META}/index")  # records change from now on (see manifest.Image)
+        self.delete(INDEX)  # records change from now on (see manifest.Image)
         live = self.live_daemons()
         for path in self.find(STAGING):
             owner = path[len(STAGING) + 1 :].split("/", 1)[0] if "/" in path[len(STAGING) + 1 :] else ""

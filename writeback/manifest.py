@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from .backend import META, Backend
+from .backend import INDEX, META, Backend
 
 log = logging.getLogger(__name__)
 
@@ -87,14 +87,11 @@ class Record:
         return None
 
     def encode(self) -> bytes:
-        return json.dumps(self.as_dict(), sort_keys=True).encode()
-
-    def as_dict(self) -> dict:
         d = {name: getattr(self, name) for name in _FIELDS}  # what asdict gives, without its deep copies
         for k in ("current", "previous"):
             if d[k] is not None:
                 d[k] = {"size": d[k].size, "xxh3": d[k].xxh3, "blocks": d[k].blocks}
-        return {"version": VERSION, **d}
+        return json.dumps({"version": VERSION, **d}, sort_keys=True).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> Record:
@@ -155,7 +152,6 @@ def read_all(backend: Backend) -> tuple[dict[str, Record], list[str]]:
 # the store, and anyone changing records without a daemon (the torch
 # helpers' direct writes, C7) first leaves a mark under OUTSIDE, which makes
 # the next mount read every record (and only then are the marks removed).
-INDEX = f"{META}/index"
 OUTSIDE = f"{META}/outside"
 
 
