@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 ZEROS = bytes(4 << 20)
 _VIEW = memoryview(ZEROS)
@@ -30,10 +30,14 @@ def zeros(n: int) -> Iterator[memoryview]:
         n -= k
 
 
-def read_sparse(fd: int, size: int, piece: int = 8 << 20) -> Iterator[memoryview | bytes]:
-    """The first `size` bytes of the file `fd`, holes as hole pieces (found
-    with SEEK_DATA/SEEK_HOLE; a file system without them reads as dense)."""
-    off = 0
+def read_sparse(fd: int, size: int, piece: int = 8 << 20, start: int = 0,
+                into: Callable[[int, int], memoryview | None] | None = None) -> Iterator[memoryview | bytes]:
+    """The bytes `start`..`size` of the file `fd` in order, holes as hole
+    pieces (found with SEEK_DATA/SEEK_HOLE; a file system without them reads
+    as dense). Data is read straight into `into(offset, n)` where that gives
+    a buffer (a writable view of at most `n` bytes for that offset; the piece
+    yielded is that view), else into new bytes."""
+    off = start
     while off < size:
         try:
             data = min(os.lseek(fd, off, os.SEEK_DATA), size)
@@ -49,9 +53,12 @@ def read_sparse(fd: int, size: int, piece: int = 8 << 20) -> Iterator[memoryview
             end = size
         end = max(end, off + 1)  # a file grown since: read on
         while off < end:
-            block = os.pread(fd, min(piece, end - off), off)
-            if not block:
+            buf = into(off, min(piece, end - off)) if into is not None else None
+            if buf is None:
+                got: memoryview | bytes = os.pread(fd, min(piece, end - off), off)
+            else:
+                got = buf[: os.preadv(fd, [buf], off)]
+            if not got:
                 raise OSError(errno.EIO, "file shorter than expected")
-            off += len(block)
-            yield block
-
+            off += len(got)
+            yield got

@@ -77,7 +77,10 @@ class MemoryPool:
         if self.kept + CHUNK <= self.reuse and self.used + self.kept + CHUNK <= self.limit:
             self._free.append(chunk)
         else:
-            chunk.close()
+            try:
+                chunk.close()
+            except BufferError:  # a view of it lives on somewhere: unmapped when that goes
+                pass
 
 
 def _small_capacity(needed: int) -> int:
@@ -264,7 +267,10 @@ class FileData:
 
 
     # -- reads ---------------------------------------------------------------
-    def read(self, off: int, size: int) -> bytes:
+    def read(self, off: int, size: int) -> bytes | memoryview:
+        """The bytes `off`..`off + size`. Within one large chunk this is a
+        view of the file's memory, not a copy: it is valid only until the
+        file next changes (a FUSE reply is sent before that)."""
         end = min(off + size, self.size)
         if off >= end:
             return b""
@@ -272,7 +278,10 @@ class FileData:
             data = os.pread(self._spill.fd, end - off, off)
             return data + bytes(end - off - len(data))
         idx, lo = divmod(off, CHUNK)
-        if lo + (end - off) <= CHUNK:  # the common case: one chunk, one copy
+        if lo + (end - off) <= CHUNK:  # the common case: one chunk, no copy
+            chunk = self._chunks.get(idx)
+            if chunk is not None and isinstance(chunk.buf, mmap.mmap) and lo + (end - off) <= chunk.hw:
+                return memoryview(chunk.buf)[lo : lo + end - off]
             return self._piece(idx, lo, lo + end - off)
         parts = []
         pos = off
@@ -390,13 +399,14 @@ class FileData:
 class Loading:
     """An evicted file's bytes on their way back from the store.
 
-    `place` runs in the load's worker thread: it puts the bytes, in order,
-    into chunks of their own (not yet the file's) or into a spill file, and
-    keeps holes as holes. `show` runs on the owning thread once the bytes up
-    to some offset are verified: the file serves reads up to there (`done`);
-    at the end it is resident. Nothing else touches the file meanwhile (the
-    caller fences writers); a truncate or delete of the file drops the load
-    (`data.loading` no longer names it) and `release` returns what it held.
+    `view` and `place` run in the load's worker thread: they put bytes, at
+    any offset and in any order, into chunks of their own (not yet the
+    file's) or into a spill file, and keep holes as holes. `show` runs on
+    the owning thread once a range is verified: the file serves reads there
+    (`covers`); once every chunk is shown it is resident. Nothing else
+    touches the file meanwhile (the caller fences writers); a truncate or
+    delete of the file drops the load (`data.loading` no longer names it)
+    and `release` returns what it held.
 
     In RAM, the budget for the whole file is reserved up front and what
     holes did not use is returned at the end; a file the budget cannot take
@@ -406,11 +416,11 @@ class Loading:
     def __init__(self, data: FileData, spill_dir: str | None) -> None:
         assert not data.resident and data.loading is None
         self.size = data.size
-        self.done = 0
         self.cancelled = False  # the worker thread stops at its next piece
         self._data = data
-        self._placed = 0
         self._pending: dict[int, _Chunk] = {}
+        self._shown = bytearray(-(-self.size // CHUNK))  # per chunk: 1 once served
+        self._unshown = len(self._shown)
         self._reserved = 0
         self.spilled = spill_dir is not None
         self._fd = -1  # the worker's own descriptor of the spill file: closed by the worker (`close`), never reused under it
@@ -424,7 +434,7 @@ class Loading:
                 raise
             data._spill, data._spill_dir = _SpillFile(fd), spill_dir
         else:
-            self._reserved = sum(_capacity(min(CHUNK, self.size - i * CHUNK)) for i in range(-(-self.size // CHUNK)))
+            self._reserved = sum(_capacity(min(CHUNK, self.size - i * CHUNK)) for i in range(len(self._shown)))
             data._pool.reserve(self._reserved)  # ENOSPC: the caller spills instead
         data.loading = self
 
@@ -434,48 +444,71 @@ class Loading:
             os.close(self._fd)
             self._fd = -1
 
-    def place(self, piece: memoryview | bytes) -> None:
-        """The next bytes of the file (worker thread)."""
-        hole = is_hole(piece)
+    def _chunk(self, idx: int) -> _Chunk:
+        chunk = self._pending.get(idx)
+        if chunk is None:
+            length = min(CHUNK, self.size - idx * CHUNK)
+            cap = _capacity(length)
+            buf = mmap.mmap(-1, CHUNK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE) if cap == CHUNK else bytearray(cap)
+            chunk = self._pending[idx] = _Chunk(buf, length)  # fresh memory: what no piece writes reads as zeros
+        return chunk
+
+    def view(self, off: int, n: int) -> memoryview | None:
+        """Where a reader may put up to `n` of the file's bytes at `off`
+        itself (worker thread); None in a spill file (`place` writes it)."""
+        if self._fd >= 0 or self.cancelled or not 0 <= off < self.size:
+            return None
+        idx, lo = divmod(off, CHUNK)
+        chunk = self._chunk(idx)
+        return memoryview(chunk.buf)[lo : min(lo + n, chunk.hw)]
+
+    def place(self, off: int, piece: memoryview | bytes) -> None:
+        """The file's bytes at `off` (worker thread); a piece that `view`
+        gave is in place already."""
         view = memoryview(piece).cast("B")
-        if self._placed + len(view) > self.size:
+        if off + len(view) > self.size:
             raise OSError(errno.EIO, f"the store holds more than the file's {self.size} bytes")
+        if is_hole(piece):
+            return
         if self._fd >= 0:
-            if not hole:
-                _pwrite_all(self._fd, view, self._placed)
-            self._placed += len(view)
+            _pwrite_all(self._fd, view, off)
             return
         while view:
-            idx, lo = divmod(self._placed, CHUNK)
+            idx, lo = divmod(off, CHUNK)
             k = min(len(view), CHUNK - lo)
-            if not hole:
-                chunk = self._pending.get(idx)
-                if chunk is None:
-                    length = min(CHUNK, self.size - idx * CHUNK)
-                    cap = _capacity(length)
-                    buf = mmap.mmap(-1, CHUNK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE) if cap == CHUNK else bytearray(cap)
-                    chunk = self._pending[idx] = _Chunk(buf, length)  # fresh memory: what no piece writes reads as zeros
+            chunk = self._chunk(idx)
+            if view.obj is not chunk.buf:
                 chunk.buf[lo : lo + k] = view[:k]
-            self._placed += k
+            off += k
             view = view[k:]
 
-    def show_done(self, upto: int | None) -> bool:
-        """Whether the bytes up to `upto` (None: all) are served."""
-        return self.done >= (self.size if upto is None else min(upto, self.size))
+    def covers(self, off: int, end: int | None) -> bool:
+        """Whether the bytes `off`..`end` (None: all) are served."""
+        if end is None or not self._unshown:
+            return not self._unshown
+        end = min(end, self.size)
+        return off >= end or all(self._shown[off // CHUNK : -(-end // CHUNK)])
 
-    def show(self, upto: int) -> bool:
-        """Serve the file's bytes up to `upto`, verified (owning thread);
-        False if the load was dropped meanwhile."""
+    def show(self, off: int, end: int) -> bool:
+        """Serve the bytes `off`..`end`, verified (owning thread): whole
+        chunks, or up to the end of the file. False if the load was dropped
+        meanwhile."""
         data = self._data
         if self.cancelled or data.loading is not self:
             return False
-        for idx in [i for i in self._pending if min((i + 1) * CHUNK, self.size) <= upto]:
-            chunk = self._pending.pop(idx)
-            data._chunks[idx] = chunk
-            data.allocated += len(chunk.buf)
-            self._reserved -= len(chunk.buf)
-        self.done = upto
-        if upto >= self.size:
+        end = min(end, self.size)
+        assert off % CHUNK == 0 and (end % CHUNK == 0 or end == self.size)
+        for idx in range(off // CHUNK, -(-end // CHUNK)):
+            if self._shown[idx]:
+                continue
+            self._shown[idx] = 1
+            self._unshown -= 1
+            chunk = self._pending.pop(idx, None)
+            if chunk is not None:
+                data._chunks[idx] = chunk
+                data.allocated += len(chunk.buf)
+                self._reserved -= len(chunk.buf)
+        if not self._unshown:
             data.resident = True
             data.loading = None
             self.release()

@@ -108,11 +108,11 @@ class Operations(pyfuse3.Operations):
         self.virtual_xattr = virtual_xattr
         self._cached_version: dict[int, int] = {}
 
-    async def _resident(self, inode: Inode, upto: int | None = None) -> None:
-        """Wait until the file's bytes up to `upto` (None: all, as before any
+    async def _resident(self, inode: Inode, off: int = 0, end: int | None = None) -> None:
+        """Wait until the file's bytes `off`..`end` (None: all, as before any
         change: writers wait for the whole load) are in and verified."""
         if inode.data is not None and not inode.data.resident:
-            await self.engine.load(inode.ino, upto)
+            await self.engine.load(inode.ino, off, end)
 
     def _entry(self, inode: Inode) -> pyfuse3.EntryAttributes:
         """Attributes for a reply that gives the kernel a new reference."""
@@ -199,7 +199,7 @@ class Operations(pyfuse3.Operations):
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         node = self.tree.get(inode)
         if flags & os.O_ACCMODE == os.O_RDONLY:
-            await self._resident(node, 0)  # a reader starts the load, and each read waits for its own bytes
+            await self._resident(node, 0, 0)  # a reader starts the load, and each read waits for its own bytes
         elif not flags & os.O_TRUNC:
             await self._resident(node)
         handle = self.tree.open(inode, flags, _keeps_setid(ctx))
@@ -213,9 +213,9 @@ class Operations(pyfuse3.Operations):
         return self._file_info(handle.inode, handle.fh, flags), self._entry(handle.inode)
 
     @_errors
-    async def read(self, fh: int, off: int, size: int) -> bytes:
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         inode = self.tree.handle(fh).inode
-        await self._resident(inode, off + size)  # served as soon as these bytes are in (or evicted while open)
+        await self._resident(inode, off, off + size)  # served as soon as these bytes are in (or evicted while open)
         self.engine.touch(inode.ino)
         return self.tree.read(fh, off, size)
 

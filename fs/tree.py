@@ -495,7 +495,7 @@ class InodeTree:
         except KeyError:
             raise _err(errno.EBADF) from None
 
-    def read(self, fh: int, off: int, size: int) -> bytes:
+    def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         inode = self.handle(fh).inode
         if inode.data is None:
             raise _err(errno.EISDIR if inode.is_dir else errno.EINVAL)

@@ -35,7 +35,7 @@ import socket
 import stat
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import fsspec
@@ -108,6 +108,59 @@ class Entry:
 
 _NAME_PREFIX = uuid.uuid4().hex[:16]
 _names = itertools.count()
+
+
+Into = Callable[[int, int], "memoryview | None"]  # (offset, n): where a read may put up to n bytes itself
+
+
+class Source:
+    """One store file opened for a load: its size, and any range of its bytes
+    (a load reads the block a reader waits for first)."""
+
+    size: int
+
+    def read(self, off: int, n: int, into: Into | None = None) -> Iterator[memoryview | bytes]:
+        """The bytes `off`..`off + n`, in order, holes as hole pieces; data
+        goes straight into `into(offset, k)` where the store can do that."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> Source:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _FileSource(Source):
+    """A local store file: reads land in the caller's memory, holes stay holes."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd, self.size = fd, size
+
+    def read(self, off: int, n: int, into: Into | None = None) -> Iterator[memoryview | bytes]:
+        yield from read_sparse(self.fd, off + n, start=off, into=into)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class _ObjectSource(Source):
+    """An object (or any fsspec file): one ranged request per read."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, path: str) -> None:
+        self.fs, self.path = fs, path
+        self.size = int(fs.size(path))
+
+    def read(self, off: int, n: int, into: Into | None = None) -> Iterator[memoryview | bytes]:
+        data = self.fs.cat_file(self.path, start=off, end=off + n)
+        if len(data) != n:
+            raise OSError(errno.EIO, f"{self.path}: asked for {n} bytes at {off}, the store gave {len(data)}")
+        yield data
 
 
 class Backend:
@@ -215,6 +268,10 @@ class Backend:
 
     def read_all(self, path: str) -> bytes:
         return b"".join(self.read(path))
+
+    def open_source(self, path: str) -> Source:
+        """A file opened for a load: read block by block, in any order."""
+        raise NotImplementedError
 
     def read_many(self, paths: list[str]) -> Iterator[tuple[str, bytes]]:
         """(path, whole contents) of many small files (ckptfs's own records);
@@ -447,6 +504,18 @@ class LocalBackend(Backend):
                 raise OSError(errno.EINVAL, "not a regular file", path)
             yield from read_sparse(fd, st.st_size)  # holes stay holes on the way back
 
+    def open_source(self, path: str) -> Source:
+        with self._at(path) as (d, name):
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=d)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(errno.EINVAL, "not a regular file", path)
+        except BaseException:
+            os.close(fd)
+            raise
+        return _FileSource(fd, st.st_size)
+
     def read_many(self, paths: list[str]) -> Iterator[tuple[str, bytes]]:
         """Each directory is opened once, not once per file (a restart reads
         one record per file in the store)."""
@@ -674,6 +743,9 @@ class FsspecBackend(Backend):
         with self.fs.open(self._abs(path), "rb") as f:
             while chunk := f.read(8 << 20):
                 yield chunk
+
+    def open_source(self, path: str) -> Source:
+        return _ObjectSource(self.fs, self._abs(path))
 
     def read_many(self, paths: list[str]) -> Iterator[tuple[str, bytes]]:
         """Fetched concurrently (fsspec's `cat` of many paths: one request

@@ -539,8 +539,8 @@ class Engine:
     def touch(self, ino: int) -> None:
         self.residency.touch(ino)
 
-    async def load(self, ino: int, upto: int | None = None) -> None:
-        await self.residency.load(ino, upto)
+    async def load(self, ino: int, off: int = 0, end: int | None = None) -> None:
+        await self.residency.load(ino, off, end)
 
     async def prefetch(self, prefix: str = "") -> int:
         return await self.residency.prefetch(prefix)

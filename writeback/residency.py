@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 
 from . import manifest, storeio
-from .manifest import BLOCK, Digest, Hashing, Record
+from .manifest import BLOCK, Digest, Record, hasher
 from .state import State
 
 if TYPE_CHECKING:
@@ -31,42 +31,75 @@ ROOM_PATIENCE_S = 2.0  # how long a load waits for write-back to free RAM before
 
 
 class LoadTarget(Protocol):
-    """Where a load puts a file's bytes (fs.memory.Loading): `place` in the
-    worker thread, `show`/`release` on the owning thread."""
+    """Where a load puts a file's bytes (fs.memory.Loading): `view`, `place`
+    and `close` in the worker thread, `covers`, `show` and `release` on the
+    owning thread."""
 
     size: int
-    done: int
     spilled: bool
     cancelled: bool
 
-    def place(self, piece: memoryview | bytes) -> None: ...
+    def view(self, off: int, n: int) -> memoryview | None: ...
+    def place(self, off: int, piece: memoryview | bytes) -> None: ...
     def close(self) -> None: ...
-    def show(self, upto: int) -> bool: ...
-    def show_done(self, upto: int | None) -> bool: ...
+    def covers(self, off: int, end: int | None) -> bool: ...
+    def show(self, off: int, end: int) -> bool: ...
     def release(self) -> None: ...
 
 
 class _Load:
-    """A load in progress: the file, where its bytes go, what they must hash to."""
+    """A load in progress: the file, where its bytes go, what they must hash
+    to, and which block to read next.
+
+    Blocks are read in order, except that a block a reader waits for goes
+    first (torch.load reads a zip's directory at the end of the file before
+    anything else; an mmap reader faults pages anywhere), and reading then
+    goes on from there, wrapping round. That needs every block verifiable
+    on its own (`ranged`): a record that only knows the whole file's hash is
+    read in order and served at the end."""
 
     def __init__(self, ino: int, path: str, target: LoadTarget, wanted: list[Digest]) -> None:
         self.ino, self.path, self.target, self.wanted = ino, path, target, wanted
         self.error: OSError | None = None
         self.changed = trio.Event()
+        self.ranged = all(d.blocks or d.size <= BLOCK for d in wanted)
+        self._taken = bytearray(max(1, -(-target.size // BLOCK)))  # per block: 1 once handed to the worker
+        self._asked: collections.deque[int] = collections.deque()  # blocks readers wait for, first asked first
+        self._next = 0  # where reading on goes
 
     def wake(self) -> None:
         self.changed.set()
         self.changed = trio.Event()
 
-    def show(self, upto: int) -> None:
-        """Worker thread: serve the bytes up to `upto` (verified)."""
-        if not trio.from_thread.run_sync(self._show, upto):
-            raise storeio.Cancelled()
+    def ask(self, off: int, end: int | None) -> None:
+        """A reader waits for the bytes `off`..`end` (None: all)."""
+        if not self.ranged or end is None:
+            return
+        end = min(end, self.target.size)
+        if end > off:
+            self._asked.extend(i for i in range(off // BLOCK, (end - 1) // BLOCK + 1) if not self._taken[i])
 
-    def _show(self, upto: int) -> bool:
-        ok = self.target.show(min(upto, self.target.size))
-        self.wake()
-        return ok
+    def next(self, done: int | None, verified: bool) -> int | None:
+        """Owning thread, called by the worker after each block: serve block
+        `done` if it is verified; the block to read next (None: none left)."""
+        if done is not None and verified:
+            lo = done * BLOCK
+            if not self.target.show(lo, min(lo + BLOCK, self.target.size)):
+                raise storeio.Cancelled()
+            self.wake()
+        while self._asked:
+            i = self._asked.popleft()
+            if not self._taken[i]:
+                return self._take(i)
+        i = self._taken.find(0, self._next)
+        if i < 0:
+            i = self._taken.find(0)
+        return None if i < 0 else self._take(i)
+
+    def _take(self, i: int) -> int:
+        self._taken[i] = 1
+        self._next = i + 1
+        return i
 
 
 def _narrow(wanted: list[Digest], i: int, got: str, path: str) -> list[Digest]:
@@ -170,11 +203,12 @@ class Residency:
         return True
 
     # -- loads -----------------------------------------------------------------
-    async def load(self, ino: int, upto: int | None = None) -> None:
+    async def load(self, ino: int, off: int = 0, end: int | None = None) -> None:
         """Bring an evicted or restored file back from the store, block by
         block, each verified before it is served (C6); returns once the bytes
-        up to `upto` (None: all of them) can be read. One load per file runs
-        in the background; every caller waits on it."""
+        `off`..`end` (None: all of them) can be read, and their blocks are
+        read first. One load per file runs in the background; every caller
+        waits on it."""
         load = self._loads.get(ino)
         if load is None:
             if self.e.ns.resident(ino):
@@ -182,9 +216,10 @@ class Residency:
             load = await self._start(ino)
             if load is None:
                 return
-        while load.error is None and not load.target.show_done(upto):
+        load.ask(off, end)
+        while load.error is None and not load.target.covers(off, end):
             await load.changed.wait()
-        if load.error is not None and not load.target.show_done(upto) and not self.e.ns.resident(ino):
+        if load.error is not None and not load.target.covers(off, end) and not self.e.ns.resident(ino):
             raise load.error  # not when a truncate meanwhile dropped the load: the file is in RAM, as it is now
 
     async def _start(self, ino: int) -> _Load | None:
@@ -234,7 +269,7 @@ class Residency:
     async def _run(self, load: _Load) -> None:
         try:
             await self.e.calls.run(f"load {load.path}", self._stream, load, nbytes=load.target.size)
-            if not load.target.show(load.target.size):
+            if not load.target.covers(0, None) and not load.target.show(0, load.target.size):
                 raise storeio.Cancelled()
         except BaseException as exc:
             load.target.release()
@@ -261,32 +296,41 @@ class Residency:
             load.wake()
 
     def _stream(self, load: _Load) -> None:
-        """Worker thread: read the file from the store, place its bytes, and
-        serve each block once its hash matches the record's."""
-        target = load.target
-        hashing = Hashing()
-        wanted = list(load.wanted)
+        """Worker thread: read the file from the store block by block, in the
+        order `load.next` gives, place its bytes, and serve each block once
+        its hash matches the record's."""
+        target, size = load.target, load.target.size
+        wanted = [d for d in load.wanted if d.size == size]
+        if load.wanted and not wanted:
+            raise storeio.IntegrityError(f"checksum mismatch: the store has {size} bytes, the manifest says "
+                                         + " or ".join(str(d) for d in load.wanted))
+        whole = None if load.ranged else hasher()
         try:
-            for piece in self.e.backend.read(load.path):
-                if target.cancelled:
-                    raise storeio.Cancelled()
-                target.place(piece)
-                before = len(hashing.blocks)
-                hashing.update(piece)
-                for i in range(before, len(hashing.blocks)):
-                    wanted = _narrow(wanted, i, hashing.blocks[i], load.path)
-                    # the last block is served only once the whole file is checked (in _run)
-                    if (i + 1) * BLOCK < target.size and all(d.block(i) is not None for d in wanted):
-                        load.show((i + 1) * BLOCK)  # else: verified only as a whole, at the end
-            got = hashing.digest()
-            if wanted and not any(d == got for d in wanted):
-                want = " or ".join(str(d) for d in load.wanted)
-                raise storeio.IntegrityError(f"checksum mismatch: the store has {got.size} bytes with xxh3 {got.xxh3}, "
-                                             f"the manifest says {want}")
-            if got.size != target.size:
-                raise storeio.IntegrityError(f"the store has {got.size} bytes, the file {target.size}")
+            with self.e.backend.open_source(load.path) as source:
+                if source.size != size:
+                    raise storeio.IntegrityError(f"the store has {source.size} bytes, the file {size}")
+                i = trio.from_thread.run_sync(load.next, None, False)
+                while i is not None:
+                    pos = lo = i * BLOCK
+                    block = hasher()
+                    for piece in source.read(lo, min(BLOCK, size - lo), target.view):
+                        if target.cancelled:
+                            raise storeio.Cancelled()
+                        target.place(pos, piece)
+                        block.update(piece)
+                        if whole is not None:
+                            whole.update(piece)
+                        pos += len(piece)
+                    piece = None  # no view of the file's memory outlives its block
+                    wanted = _narrow(wanted, i, block.hexdigest(), load.path)
+                    # in order, the last block is served only once the whole file is checked (in _run)
+                    verified = load.ranged or (pos < size and all(d.block(i) is not None for d in wanted))
+                    i = trio.from_thread.run_sync(load.next, i, verified)
         finally:
             target.close()
+        if whole is not None and wanted and not any(d.xxh3 == whole.hexdigest() for d in wanted):
+            raise storeio.IntegrityError(f"checksum mismatch: the store has {size} bytes with xxh3 {whole.hexdigest()}, "
+                                         f"the manifest says {' or '.join(str(d) for d in load.wanted)}")
 
     def _failed(self, path: str, why: str) -> OSError:
         self.verify_failures[path] = why

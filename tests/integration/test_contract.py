@@ -377,7 +377,8 @@ def test_C9_remount_shows_files_at_once_and_loads_verified(tmp_path):
         assert sorted(os.listdir(second.mountpoint)) == ["ckpt", "last.pt"]
         assert second.path("ckpt", "model.pt").stat().st_size == (first.store / "ckpt" / "model.pt").stat().st_size
         assert torch.equal(torch.load(second.path("last.pt"))["w"], sd["w"])
-        assert "loaded ckpt/model.pt from the store" in second.log_text() and "verified" in second.log_text()
+        wait_until(lambda: "loaded ckpt/model.pt from the store" in second.log_text() and "verified" in second.log_text(), 10,
+                   "the load logged")  # the bytes are served before the load says so
     finally:
         stop_mount(second)
 

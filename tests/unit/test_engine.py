@@ -417,6 +417,27 @@ def _evicted_big_file(tmp_path, size: int):
     return rig, data
 
 
+def _gate_loads(backend, gate) -> list[int]:
+    """Loads from `backend` call `gate(offset)` before reading each block;
+    returns the list of block numbers read, in order."""
+    opened, order = backend.open_source, []
+
+    def open_source(path):
+        source = opened(path)
+        read = source.read
+
+        def gated(off, n, into=None):
+            order.append(off // manifest.BLOCK)
+            gate(off)
+            yield from read(off, n, into)
+
+        source.read = gated
+        return source
+
+    backend.open_source = open_source
+    return order
+
+
 async def test_a_load_serves_each_block_once_verified_before_the_rest_arrives(tmp_path):
     import threading
 
@@ -426,27 +447,76 @@ async def test_a_load_serves_each_block_once_verified_before_the_rest_arrives(tm
     node = rig.store.inode_at("big")
     assert rig.engine.evict(1 << 40) == node.data.allocated or not node.data.resident
     go = threading.Event()
-    read = rig.backend.read
-
-    def slow_read(path):  # the store stalls after the first block
-        n = 0
-        for piece in read(path):
-            if n >= manifest.BLOCK:
-                assert go.wait(30)
-            n += len(piece)
-            yield piece
-
-    rig.backend.read = slow_read
+    _gate_loads(rig.backend, lambda off: off == 0 or go.wait(30))  # the store stalls after the first block
     async with trio.open_nursery() as n:
         await n.start(rig.engine.run)
         with trio.fail_after(20):
-            await rig.engine.load(node.ino, 4096)
+            await rig.engine.load(node.ino, 0, 4096)
         assert not node.data.resident and node.data.read(0, 4096) == data[:4096]
         go.set()
         with trio.fail_after(20):
             await rig.engine.load(node.ino)
         assert node.data.resident and node.data.read(0, len(data)) == data
         assert rig.store.pool.used == node.data.allocated
+        n.cancel_scope.cancel()
+
+
+async def test_the_block_a_reader_waits_for_is_loaded_first(tmp_path):
+    """torch.load reads a zip's directory at the end of the file first: that
+    block must not wait for the whole file to load in order."""
+    import threading
+
+    rig, data = _evicted_big_file(tmp_path, 3 * manifest.BLOCK + 1000)
+    await run_until_flushed(rig)
+    node = rig.store.inode_at("big")
+    rig.engine.evict(1 << 40)
+    go = threading.Event()
+    order = _gate_loads(rig.backend, lambda off: off == 3 * manifest.BLOCK or go.wait(30))  # only the last block comes
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        with trio.fail_after(20):
+            await rig.engine.load(node.ino, len(data) - 100, len(data))
+        assert node.data.read(len(data) - 100, 100) == data[-100:] and not node.data.resident
+        go.set()
+        with trio.fail_after(20):
+            await rig.engine.load(node.ino, manifest.BLOCK + 5, manifest.BLOCK + 10)
+            await rig.engine.load(node.ino)
+        assert order[0] == 3 and sorted(order) == [0, 1, 2, 3]  # then on from the start, each block once
+        assert node.data.resident and node.data.read(0, len(data)) == data
+        n.cancel_scope.cancel()
+
+
+async def test_a_file_whose_record_has_no_block_hashes_loads_in_order_and_whole(tmp_path):
+    """A record with only the whole file's hash (written before block
+    hashes) cannot vouch for one block: the file is read in order and
+    served once all of it is checked."""
+    import dataclasses
+    import threading
+
+    rig, data = _evicted_big_file(tmp_path, 2 * manifest.BLOCK + 1000)
+    await run_until_flushed(rig)
+    node = rig.store.inode_at("big")
+    rig.engine.evict(1 << 40)
+    res = rig.engine.residency
+    rec = manifest.read(rig.backend, "big")
+    res.expect(node.ino, dataclasses.replace(rec, current=manifest.Digest(rec.current.size, rec.current.xxh3)))
+    go = threading.Event()
+    order = _gate_loads(rig.backend, lambda off: off < 2 * manifest.BLOCK or go.wait(30))
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        asked = []
+
+        async def reader():
+            await rig.engine.load(node.ino, len(data) - 10, len(data))
+            asked.append(True)
+
+        n.start_soon(reader)
+        await trio.sleep(0.5)
+        assert order == [0, 1, 2] and not asked and not node.data.resident  # in order, nothing served yet
+        go.set()
+        with trio.fail_after(20):
+            await rig.engine.load(node.ino)
+        assert node.data.read(0, len(data)) == data
         n.cancel_scope.cancel()
 
 
@@ -461,10 +531,10 @@ async def test_a_corrupt_block_is_never_served(tmp_path):
     async with trio.open_nursery() as n:
         await n.start(rig.engine.run)
         with trio.fail_after(20):
-            await rig.engine.load(node.ino, 4096)  # the first block is sound
+            await rig.engine.load(node.ino, 0, 4096)  # the first block is sound
             assert node.data.read(0, 4096) == data[:4096]
             with pytest.raises(OSError) as exc:
-                await rig.engine.load(node.ino, manifest.BLOCK + 20)
+                await rig.engine.load(node.ino, 0, manifest.BLOCK + 20)
         assert "block 1" in str(exc.value) and "big" in rig.engine.verify_failures
         assert not node.data.resident and rig.store.pool.used == 0  # nothing half-loaded stays
         n.cancel_scope.cancel()
@@ -478,14 +548,8 @@ async def test_a_reader_waiting_on_a_load_dropped_by_a_truncate_gets_the_file_as
     node = rig.store.inode_at("big")
     rig.engine.evict(1 << 40)
     go = threading.Event()
-    read = rig.backend.read
+    _gate_loads(rig.backend, lambda off: go.wait(30))
 
-    def stalled(path):
-        yield from ()
-        assert go.wait(30)
-        yield from read(path)
-
-    rig.backend.read = stalled
     async with trio.open_nursery() as n:
         await n.start(rig.engine.run)
         waited = []

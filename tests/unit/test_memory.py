@@ -161,15 +161,36 @@ def test_a_load_serves_what_it_shows_and_keeps_holes_free():
     assert not f.resident and pool.used == 0
     load = Loading(f, None)
     assert pool.used == 3 * CHUNK + 4096  # the whole file reserved up front (its last chunk is small)
-    load.place(b"q" * 4000)
-    load.place(b"q" * 6000)
+    load.place(0, b"q" * 4000)
+    load.place(4000, b"q" * 6000)
+    pos = 10000
     for piece in zeros(3 * CHUNK - 10000):
-        load.place(piece)
-    assert load.show(CHUNK) and not f.resident and f.read(0, 10001) == b"q" * 10000 + b"\0"
-    load.place(b"tail")
-    assert load.show(f.size) and f.resident and f.loading is None
+        load.place(pos, piece)
+        pos += len(piece)
+    assert load.show(0, CHUNK) and not f.resident and f.read(0, 10001) == b"q" * 10000 + b"\0"
+    assert load.covers(0, CHUNK) and not load.covers(0, CHUNK + 1) and not load.covers(0, None)
+    load.place(3 * CHUNK, b"tail")
+    assert load.show(CHUNK, f.size) and f.resident and f.loading is None
     assert f.read(3 * CHUNK - 2, 10) == b"\0\0tail"
     assert pool.used == f.allocated == CHUNK + 4096  # the two holes' chunks given back
+
+
+def test_a_load_places_and_shows_in_any_order_and_reads_land_in_place():
+    pool = MemoryPool(1 << 30)
+    f = FileData(pool)
+    f.write(0, b"a" * (3 * CHUNK))
+    f.evict()
+    load = Loading(f, None)
+    view = load.view(2 * CHUNK + 5, 1 << 30)
+    assert len(view) == CHUNK - 5  # bounded by its chunk
+    view[:] = b"c" * len(view)
+    load.place(2 * CHUNK + 5, view)  # in place already: nothing copied
+    load.place(2 * CHUNK, b"c" * 5)
+    del view
+    assert load.show(2 * CHUNK, 3 * CHUNK) and load.covers(2 * CHUNK, 3 * CHUNK) and not load.covers(0, 1)
+    assert f.read(3 * CHUNK - 3, 10) == b"ccc" and not f.resident
+    load.place(0, b"a" * (2 * CHUNK))
+    assert load.show(0, 2 * CHUNK) and f.resident and f.read(0, 3 * CHUNK) == b"a" * (2 * CHUNK) + b"c" * CHUNK
 
 
 def test_a_load_into_a_spill_file(tmp_path):
@@ -179,9 +200,10 @@ def test_a_load_into_a_spill_file(tmp_path):
     f.evict()
     load = Loading(f, str(tmp_path))
     assert pool.used == 0 and f.spilled
-    load.place(b"s" * (5 << 20))
+    assert load.view(0, 100) is None  # the worker writes a spill file itself
+    load.place(0, b"s" * (5 << 20))
     load.close()
-    assert load.show(f.size) and f.resident and f.read((5 << 20) - 2, 10) == b"ss"
+    assert load.show(0, f.size) and f.resident and f.read((5 << 20) - 2, 10) == b"ss"
 
 
 def test_a_truncate_drops_a_load_in_progress():
@@ -190,10 +212,10 @@ def test_a_truncate_drops_a_load_in_progress():
     f.write(0, b"x" * (2 * CHUNK))
     f.evict()
     load = Loading(f, None)
-    load.place(b"x" * CHUNK)
-    assert load.show(CHUNK)
+    load.place(0, b"x" * CHUNK)
+    assert load.show(0, CHUNK)
     f.clear()  # open(O_TRUNC) meanwhile
-    assert not load.show(2 * CHUNK)
+    assert not load.show(CHUNK, 2 * CHUNK)
     load.release()
     assert f.resident and f.size == 0 and pool.used == 0
 
