@@ -62,7 +62,7 @@ class _Load:
         self.ino, self.path, self.target, self.wanted = ino, path, target, wanted
         self.error: OSError | None = None
         self.changed = trio.Event()
-        self.ranged = all(d.blocks or d.size <= BLOCK for d in wanted)
+        self.ranged = all(d.size <= BLOCK or len(d.blocks) == -(-d.size // BLOCK) for d in wanted)
         self._taken = bytearray(max(1, -(-target.size // BLOCK)))  # per block: 1 once handed to the worker
         self._asked: collections.deque[int] = collections.deque()  # blocks readers wait for, first asked first
         self._next = 0  # where reading on goes
@@ -323,8 +323,9 @@ class Residency:
                         pos += len(piece)
                     piece = None  # no view of the file's memory outlives its block
                     wanted = _narrow(wanted, i, block.hexdigest(), load.path)
-                    # in order, the last block is served only once the whole file is checked (in _run)
-                    verified = load.ranged or (pos < size and all(d.block(i) is not None for d in wanted))
+                    # a block is served once every digest still allowed vouches for it; in
+                    # order, the last block only once the whole file is checked (in _run)
+                    verified = all(d.block(i) is not None for d in wanted) and (load.ranged or pos < size)
                     i = trio.from_thread.run_sync(load.next, i, verified)
         finally:
             target.close()

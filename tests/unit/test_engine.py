@@ -520,6 +520,29 @@ async def test_a_file_whose_record_has_no_block_hashes_loads_in_order_and_whole(
         n.cancel_scope.cancel()
 
 
+async def test_a_record_with_too_few_block_hashes_never_serves_an_unchecked_block(tmp_path):
+    """A record whose block list is short (damaged) cannot vouch for the
+    blocks it lacks: the file loads in order and whole, and rot in such a
+    block is caught by the whole file's hash."""
+    import dataclasses
+
+    rig, data = _evicted_big_file(tmp_path, 2 * manifest.BLOCK + 1000)
+    await run_until_flushed(rig)
+    node = rig.store.inode_at("big")
+    rig.engine.evict(1 << 40)
+    rec = manifest.read(rig.backend, "big")
+    rig.engine.residency.expect(node.ino, dataclasses.replace(rec, current=dataclasses.replace(rec.current, blocks=rec.current.blocks[:1])))
+    with open(tmp_path / "store" / "big", "r+b") as f:  # the last block rots in the store
+        f.seek(2 * manifest.BLOCK + 10)
+        f.write(bytes([data[2 * manifest.BLOCK + 10] ^ 1]))
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        with trio.fail_after(20), pytest.raises(OSError):
+            await rig.engine.load(node.ino, len(data) - 100, len(data))
+        assert not node.data.resident and rig.store.pool.used == 0
+        n.cancel_scope.cancel()
+
+
 async def test_a_corrupt_block_is_never_served(tmp_path):
     rig, data = _evicted_big_file(tmp_path, 2 * manifest.BLOCK + 1000)
     await run_until_flushed(rig)
