@@ -61,6 +61,7 @@ class _Load:
     def __init__(self, ino: int, path: str, target: LoadTarget, wanted: list[Digest]) -> None:
         self.ino, self.path, self.target, self.wanted = ino, path, target, wanted
         self.error: OSError | None = None
+        self.finished = False  # the load's task is over: counted, logged, evictable again
         self.changed = trio.Event()
         self.ranged = all(d.size <= BLOCK or len(d.blocks) == -(-d.size // BLOCK) for d in wanted)
         self._taken = bytearray(max(1, -(-target.size // BLOCK)))  # per block: 1 once handed to the worker
@@ -217,7 +218,8 @@ class Residency:
             if load is None:
                 return
         load.ask(off, end)
-        while load.error is None and not load.target.covers(off, end):
+        # a caller of the whole file (a writer, prefetch) also waits for the load to be over
+        while load.error is None and not (load.target.covers(off, end) and (end is not None or load.finished)):
             await load.changed.wait()
         if load.error is not None and not load.target.covers(off, end) and not self.e.ns.resident(ino):
             raise load.error  # not when a truncate meanwhile dropped the load: the file is in RAM, as it is now
@@ -293,6 +295,7 @@ class Residency:
                      ", verified" if load.wanted else "", ", into the spill directory" if load.target.spilled else "")
         finally:
             del self._loads[load.ino]
+            load.finished = True
             load.wake()
 
     def _stream(self, load: _Load) -> None:
