@@ -23,6 +23,7 @@ removes only the staging (and S3 multipart uploads) of daemons that are not.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import errno
@@ -53,6 +54,7 @@ INDEX = f"{META}/index"  # every record in one object, left by a clean exit (man
 HEARTBEAT_S = 20.0  # a daemon rewrites its heartbeat this often
 HEARTBEAT_DEAD_S = 4 * HEARTBEAT_S  # older than this: the daemon is gone
 PART_SIZE = 16 << 20  # grown for huge files to stay under S3's 10,000 parts
+PART_CONCURRENCY = 4  # S3: parts of one file in flight at once (each held as one copy meanwhile)
 SMALL_PUT = 8 << 20  # object stores: up to this size, one PUT at publish time
 READ_MANY_BATCH = 500  # object stores: records fetched concurrently per batch
 # Local stores: a staged file this big is fsynced at once, by its upload worker
@@ -833,12 +835,31 @@ class S3Backend(FsspecBackend):
         return Staged(size, tmp, parts)
 
     def _upload(self, path: str, pieces: Iterable[memoryview | bytes], size: int, complete: bool) -> tuple[str, list[dict]]:
-        """A multipart upload of `pieces` to `path`; completed (visible) if asked."""
+        """A multipart upload of `pieces` to `path`, up to PART_CONCURRENCY
+        parts in flight at once; completed (visible) if asked."""
         bucket, key = self._bucket_key(path)
         upload_id = self.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
         part_size = max(PART_SIZE, -(-size // 9000))
         parts: list[dict] = []
+        inflight: set[concurrent.futures.Future] = set()
+
+        def settle(until: int) -> None:
+            """Wait until at most `until` parts are in flight (raises a part's error)."""
+            nonlocal inflight
+            while len(inflight) > until:
+                done, inflight = concurrent.futures.wait(inflight, return_when=concurrent.futures.FIRST_COMPLETED)
+                parts.extend(f.result() for f in done)
+
+        pool = concurrent.futures.ThreadPoolExecutor(PART_CONCURRENCY, thread_name_prefix="ckptfs-part")
         try:
+            n = 0
+
+            def send(data: bytes) -> None:
+                nonlocal n
+                settle(PART_CONCURRENCY - 1)  # at most PART_CONCURRENCY parts held in memory
+                n += 1
+                inflight.add(pool.submit(self._part, bucket, key, upload_id, n, data))
+
             views: list[memoryview] = []  # the next part's bytes, as views of the snapshot: joined in one copy
             have = 0
             for piece in pieces:
@@ -846,19 +867,24 @@ class S3Backend(FsspecBackend):
                 while have + len(view) >= part_size:
                     k = part_size - have
                     views.append(view[:k])
-                    parts.append(self._part(bucket, key, upload_id, len(parts) + 1, b"".join(views)))
+                    send(b"".join(views))
                     views, have, view = [], 0, view[k:]
                 if view:
                     views.append(view)
                     have += len(view)
-            if views or not parts:
-                parts.append(self._part(bucket, key, upload_id, len(parts) + 1, b"".join(views)))
+            if views or not n:
+                send(b"".join(views))
+            settle(0)
+            parts.sort(key=lambda p: p["PartNumber"])
             if complete:
                 self._complete(bucket, key, upload_id, parts)
         except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)  # nothing may still upload into the aborted upload
             with contextlib.suppress(Exception):
                 self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
             raise
+        finally:
+            pool.shutdown(wait=False)
         return upload_id, parts
 
     def _complete(self, bucket: str, key: str, upload_id: str, parts: list[dict]) -> None:

@@ -169,6 +169,35 @@ def test_multi_part_upload(store, monkeypatch):
     assert data_of(store, "big") == payload
 
 
+def test_the_parts_of_one_file_upload_concurrently_and_land_in_order(s3, tmp_path, monkeypatch):
+    """S3: one large file's parts are in flight together (up to
+    PART_CONCURRENCY), and the object is the bytes in order."""
+    import threading
+
+    monkeypatch.setattr(backend_mod, "PART_SIZE", 5 << 20)
+    monkeypatch.setattr(backend_mod, "SMALL_PUT", 1 << 20)
+    store = open_store(s3.bucket("parts") + f"/root-{next(_n)}", s3.options())
+    lock, now, most = threading.Lock(), [0], [0]
+    send = type(store)._part
+
+    def part(self, *args):  # the real upload, with a note of how many run at once
+        with lock:
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+        try:
+            time.sleep(0.1)
+            return send(self, *args)
+        finally:
+            with lock:
+                now[0] -= 1
+
+    monkeypatch.setattr(type(store), "_part", part)
+    payload = os.urandom(31 << 20)  # 7 parts, the last one short
+    publish(store, "big", [memoryview(payload)[i : i + (1 << 20)] for i in range(0, len(payload), 1 << 20)])
+    assert data_of(store, "big") == payload
+    assert most[0] == backend_mod.PART_CONCURRENCY
+
+
 def test_empty_file(store):
     publish(store, "empty", [])
     assert data_of(store, "empty") == b""
