@@ -303,3 +303,23 @@ def test_read_many_returns_what_is_there_and_leaves_out_what_is_not(store):
     asked = names + ["r/0/missing.json", "nowhere/x.json"]
     got = dict(store.read_many(asked))
     assert got == contents
+
+
+def test_a_source_reads_any_range_in_any_order(store):
+    """Loads read the block a reader waits for first (`open_source`): any
+    range, in any order, the bytes as published; on a local store straight
+    into the caller's buffer where it gives one; a missing file is
+    FileNotFoundError."""
+    payload = os.urandom(3 << 20)
+    publish(store, "f", [payload])
+    with store.open_source("f") as source:
+        assert source.size == len(payload)
+        for off, n in ((2 << 20, 1 << 20), (5, 100), (0, 1 << 20), (len(payload) - 1, 1)):
+            assert b"".join(bytes(p) for p in source.read(off, n)) == payload[off : off + n]
+        buf = bytearray(1 << 20)
+        got = list(source.read(1 << 20, 1 << 20, lambda off, k: memoryview(buf)[: min(k, len(buf))]))
+        assert b"".join(bytes(p) for p in got) == payload[1 << 20 : 2 << 20]
+        if isinstance(store, backend_mod.LocalBackend):
+            assert bytes(buf) == payload[1 << 20 : 2 << 20]  # read in place
+    with pytest.raises(FileNotFoundError):
+        store.open_source("missing")
