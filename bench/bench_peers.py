@@ -74,6 +74,11 @@ def _foreground(cmd: list[str], mountpoint: Path, log: Path) -> Iterator[None]:
                 continue
 
 
+def _slug(name: str) -> str:
+    """A system's directory name."""
+    return name.replace("/", "").replace(" + ", "-")
+
+
 def _files_under(d: Path) -> int:
     return sum(len(files) for _, _, files in os.walk(d))
 
@@ -82,7 +87,7 @@ def _files_under(d: Path) -> int:
 def system(name: str, base: Path) -> Iterator[tuple[Path, Callable[[Path], None] | None]]:
     """(directory to save into, how to wait until a saved file is durable;
     None: never durable)."""
-    root = base / name.replace("/", "").replace(" + ", "-")
+    root = base / _slug(name)
     root.mkdir()
     if name == "ckptfs":
         with mounted(root, memory_limit="6G") as (mp, _pid):
@@ -129,6 +134,17 @@ def system(name: str, base: Path) -> Iterator[tuple[Path, Callable[[Path], None]
             yield mnt, uploaded
     else:
         raise ValueError(name)
+
+
+@contextlib.contextmanager
+def _round_dir(base: Path, r: int, name: str) -> Iterator[tuple[Path, Callable[[Path], None] | None]]:
+    d = base / f"r{r}"
+    d.mkdir(exist_ok=True)
+    try:
+        with system(name, d) as where:
+            yield where
+    finally:
+        shutil.rmtree(d / _slug(name), ignore_errors=True)
 
 
 def plot(m: dict[str, dict[str, float]], path: str) -> None:
@@ -213,17 +229,6 @@ def main() -> None:
     emit(lines, args.write)
     if args.plot:
         plot(m, args.plot)
-
-
-@contextlib.contextmanager
-def _round_dir(base: Path, r: int, name: str) -> Iterator[tuple[Path, Callable[[Path], None] | None]]:
-    d = base / f"r{r}"
-    d.mkdir(exist_ok=True)
-    try:
-        with system(name, d) as where:
-            yield where
-    finally:
-        shutil.rmtree(d / name.replace("/", "").replace(" + ", "-"), ignore_errors=True)
 
 
 if __name__ == "__main__":

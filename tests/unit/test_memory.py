@@ -152,12 +152,18 @@ def test_snapshot_pieces_include_holes():
     snap.release()
 
 
-def test_a_load_serves_what_it_shows_and_keeps_holes_free():
+def _evicted(*writes: tuple[int, bytes]) -> tuple[MemoryPool, FileData]:
+    """A file with these writes, then evicted (its bytes only in the store)."""
     pool = MemoryPool(1 << 30)
     f = FileData(pool)
-    f.write(0, b"q" * 10000)
-    f.write(3 * CHUNK, b"tail")
+    for off, data in writes:
+        f.write(off, data)
     f.evict()
+    return pool, f
+
+
+def test_a_load_serves_what_it_shows_and_keeps_holes_free():
+    pool, f = _evicted((0, b"q" * 10000), (3 * CHUNK, b"tail"))
     assert not f.resident and pool.used == 0
     load = Loading(f, None)
     assert pool.used == 3 * CHUNK + 4096  # the whole file reserved up front (its last chunk is small)
@@ -176,10 +182,7 @@ def test_a_load_serves_what_it_shows_and_keeps_holes_free():
 
 
 def test_a_load_places_and_shows_in_any_order_and_reads_land_in_place():
-    pool = MemoryPool(1 << 30)
-    f = FileData(pool)
-    f.write(0, b"a" * (3 * CHUNK))
-    f.evict()
+    _, f = _evicted((0, b"a" * (3 * CHUNK)))
     load = Loading(f, None)
     view = load.view(2 * CHUNK + 5, 1 << 30)
     assert len(view) == CHUNK - 5  # bounded by its chunk
@@ -194,10 +197,7 @@ def test_a_load_places_and_shows_in_any_order_and_reads_land_in_place():
 
 
 def test_a_load_into_a_spill_file(tmp_path):
-    pool = MemoryPool(1 << 30)
-    f = FileData(pool)
-    f.write(0, b"s" * (5 << 20))
-    f.evict()
+    pool, f = _evicted((0, b"s" * (5 << 20)))
     load = Loading(f, str(tmp_path))
     assert pool.used == 0 and f.spilled
     assert load.view(0, 100) is None  # the worker writes a spill file itself
@@ -207,10 +207,7 @@ def test_a_load_into_a_spill_file(tmp_path):
 
 
 def test_a_truncate_drops_a_load_in_progress():
-    pool = MemoryPool(1 << 30)
-    f = FileData(pool)
-    f.write(0, b"x" * (2 * CHUNK))
-    f.evict()
+    pool, f = _evicted((0, b"x" * (2 * CHUNK)))
     load = Loading(f, None)
     load.place(0, b"x" * CHUNK)
     assert load.show(0, CHUNK)
