@@ -136,6 +136,9 @@ class InodeTree:
         self.pool = pool
         self.journal = journal
         self.spill_dir = spill_dir
+        # Where every time the tree sets comes from: a cluster's replicas set
+        # it to the time of the change they apply, so that all agree.
+        self.clock: Callable[[], int] = time.time_ns
         self.inodes: dict[int, Inode] = {}
         self.handles: dict[int, Handle] = {}
         self.touched: set[int] = set()  # regular files whose size, data, names or seal changed (for status)
@@ -248,7 +251,7 @@ class InodeTree:
         d = self._prepare_new_entry(parent, name)
         self._link(d, name, inode)
         inode.nlink += 1
-        inode.ctime_ns = time.time_ns()
+        inode.ctime_ns = self.clock()
         if self.journal is not None:
             self.journal.linked(inode.ino, self._path(parent, name))
         return inode
@@ -322,7 +325,7 @@ class InodeTree:
                 raise _err(errno.EISDIR)
         if self.journal is not None:
             src_path, dst_path = self._path(old_parent, old_name), self._path(new_parent, new_name)
-        now = time.time_ns()
+        now = self.clock()
         if target is not None:
             self._unlink_entry(dst_dir, new_name, now)
             if target.is_dir:
@@ -349,7 +352,7 @@ class InodeTree:
             self._check_not_ancestor(a, dst_dir)
         if b.is_dir:
             self._check_not_ancestor(b, src_dir)
-        now = time.time_ns()
+        now = self.clock()
         src_dir.children[a_name] = b.ino  # type: ignore[index]
         dst_dir.children[b_name] = a.ino  # type: ignore[index]
         a.links.discard((src_dir.ino, a_name))
@@ -381,7 +384,7 @@ class InodeTree:
         mtime_ns: int | None = None,
     ) -> Inode:
         inode = self.get(ino)
-        now = time.time_ns()
+        now = self.clock()
         if size is not None:
             if inode.is_dir:
                 raise _err(errno.EISDIR)
@@ -413,7 +416,7 @@ class InodeTree:
             inode.data.clear()
         else:
             inode.data.truncate(size)
-        inode.mtime_ns = inode.ctime_ns = time.time_ns()
+        inode.mtime_ns = inode.ctime_ns = self.clock()
         inode.version += 1
         self.touched.add(inode.ino)
 
@@ -441,7 +444,7 @@ class InodeTree:
         if inode.xattrs is None:
             inode.xattrs = {}
         inode.xattrs[name] = bytes(value)
-        inode.ctime_ns = time.time_ns()
+        inode.ctime_ns = self.clock()
 
     def listxattr(self, ino: int) -> list[bytes]:
         return list(self.get(ino).xattrs or ())
@@ -450,7 +453,7 @@ class InodeTree:
         inode = self.get(ino)
         if inode.xattrs is None or inode.xattrs.pop(name, None) is None:
             raise _err(errno.ENODATA)
-        inode.ctime_ns = time.time_ns()
+        inode.ctime_ns = self.clock()
 
     # -- open files ----------------------------------------------------------
     def open(self, ino: int, flags: int, keeps_setid: Callable[[], bool] = _always) -> Handle:
@@ -509,7 +512,7 @@ class InodeTree:
         if handle.append:
             off = inode.data.size
         n = inode.data.write(off, data)
-        inode.mtime_ns = inode.ctime_ns = time.time_ns()
+        inode.mtime_ns = inode.ctime_ns = self.clock()
         inode.version += 1
         self.touched.add(inode.ino)
         self._drop_setid(inode, handle.keeps_setid)
@@ -522,7 +525,7 @@ class InodeTree:
         bits = stat.S_ISUID | (stat.S_ISGID if inode.mode & stat.S_IXGRP else 0)
         if inode.mode & bits and not keeps_setid():
             inode.mode &= ~bits
-            inode.ctime_ns = time.time_ns()
+            inode.ctime_ns = self.clock()
             if self.journal is not None:
                 self.journal.changed_attrs(inode.ino)
 
@@ -699,7 +702,7 @@ class InodeTree:
     def _new_inode(self, mode: int, uid: int, gid: int, parent: Inode | None = None) -> Inode:
         if parent is not None and parent.mode & stat.S_ISGID:
             gid = parent.gid
-        now = time.time_ns()
+        now = self.clock()
         inode = Inode(self._next_ino, mode, uid, gid, atime_ns=now, mtime_ns=now, ctime_ns=now)
         self._next_ino += 1
         if stat.S_ISDIR(mode):
@@ -730,14 +733,14 @@ class InodeTree:
         d.children[name] = inode.ino  # type: ignore[index]
         d.cookies[name] = d.next_cookie  # type: ignore[index]
         d.next_cookie += 1
-        d.mtime_ns = d.ctime_ns = now or time.time_ns()
+        d.mtime_ns = d.ctime_ns = now or self.clock()
 
     def _unlink_entry(self, d: Inode, name: bytes, now: int | None = None) -> None:
         self.inodes[d.children[name]].links.discard((d.ino, name))  # type: ignore[index]
         self.touched.add(d.children[name])  # type: ignore[index]
         del d.children[name]  # type: ignore[union-attr]
         del d.cookies[name]  # type: ignore[union-attr]
-        d.mtime_ns = d.ctime_ns = now or time.time_ns()
+        d.mtime_ns = d.ctime_ns = now or self.clock()
 
     def _check_not_ancestor(self, moved: Inode, dst_dir: Inode) -> None:
         node = dst_dir

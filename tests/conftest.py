@@ -77,6 +77,28 @@ def fresh_mount(tmp_path: Path) -> Iterator[Mount]:
 
 
 @pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory):
+    """A real Redis on loopback for the whole session (the cluster tests' metadata engine)."""
+    from tests.redisserver import RedisServer, have_redis
+
+    if not have_redis():
+        pytest.fail("redis-server is needed for the cluster tests: bash scripts/bootstrap.sh installs it")
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_db(redis_server):
+    """The session's Redis, emptied for this test."""
+    redis_server.flush()
+    return redis_server
+
+
+@pytest.fixture(scope="session")
 def s3(tmp_path_factory: pytest.TempPathFactory):
     """A real S3 server on loopback for the whole session."""
     from tests.s3server import have_weed, start_s3

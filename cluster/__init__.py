@@ -1,0 +1,1 @@
+"""Cluster mode: many daemons, one namespace kept in Redis, one store."""

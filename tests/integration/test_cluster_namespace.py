@@ -1,0 +1,176 @@
+"""Cluster mode's shared namespace: replicas of one InodeTree kept in step
+through one log in a real Redis (no FUSE here: the replicas are in-process,
+as the daemons of several nodes would hold them)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import stat
+
+import pytest
+import trio
+from ckptfs.cluster.log import PASSWORD_ENV, ClusterError, SharedLog, Where
+from ckptfs.cluster.namespace import SharedNamespace
+from ckptfs.fs.memory import MemoryPool
+from ckptfs.fs.tree import ROOT, InodeTree
+
+STORE = "file:///tmp/ckptfs-cluster-test-store"
+
+
+def _where(server) -> Where:
+    return Where(server.url, password_file=str(server.password_file))
+
+
+def _replica(server, node: str) -> SharedNamespace:
+    shared = SharedLog(_where(server))
+    shared.open(STORE)
+    return SharedNamespace(InodeTree(MemoryPool(64 << 20)), shared, node)
+
+
+def picture(tree: InodeTree) -> dict:
+    """Everything a replica must agree on, by path."""
+    out = {}
+    stack = [("", tree.inodes[ROOT])]
+    while stack:
+        path, node = stack.pop()
+        out[path] = (node.ino, node.mode, node.uid, node.gid, node.nlink, node.mtime_ns, node.ctime_ns, node.target,
+                     dict(node.xattrs or {}), node.size)
+        for name, ino in (node.children or {}).items():
+            stack.append((f"{path}/{os.fsdecode(name)}", tree.inodes[ino]))
+    return out
+
+
+async def _settled(*replicas: SharedNamespace) -> None:
+    for r in replicas:
+        await r.catch_up()
+
+
+async def test_a_change_on_one_node_is_seen_on_the_others_within_a_second(redis_db):
+    a, b = _replica(redis_db, "a"), _replica(redis_db, "b")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(b.follow)
+        d = await a.change("mkdir", ROOT, b"ckpt", 0o750, 1000, 1000)
+        h = await a.create(d.ino, b"shard-0.pt", 0o640, os.O_WRONLY | os.O_CREAT, 1000, 1000, lambda: True)
+        a.tree.release(h.fh)
+        await a.change("setxattr", h.inode.ino, b"user.tag", b"\x00\xff")
+        with trio.fail_after(1.0):  # the bound the README states
+            while b.tree.inode_at("ckpt/shard-0.pt") is None or not b.tree.listxattr(h.inode.ino):
+                await b.applied.wait()
+        assert picture(b.tree) == picture(a.tree)
+        assert b.tree.inode_at("ckpt").mode == stat.S_IFDIR | 0o750
+        await a.change("rename", d.ino, b"shard-0.pt", ROOT, b"moved.pt", 0)
+        await a.change("rmdir", ROOT, b"ckpt")
+        with trio.fail_after(1.0):
+            while b.tree.inode_at("ckpt") is not None:
+                await b.applied.wait()
+        assert picture(b.tree) == picture(a.tree)
+        assert b.tree.inode_at("moved.pt").ino == h.inode.ino
+        nursery.cancel_scope.cancel()
+
+
+async def test_exclusive_creates_of_one_name_on_three_nodes_make_one_file(redis_db):
+    replicas = [_replica(redis_db, n) for n in "abc"]
+    won, lost = [], []
+
+    async def make(r: SharedNamespace) -> None:
+        try:
+            h = await r.create(ROOT, b".metadata", 0o644, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0, 0, lambda: True)
+            won.append((r.node, h.inode.ino))
+        except OSError as exc:
+            assert exc.errno == errno.EEXIST
+            lost.append(r.node)
+
+    for _ in range(5):  # several rounds: each a fresh name race
+        won.clear()
+        lost.clear()
+        async with trio.open_nursery() as nursery:
+            for r in replicas:
+                nursery.start_soon(make, r)
+        assert len(won) == 1 and len(lost) == 2
+        await _settled(*replicas)
+        assert {r.tree.inode_at(".metadata").ino for r in replicas} == {won[0][1]}
+        await replicas[0].change("unlink", ROOT, b".metadata")
+
+
+async def test_an_error_is_decided_at_the_change_s_place_in_the_log_alike_everywhere(redis_db):
+    a, b = _replica(redis_db, "a"), _replica(redis_db, "b")
+    d = await a.change("mkdir", ROOT, b"old", 0o755, 0, 0)
+    await b.catch_up()
+    await b.change("mknod", d.ino, b"late-shard", stat.S_IFREG | 0o644, 0, 0)  # b's file goes in first
+    with pytest.raises(OSError) as got:  # a has not seen it yet: the log has, and says no
+        await a.change("rmdir", ROOT, b"old")
+    assert got.value.errno == errno.ENOTEMPTY
+    await _settled(a, b)
+    assert picture(a.tree) == picture(b.tree)
+    assert a.tree.inode_at("old/late-shard") is not None
+
+
+async def test_replicas_agree_after_many_concurrent_changes_and_a_late_joiner_catches_up(redis_db):
+    replicas = [_replica(redis_db, n) for n in "abc"]
+    rng = random.Random(7)
+    names = [b"a", b"b", b"c", b"\xff\xfename", b"d"]
+
+    async def churn(r: SharedNamespace, seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(60):
+            dirs = [i.ino for i in r.tree.inodes.values() if i.is_dir and i.nlink]
+            parent, name = rng.choice(dirs), rng.choice(names)
+            op = rng.choice(["mknod", "mkdir", "symlink", "unlink", "rmdir", "rename", "setattr", "link"])
+            try:
+                if op == "mknod":
+                    await r.change("mknod", parent, name, stat.S_IFREG | 0o644, 0, 0)
+                elif op == "mkdir":
+                    await r.change("mkdir", parent, name, 0o755, 0, 0)
+                elif op == "symlink":
+                    await r.change("symlink", parent, name, b"../" + name, 0, 0)
+                elif op in ("unlink", "rmdir"):
+                    await r.change(op, parent, name)
+                elif op == "rename":
+                    await r.change("rename", parent, name, rng.choice(dirs), rng.choice(names), rng.choice([0, 0, 1, 2]))
+                elif op == "link":
+                    files = [i.ino for i in r.tree.inodes.values() if i.is_reg and i.nlink]
+                    if files:
+                        await r.change("link", rng.choice(files), parent, name)
+                else:
+                    await r.change("setattr", parent, mode=rng.choice([0o700, 0o755]), mtime_ns=rng.randrange(1 << 40))
+            except OSError:
+                pass  # many of these are refused: alike on every replica
+            if rng.random() < 0.3:
+                await trio.sleep(0)
+
+    async with trio.open_nursery() as nursery:
+        for i, r in enumerate(replicas):
+            nursery.start_soon(churn, r, rng.randrange(1 << 30) + i)
+    await _settled(*replicas)
+    first = picture(replicas[0].tree)
+    assert len(first) > 3
+    for r in replicas[1:]:
+        assert picture(r.tree) == first
+    late = _replica(redis_db, "late")
+    await late.catch_up()
+    assert picture(late.tree) == first
+    assert late.position == replicas[0].position == late.log.head()
+
+
+async def test_redis_errors_are_one_line(redis_db, tmp_path, monkeypatch):
+    monkeypatch.delenv(PASSWORD_ENV, raising=False)
+    closed = Where("redis://127.0.0.1:1/0")
+    with pytest.raises(ClusterError, match=r"cannot reach Redis at redis://127.0.0.1:1/0"):
+        SharedLog(closed).open(STORE)
+    with pytest.raises(ClusterError, match="needs a password"):
+        SharedLog(Where(redis_db.url)).open(STORE)
+    wrong = tmp_path / "wrong"
+    wrong.write_text("not-the-password\n")
+    with pytest.raises(ClusterError, match="refused the password") as got:
+        SharedLog(Where(redis_db.url, str(wrong))).open(STORE)
+    assert "not-the-password" not in str(got.value)
+    monkeypatch.setenv(PASSWORD_ENV, redis_db.password)
+    SharedLog(Where(redis_db.url)).open(STORE)  # the password from the environment
+    with pytest.raises(ClusterError, match="keeps the namespace of store file:///tmp/ckptfs-cluster-test-store, not s3://other"):
+        SharedLog(Where(redis_db.url)).open("s3://other")
+    with pytest.raises(ClusterError, match="not a Redis URL"):
+        SharedLog(Where("http://127.0.0.1:6379"))
+    with pytest.raises(ClusterError, match="cannot read the Redis password file"):
+        SharedLog(Where(redis_db.url, str(tmp_path / "missing"))).open(STORE)
