@@ -54,3 +54,6 @@ class MountConfig:
     spill_dir: str | None = None  # where files too big for RAM continue (default: see mount.py)
     metrics_port: int | None = None  # serve Prometheus metrics here
     metrics_host: str = "127.0.0.1"
+    cluster: str | None = None  # cluster mode: the Redis URL of the shared namespace
+    cluster_password_file: str | None = None  # its password (else $CKPTFS_REDIS_PASSWORD)
+    node: str | None = None  # this node's name in the cluster (default: the host name)

@@ -46,7 +46,7 @@ return there
 """
 
 
-class ClusterError(Exception):
+class ClusterError(RuntimeError):
     """Redis cannot be used as this cluster's metadata engine; the message says why, in one line."""
 
 
@@ -89,6 +89,7 @@ def _describe(where: Where) -> str:
 class SharedLog:
     def __init__(self, where: Where, prefix: str = PREFIX) -> None:
         self.where = where
+        self.prefix = prefix
         self.head_key, self.log_key, self.store_key = prefix + "head", prefix + "log", prefix + "store"
         self._r = _client(where, CALL_TIMEOUT_S)
         self._append = self._r.register_script(_APPEND)
@@ -127,6 +128,14 @@ class SharedLog:
             self._waiter = _client(self.where, block_s + CALL_TIMEOUT_S)
         got = self._waiter.xread({self.log_key: f"{after}-1"}, count=READ_BATCH, block=max(1, int(block_s * 1000)))
         return _entries(got[0][1]) if got else []
+
+    @property
+    def redis(self) -> redis.Redis:
+        return self._r
+
+    def waiter(self, block_s: float) -> redis.Redis:
+        """A connection of its own for blocking reads of up to `block_s`."""
+        return _client(self.where, block_s + CALL_TIMEOUT_S)
 
     def head(self) -> int:
         return int(self._r.get(self.head_key) or 0)

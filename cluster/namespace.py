@@ -7,9 +7,21 @@ tree's own code decides it (the same checks, the same errors, the same
 inode numbers), against the namespace as it is at that place. Changes made
 on other nodes are applied as they arrive (`follow`), within milliseconds.
 
+Seals go through the log too: a file sealed here gets its place in the log
+(`sealed` entries, appended in the order the files were sealed), and every
+node's write-back engine learns of it there. So every engine sees every seal
+and namespace change of the whole cluster in one order, the log's: C3 across
+nodes is the engine's own ordering, applied to that one sequence. On the
+node that sealed it the generation's bytes are in RAM; elsewhere the file
+shows its new size and loads from the store once published.
+
+This replica is the tree's `Journal`: what the tree reports while applying
+an entry goes on to the engine; a seal the tree reports outside of that (a
+local close) waits for its place in the log first.
+
 What stays local to each node: file contents, open handles, and the
-kernel's references; only names, links, modes, owners, times and extended
-attributes are shared.
+kernel's references; names, links, modes, owners, times, extended
+attributes and seals are shared.
 """
 
 from __future__ import annotations
@@ -22,10 +34,10 @@ import stat
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import trio
-from ckptfs.fs.tree import Handle, InodeTree
+from ckptfs.fs.tree import Handle, InodeTree, Journal
 
 from .log import READ_BATCH, SharedLog
 
@@ -36,16 +48,30 @@ FOLLOW_BLOCK_S = 1.0
 CHANGES = frozenset({"mknod", "mkdir", "symlink", "link", "unlink", "rmdir", "rename", "setattr", "setxattr", "removexattr"})
 
 
+class ClusterJournal(Journal, Protocol):
+    """The write-back engine as a cluster node sees it (writeback.engine.Engine)."""
+
+    def place(self, position: int) -> None: ...  # what follows comes from this log position
+    def sealed_elsewhere(self, ino: int, generation: int, size: int, node: str) -> None: ...
+
+
 class SharedNamespace:
-    def __init__(self, tree: InodeTree, log_: SharedLog, node: str) -> None:
+    def __init__(self, tree: InodeTree, log_: SharedLog, node: str, engine: ClusterJournal | None = None) -> None:
         self.tree = tree
         self.log = log_
         self.node = node  # for humans: which node made a change
         self.me = uuid.uuid4().hex  # this daemon, as the author of its entries
+        self.engine = engine
         self.position = 0  # the last log position applied to the tree
         self._outcomes: dict[int, Any] = {}  # position of an entry of ours -> what applying it gave
         self._appending = trio.Lock()  # this node's own appends, one at a time: they would only race each other
         self.applied = trio.Event()  # set (and replaced) whenever entries are applied
+        self._applying = False
+        self._unplaced: dict[tuple[int, int], Any] = {}  # (ino, generation) sealed here -> its snapshot, until placed
+        self._to_place: list[bytes] = []  # entries for seals (and the attributes a write changed) made here
+        self._placing = trio.Event()  # set when an entry is queued
+        self._shrunk = trio.Event()  # set (and replaced) when one has its place
+        tree.journal = self
 
     # -- changes made here -------------------------------------------------------
     async def change(self, op: str, *args: Any, **kwargs: Any) -> Any:
@@ -56,20 +82,24 @@ class SharedNamespace:
             raise ValueError(f"not a shared namespace change: {op}")
         if kwargs.get("size") is not None:
             raise ValueError("a size change is a change of the file's bytes: made where they are, shared when sealed")
-        raw = _encode(self.me, self.node, op, args, kwargs)
+        pos = await self._append(self._encode(op, args, kwargs))
+        outcome = self._outcomes.pop(pos)
+        if isinstance(outcome, OSError):
+            raise outcome
+        return outcome
+
+    async def _append(self, raw: bytes) -> int:
+        """Append an entry after everything this replica has applied, and
+        apply up to it; its position."""
         async with self._appending:
             while True:
-                after = self.position
-                pos = await trio.to_thread.run_sync(self.log.append, after, raw)
+                pos = await trio.to_thread.run_sync(self.log.append, self.position, raw)
                 if pos is not None:
                     break
                 await self.catch_up()  # another node appended first: apply that, then try again after it
             while self.position < pos:
                 await self.catch_up()
-        outcome = self._outcomes.pop(pos)
-        if isinstance(outcome, OSError):
-            raise outcome
-        return outcome
+        return pos
 
     async def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int, gid: int,
                      keeps_setid: Callable[[], bool]) -> Handle:
@@ -93,6 +123,88 @@ class SharedNamespace:
         if inode.is_dir:
             raise OSError(errno.EISDIR, os.strerror(errno.EISDIR))
         return self.tree.open(inode.ino, flags, keeps_setid)
+
+    async def placed(self) -> None:
+        """Until every seal made here so far has its place in the log (and
+        so, on every node, comes before whatever happens after this call)."""
+        while self._to_place:
+            await self._shrunk.wait()
+
+    async def place_seals(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Give each seal made here its place in the log, in the order they were made."""
+        task_status.started()
+        while True:
+            if not self._to_place:
+                await self._placing.wait()
+                self._placing = trio.Event()
+                continue
+            try:
+                await self._append(self._to_place[0])
+            except Exception as exc:  # Redis unreachable: the seal waits (its bytes stay in RAM); tried again
+                log.warning("cannot give a seal its place in the cluster log yet (%s): trying again", exc)
+                await trio.sleep(0.5)
+                continue
+            self._to_place.pop(0)
+            self._shrunk.set()
+            self._shrunk = trio.Event()
+
+    # -- the tree's journal --------------------------------------------------------
+    def sealed(self, ino: int, generation: int, snapshot) -> None:
+        if self._applying:  # cannot happen: no change in the log seals (sizes are not shared changes)
+            raise RuntimeError("a seal while applying a log entry")
+        self._unplaced[(ino, generation)] = snapshot
+        inode = self.tree.inodes[ino]
+        self._queue(self._encode("sealed", (ino, generation, snapshot.size, inode.mtime_ns), {}))
+
+    def changed_attrs(self, ino: int) -> None:
+        if self._applying:
+            if self.engine is not None:
+                self.engine.changed_attrs(ino)
+            return
+        # A write cleared set-ID bits here: shared like a chmod
+        inode = self.tree.inodes.get(ino)
+        if inode is not None:
+            self._queue(self._encode("setattr", (ino,), {"mode": inode.mode}))
+
+    def renamed(self, src: str, dst: str, ino: int, is_dir: bool, replaced: int | None = None) -> None:
+        if (journal := self._forward()) is not None:
+            journal.renamed(src, dst, ino, is_dir, replaced)
+
+    def exchanged(self, a: str, b: str) -> None:
+        if (journal := self._forward()) is not None:
+            journal.exchanged(a, b)
+
+    def linked(self, ino: int, path: str) -> None:
+        if (journal := self._forward()) is not None:
+            journal.linked(ino, path)
+
+    def removed(self, path: str, ino: int, is_dir: bool) -> None:
+        if (journal := self._forward()) is not None:
+            journal.removed(path, ino, is_dir)
+
+    def made_dir(self, path: str, ino: int) -> None:
+        if (journal := self._forward()) is not None:
+            journal.made_dir(path, ino)
+
+    def made_symlink(self, path: str, ino: int, target: str) -> None:
+        if (journal := self._forward()) is not None:
+            journal.made_symlink(path, ino, target)
+
+    def _forward(self) -> Journal | None:
+        if not self._applying:
+            raise RuntimeError("a namespace change made here without the cluster log")
+        return self.engine
+
+    def _queue(self, raw: bytes) -> None:
+        self._to_place.append(raw)
+        self._placing.set()
+
+    # -- restore: the first node of a cluster shows the store ------------------------
+    async def restored(self, entries: list[tuple]) -> None:
+        """This node restored `entries` (`InodeTree.restore` arguments) from
+        the store into its tree, starting the cluster: every node restores them."""
+        if entries:
+            await self._append(self._encode("restore", (), {"entries": entries}))
 
     # -- changes made anywhere ---------------------------------------------------
     async def catch_up(self) -> int:
@@ -130,8 +242,21 @@ class SharedNamespace:
         author, node, when, op, args, kwargs = _decode(raw)
         tree = self.tree
         tree.clock = lambda: when
+        self._applying = True
+        if self.engine is not None:
+            self.engine.place(pos)
         try:
-            outcome: Any = getattr(tree, op)(*args, **kwargs) if op in CHANGES else OSError(errno.EINVAL, f"unknown change {op}")
+            if op in CHANGES:
+                outcome: Any = getattr(tree, op)(*args, **kwargs)
+            elif op == "sealed":
+                outcome = self._apply_seal(author, node, *args)
+            elif op == "restore":
+                outcome = None
+                if author != self.me:  # the first node restored them before it appended this
+                    for entry in kwargs["entries"]:
+                        tree.restore(*entry)
+            else:
+                outcome = OSError(errno.EINVAL, f"unknown change {op}")
         except OSError as exc:
             outcome = exc
         except Exception as exc:  # a bug: every replica meets it alike, so the namespaces still agree
@@ -139,14 +264,29 @@ class SharedNamespace:
             outcome = OSError(errno.EIO, f"{op}: {exc}")
         finally:
             tree.clock = time.time_ns
+            self._applying = False
         self.position = pos
         if author == self.me:
             self._outcomes[pos] = outcome
 
+    def _apply_seal(self, author: str, node: str, ino: int, generation: int, size: int, mtime_ns: int) -> None:
+        tree = self.tree
+        if author == self.me:
+            snapshot = self._unplaced.pop((ino, generation), None)
+            if snapshot is None:
+                return
+            if not tree.paths_of(ino) or self.engine is None:  # deleted before its place: never published (C4)
+                snapshot.release()
+                return
+            self.engine.sealed(ino, generation, snapshot)
+            return
+        keep = any(i == ino for i, _ in self._unplaced)  # sealed here since: that later seal wins
+        if tree.sealed_elsewhere(ino, generation, size, mtime_ns, keep) is not None and tree.paths_of(ino) and self.engine is not None:
+            self.engine.sealed_elsewhere(ino, generation, size, node)
 
-def _encode(author: str, node: str, op: str, args: tuple, kwargs: dict) -> bytes:
-    return json.dumps({"by": author, "node": node, "t": time.time_ns(), "op": op,
-                       "a": [_to_json(a) for a in args], "k": {k: _to_json(v) for k, v in kwargs.items()}}).encode()
+    def _encode(self, op: str, args: tuple, kwargs: dict) -> bytes:
+        return json.dumps({"by": self.me, "node": self.node, "t": time.time_ns(), "op": op,
+                           "a": [_to_json(a) for a in args], "k": {k: _to_json(v) for k, v in kwargs.items()}}).encode()
 
 
 def _decode(raw: bytes) -> tuple[str, str, int, str, list, dict]:
@@ -160,5 +300,4 @@ def _to_json(v: Any) -> Any:
 
 
 def _of_json(v: Any) -> Any:
-    return os.fsencode(v["b"]) if isinstance(v, dict) else v
-
+    return os.fsencode(v["b"]) if isinstance(v, dict) and set(v) == {"b"} else v

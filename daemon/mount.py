@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import pyfuse3
 import trio
@@ -28,6 +29,9 @@ from ckptfs.config import MountConfig
 from . import status
 from .control import ControlServer
 from .metrics import Metrics
+
+if TYPE_CHECKING:
+    from ckptfs.cluster.node import ClusterNode
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +60,13 @@ def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
     tree = InodeTree(MemoryPool(config.memory_limit, config.reuse_ram), uid=os.getuid(), gid=os.getgid(), spill_dir=spill_dir)
     engine = Engine(backend, tree, workers=config.upload_workers, deadlines=Deadlines(call_s=config.store_timeout))
     tree.journal = engine
+    node = None
+    if config.cluster is not None:
+        from ckptfs.cluster.log import Where
+        from ckptfs.cluster.node import ClusterNode
+
+        node = ClusterNode(Where(config.cluster, config.cluster_password_file), config.store_url, tree, engine, config.node)
+        node.join()
     metrics = Metrics()
     if config.metrics_port is not None:
         try:
@@ -63,12 +74,15 @@ def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
         except OSError as exc:
             raise RuntimeError(f"cannot serve metrics on {config.metrics_host}:{config.metrics_port}: {exc.strerror or exc}") from None
     ops = Operations(tree, engine, fsync_durable=config.fsync == "durable", metrics=metrics,
-                     virtual_xattr=lambda inode, name: status.xattr(tree, engine, inode, name))
+                     virtual_xattr=lambda inode, name: status.xattr(tree, engine, inode, name),
+                     shared=node.namespace if node is not None else None)
     mountpoint = str(config.mountpoint)
     try:
         pyfuse3.init(ops, mountpoint, fuse_options(f"ckptfs:{config.store_url}"[:200]))
     except BaseException:
         metrics.close()
+        if node is not None:
+            node.leave()
         raise
     info = runtime.MountInfo.new(mountpoint, config.store_url, str(config.log_file or ""))
     ledger = status.Ledger(tree, engine)
@@ -96,7 +110,7 @@ def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
         info.write()
         log.info("mounted %s (store %s, RAM budget %d bytes, fsync=%s)", mountpoint, config.store_url, config.memory_limit, config.fsync)
         try:
-            left = trio.run(_main, config, tree, engine, control, metrics, unmount, ready)
+            left = trio.run(_main, config, tree, engine, control, metrics, unmount, ready, node)
         except BaseExceptionGroup as group:
             refused, rest = group.split(StoreError)  # the store could not be used: no traceback, the reason
             if refused is None or rest is not None:
@@ -107,6 +121,8 @@ def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
     finally:
         unmount()
         metrics.close()
+        if node is not None:
+            node.leave()
         runtime.remove(mountpoint, pid=info.pid)
     lines = [_describe(op) for op in left]
     runtime.write_exit_report(mountpoint, lines)
@@ -136,7 +152,7 @@ def _describe(op: Op) -> str:
 
 
 async def _main(config: MountConfig, tree: InodeTree, engine: Engine, control: ControlServer, metrics: Metrics,
-                unmount: Callable[[], None], ready: Callable[[], None] | None) -> list:
+                unmount: Callable[[], None], ready: Callable[[], None] | None, node: ClusterNode | None) -> list:
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)
         await nursery.start(control.serve)  # answers during the drain too: `ckptfs status` shows it
@@ -149,7 +165,10 @@ async def _main(config: MountConfig, tree: InodeTree, engine: Engine, control: C
         # of its reach once made.
         gc.disable()
         try:
-            n = await engine.scan(tree.restore)  # first: it tells crash leftovers by dead daemons' staging
+            if node is None:
+                n = await engine.scan(tree.restore)  # first: it tells crash leftovers by dead daemons' staging
+            else:
+                n = await node.start(nursery)  # the publishing node scans; the others replay the cluster's log
         finally:
             gc.enable()
             gc.freeze()

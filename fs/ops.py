@@ -29,12 +29,14 @@ import pyfuse3
 from .tree import Inode, InodeTree
 
 if TYPE_CHECKING:
+    from ckptfs.cluster.namespace import SharedNamespace
     from ckptfs.daemon.metrics import Metrics
     from ckptfs.writeback.engine import Engine
 
 log = logging.getLogger(__name__)
 
 ATTR_TIMEOUT = 5.0  # every change goes through this mount, so attrs stay valid
+CLUSTER_ATTR_TIMEOUT = 0.5  # cluster mode: other nodes change names and files too; seen here within this
 BLKSIZE = 1 << 20  # st_blksize: tools size their I/O buffers from it
 FILES_MAX = 1 << 32
 ROOM_PATIENCE_S = 2.0  # how long a write waits for write-back to free RAM before spilling
@@ -74,11 +76,11 @@ def _errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def attributes(inode: Inode) -> pyfuse3.EntryAttributes:
+def attributes(inode: Inode, timeout: float = ATTR_TIMEOUT) -> pyfuse3.EntryAttributes:
     a = pyfuse3.EntryAttributes()
     a.st_ino = inode.ino
     a.generation = 0  # inode numbers are never reused within a mount
-    a.entry_timeout = a.attr_timeout = ATTR_TIMEOUT
+    a.entry_timeout = a.attr_timeout = timeout
     a.st_mode = inode.mode
     a.st_nlink = inode.nlink
     a.st_uid = inode.uid
@@ -99,10 +101,15 @@ class Operations(pyfuse3.Operations):
     enable_acl = False
 
     def __init__(self, tree: InodeTree, engine: Engine, fsync_durable: bool = False, metrics: Metrics | None = None,
-                 virtual_xattr: Callable[[Inode, bytes], bytes] | None = None) -> None:
+                 virtual_xattr: Callable[[Inode, bytes], bytes] | None = None, shared: SharedNamespace | None = None) -> None:
         super().__init__()
         self.tree = tree
         self.engine = engine
+        # Cluster mode: names, links and attributes change through the
+        # cluster's log (`_change`), and a close seals the file before it
+        # returns, so that the seal has its place before what follows it.
+        self.shared = shared
+        self.timeout = ATTR_TIMEOUT if shared is None else CLUSTER_ATTR_TIMEOUT
         self.fsync_durable = fsync_durable
         self.metrics = metrics
         self.virtual_xattr = virtual_xattr
@@ -116,7 +123,14 @@ class Operations(pyfuse3.Operations):
 
     def _entry(self, inode: Inode) -> pyfuse3.EntryAttributes:
         """Attributes for a reply that gives the kernel a new reference."""
-        return attributes(self.tree.ref(inode))
+        return attributes(self.tree.ref(inode), self.timeout)
+
+    async def _change(self, op: str, *args: Any, **kwargs: Any) -> Any:
+        """A change of names, links or attributes: the tree's method `op`,
+        through the cluster's log in cluster mode."""
+        if self.shared is None:
+            return getattr(self.tree, op)(*args, **kwargs)
+        return await self.shared.change(op, *args, **kwargs)
 
     def _file_info(self, inode: Inode, fh: int, flags: int) -> pyfuse3.FileInfo:
         fi = pyfuse3.FileInfo(fh=fh)
@@ -141,7 +155,7 @@ class Operations(pyfuse3.Operations):
 
     @_errors
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return attributes(self.tree.get(inode))
+        return attributes(self.tree.get(inode), self.timeout)
 
     @_errors
     async def setattr(
@@ -149,16 +163,21 @@ class Operations(pyfuse3.Operations):
     ) -> pyfuse3.EntryAttributes:
         if fields.update_size and attr.st_size:
             await self._resident(self.tree.get(inode))
-        node = self.tree.setattr(
+        size = attr.st_size if fields.update_size else None
+        if size is not None and self.shared is not None:  # the bytes are this node's: shared when sealed
+            self.tree.setattr(inode, size=size)
+            size = None
+        node = await self._change(
+            "setattr",
             inode,
-            size=attr.st_size if fields.update_size else None,
+            size=size,
             mode=attr.st_mode if fields.update_mode else None,
             uid=attr.st_uid if fields.update_uid else None,
             gid=attr.st_gid if fields.update_gid else None,
             atime_ns=attr.st_atime_ns if fields.update_atime else None,
             mtime_ns=attr.st_mtime_ns if fields.update_mtime else None,
         )
-        return attributes(node)
+        return attributes(node, self.timeout)
 
     @_errors
     async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
@@ -166,33 +185,33 @@ class Operations(pyfuse3.Operations):
 
     @_errors
     async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return self._entry(self.tree.mknod(parent_inode, name, mode, ctx.uid, ctx.gid, rdev))
+        return self._entry(await self._change("mknod", parent_inode, name, mode, ctx.uid, ctx.gid, rdev))
 
     @_errors
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return self._entry(self.tree.mkdir(parent_inode, name, mode, ctx.uid, ctx.gid))
+        return self._entry(await self._change("mkdir", parent_inode, name, mode, ctx.uid, ctx.gid))
 
     @_errors
     async def symlink(self, parent_inode: int, name: bytes, target: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return self._entry(self.tree.symlink(parent_inode, name, target, ctx.uid, ctx.gid))
+        return self._entry(await self._change("symlink", parent_inode, name, target, ctx.uid, ctx.gid))
 
     @_errors
     async def link(self, inode: int, new_parent_inode: int, new_name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return self._entry(self.tree.link(inode, new_parent_inode, new_name))
+        return self._entry(await self._change("link", inode, new_parent_inode, new_name))
 
     @_errors
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        self.tree.unlink(parent_inode, name)
+        await self._change("unlink", parent_inode, name)
 
     @_errors
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
-        self.tree.rmdir(parent_inode, name)
+        await self._change("rmdir", parent_inode, name)
 
     @_errors
     async def rename(
         self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes, flags: int, ctx: pyfuse3.RequestContext
     ) -> None:
-        self.tree.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags)
+        await self._change("rename", parent_inode_old, name_old, parent_inode_new, name_new, flags)
 
     # -- files ---------------------------------------------------------------
     @_errors
@@ -209,7 +228,10 @@ class Operations(pyfuse3.Operations):
     async def create(
         self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: pyfuse3.RequestContext
     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
-        handle = self.tree.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid, _keeps_setid(ctx))
+        if self.shared is None:
+            handle = self.tree.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid, _keeps_setid(ctx))
+        else:
+            handle = await self.shared.create(parent_inode, name, mode, flags, ctx.uid, ctx.gid, _keeps_setid(ctx))
         return self._file_info(handle.inode, handle.fh, flags), self._entry(handle.inode)
 
     @_errors
@@ -236,13 +258,21 @@ class Operations(pyfuse3.Operations):
 
     @_errors
     async def flush(self, fh: int) -> None:
-        self.tree.handle(fh)
+        handle = self.tree.handle(fh)
+        if self.shared is not None and handle.writable and handle.inode.writers == 1:
+            # Cluster mode: close(2) waits for FLUSH, not for RELEASE; the seal
+            # must have its place in the cluster's log before close returns
+            # (a marker another node writes next comes after it).
+            self.tree.seal(handle.inode)
+            await self.shared.placed()
 
     @_errors
     async def fsync(self, fh: int, datasync: bool) -> None:
         inode = self.tree.handle(fh).inode  # --fsync=ram: the data is in RAM already (C1)
         if self.fsync_durable and inode.data is not None:
             self.tree.seal(inode)
+            if self.shared is not None:
+                await self.shared.placed()
             await self.engine.wait_published(inode.ino, inode.generation)
 
     @_errors
@@ -259,7 +289,7 @@ class Operations(pyfuse3.Operations):
     @_errors
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         for name, inode, cookie in self.tree.readdir(fh, start_id):
-            if not pyfuse3.readdir_reply(token, name, attributes(inode), cookie):
+            if not pyfuse3.readdir_reply(token, name, attributes(inode, self.timeout), cookie):
                 break
             self.tree.ref(inode)  # readdirplus hands the kernel a reference
 
@@ -298,7 +328,7 @@ class Operations(pyfuse3.Operations):
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:
         if name.startswith(XATTR_PREFIX):
             raise pyfuse3.FUSEError(errno.EPERM)
-        self.tree.setxattr(inode, name, value)
+        await self._change("setxattr", inode, name, value)
 
     @_errors
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> list[bytes]:
@@ -308,7 +338,7 @@ class Operations(pyfuse3.Operations):
     async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         if name.startswith(XATTR_PREFIX):
             raise pyfuse3.FUSEError(errno.EPERM)
-        self.tree.removexattr(inode, name)
+        await self._change("removexattr", inode, name)
 
 
 CAP_FSETID = 4

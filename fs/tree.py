@@ -556,6 +556,27 @@ class InodeTree:
             self.journal.sealed(inode.ino, inode.generation, inode.data.snapshot())
         return True
 
+    def sealed_elsewhere(self, ino: int, generation: int, size: int, mtime_ns: int, keep: bool = False) -> Inode | None:
+        """Another node sealed `generation` of this file (cluster mode): its
+        bytes are there, and then in the store; here the file comes back
+        evicted, with that size (loaded on first use). `keep`: this node's
+        own bytes stay (it sealed them later, or writes them still: the
+        last seal wins). The inode, None if it is gone."""
+        inode = self.inodes.get(ino)
+        if inode is None or inode.data is None:
+            return None
+        if not keep and not inode.writers:
+            inode.data.evict()  # a load of the older generation under way is fenced out
+            inode.data.size = size
+            inode.data.resident = False
+            inode.version += 1
+            inode.sealed_version = inode.version
+            inode.mtime_ns = mtime_ns
+            inode.ctime_ns = self.clock()
+        inode.generation = max(inode.generation, generation)
+        self.touched.add(ino)
+        return inode
+
     def evict(self, ino: int, generation: int) -> int:
         """Drop a file's bytes from RAM if `generation` is its current, closed
         content (so the store has exactly these bytes); returns bytes freed."""

@@ -67,9 +67,10 @@ class Mount:
         return bad
 
 
-def start_mount(base: Path, memory_limit: str = "4G", extra: tuple[str, ...] = (), env: dict | None = None) -> Mount:
+def start_mount(base: Path, memory_limit: str = "4G", extra: tuple[str, ...] = (), env: dict | None = None,
+                store: Path | None = None) -> Mount:
     mountpoint = base / "mnt"
-    store = base / "store"
+    store = store or base / "store"
     mountpoint.mkdir(parents=True, exist_ok=True)
     log = base / "daemon.log"
     proc = subprocess.Popen(

@@ -22,6 +22,7 @@ from .admin import COMMANDS
 from .advise import advise
 from .preflight import (
     PreflightError,
+    check_cluster,
     check_fuse,
     check_log_file,
     check_mounted_ckptfs,
@@ -91,10 +92,17 @@ def main() -> None:
 @click.option("--metrics-port", type=click.IntRange(1, 65535), metavar="N", help="Serve Prometheus metrics on this port (/metrics).")
 @click.option("--metrics-host", default="127.0.0.1", show_default=True, metavar="ADDR",
               help="Address for --metrics-port (0.0.0.0: every interface).")
+@click.option("--cluster", metavar="URL",
+              help="Cluster mode: share one namespace with every daemon mounted with this Redis URL "
+                   "(redis://HOST:PORT/DB, rediss:// for TLS) and the same --store. The password comes from "
+                   "$CKPTFS_REDIS_PASSWORD or --cluster-password-file, never the URL on a shared machine.")
+@click.option("--cluster-password-file", type=click.Path(dir_okay=False), metavar="FILE", help="A file holding the Redis password.")
+@click.option("--node", metavar="NAME", help="This node's name in the cluster (status and logs) [default: the host name].")
 @click.option("--ready-fd", type=int, hidden=True)
 def mount(mountpoint: str, store_url: str, memory_limit: str, reuse_ram: str, foreground: bool, log_file: str | None, log_level: str,
           fsync_mode: str, drain_timeout: float, store_timeout: float, store_options: tuple[str, ...], spill_dir: str | None,
-          metrics_port: int | None, metrics_host: str, ready_fd: int | None) -> None:
+          metrics_port: int | None, metrics_host: str, cluster: str | None, cluster_password_file: str | None, node: str | None,
+          ready_fd: int | None) -> None:
     """Mount a ckptfs file system at MOUNTPOINT, backed by the store at URL.
 
     Returns once the mount is live; the daemon keeps running in the background
@@ -127,25 +135,33 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, reuse_ram: str, fo
         if log_file is not None:
             check_log_file(log_file)
         backend = open_store(store_url, options)
-        check_no_daemon(mp, backend)
+        if cluster is None:
+            check_no_daemon(mp, backend)
+        else:
+            check_cluster(cluster, cluster_password_file, store_url)
         if spill_dir is not None and not os.path.isdir(spill_dir):
             raise PreflightError(f"--spill-dir {spill_dir} is not a directory")
         if metrics_port is not None:
             check_port(metrics_host, metrics_port)
     except (PreflightError, StoreError, runtime.RuntimeDirError) as exc:
         _fail(str(exc), 2)
+    cluster_args = [*(["--cluster", cluster] if cluster else []), *(["--node", node] if node else []),
+                    *(["--cluster-password-file", os.path.abspath(cluster_password_file)] if cluster_password_file else [])]
 
     if not foreground:
         _spawn_daemon(mp, store_url, limit, log_file, log_level,
                       ["--reuse-ram", str(reuse), "--fsync", fsync_mode, "--drain-timeout", str(drain_timeout), "--store-timeout", str(store_timeout),
                        *[a for o in store_options for a in ("--store-option", o)],
                        *(["--spill-dir", os.path.abspath(spill_dir)] if spill_dir else []),
-                       *(["--metrics-port", str(metrics_port), "--metrics-host", metrics_host] if metrics_port else [])])
+                       *(["--metrics-port", str(metrics_port), "--metrics-host", metrics_host] if metrics_port else []),
+                       *cluster_args])
         return
 
     config = MountConfig(mp, store_url, limit, min(reuse, limit), Path(log_file) if log_file else None, log_level.upper(),
                          fsync=fsync_mode, drain_timeout=drain_timeout, store_timeout=store_timeout, storage_options=options,
-                         spill_dir=os.path.abspath(spill_dir) if spill_dir else None, metrics_port=metrics_port, metrics_host=metrics_host)
+                         spill_dir=os.path.abspath(spill_dir) if spill_dir else None, metrics_port=metrics_port, metrics_host=metrics_host,
+                         cluster=cluster, cluster_password_file=os.path.abspath(cluster_password_file) if cluster_password_file else None,
+                         node=node)
     _setup_logging(config)
     from ckptfs.daemon.mount import serve
 

@@ -100,6 +100,20 @@ def check_no_daemon(mp: Path, backend=None) -> None:
                              "one store serves one mount; unmount that one first")
 
 
+def check_cluster(url: str, password_file: str | None, store_url: str) -> None:
+    """Cluster mode: its Redis answers, takes the password, and keeps this store's namespace."""
+    from ckptfs.cluster.log import ClusterError, SharedLog, Where
+
+    try:
+        shared = SharedLog(Where(url, password_file))
+        try:
+            shared.open(store_url)
+        finally:
+            shared.close()
+    except ClusterError as exc:
+        raise PreflightError(f"--cluster: {exc}") from None
+
+
 def check_log_file(path: str) -> None:
     try:
         with open(path, "ab"):

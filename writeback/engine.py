@@ -37,7 +37,7 @@ from .backend import HEARTBEAT_S, Backend, Staged, StoreError
 from .calls import Deadlines, StoreCalls, permanent
 from .journal import Attrs, Exchange, FileGen, Link, Mkdir, Op, Remove, Rename, Snapshot, Symlink, kind
 from .manifest import Digest, Meta, record_path
-from .publisher import MARKERS, Publisher, shown_digest
+from .publisher import MARKERS, Publisher
 from .replica import Dir, File, Shown
 from .replica import Link as RLink
 from .residency import Counters, LoadTarget, Residency
@@ -51,6 +51,16 @@ class Node(Protocol):
     mode: int
     writers: int
     generation: int
+
+
+class ClusterLink(Protocol):
+    """What the engine tells the other nodes of its cluster (cluster.events)."""
+
+    publishes: bool  # this node's publisher applies the cluster's journal to the store
+
+    def staged(self, gen: FileGen) -> None: ...  # a generation of this node's is staged: the publishing node shows it
+    def published(self, gen: FileGen, path: str) -> None: ...  # the publishing node showed a generation
+    def restage(self, gen: FileGen) -> None: ...  # the staged data of another node's generation is gone: stage it again
 
 
 class Namespace(Protocol):
@@ -143,6 +153,15 @@ class Engine:
         self._recent: collections.deque[tuple[float, int]] = collections.deque()  # (monotonic time, bytes published)
         self._image: bytes | None = None  # every record at the scan (manifest.Image, packed)
         self._outside: list[str] = []
+        self.link: ClusterLink | None = None  # cluster mode (see `cluster`)
+
+    def cluster(self, link: ClusterLink, publisher: Publisher) -> None:
+        """Cluster mode: the journal is the whole cluster's (every node's
+        seals and changes, in the cluster log's order); `publisher` applies
+        it to the store on one node and follows that node's progress on the
+        others (`Following`)."""
+        self.link = link
+        self.publisher = publisher
 
     # -- the Journal: called by the inode tree on the trio thread --------------
     def meta_of(self, ino: int) -> Meta | None:
@@ -157,16 +176,66 @@ class Engine:
         meta = self.meta_of(ino)
         assert meta is not None
         gen = FileGen(self._next(), ino, generation, snapshot, meta, snapshot.size, self.ns.paths_of(ino))
-        older = self.pending.get(ino)
+        self._enqueue(gen)
+        self._send.send_nowait(gen)
+
+    def sealed_elsewhere(self, ino: int, generation: int, size: int, node: str) -> None:
+        """Cluster mode: another node sealed this generation; its RAM holds
+        the bytes and it stages them (`staged_elsewhere` when it has)."""
+        meta = self.meta_of(ino)
+        assert meta is not None
+        gen = FileGen(self._next(), ino, generation, None, meta, size, self.ns.paths_of(ino), owner=node)
+        gen.move(State.UPLOADING)
+        self._enqueue(gen)
+
+    def _enqueue(self, gen: FileGen) -> None:
+        older = self.pending.get(gen.ino)
         if older is not None:
             older.superseded_by = gen
             self._drop(older, "superseded by a newer generation")
-        self.residency.forget(ino)
-        self.pending[ino] = gen
+        self.residency.forget(gen.ino)
+        self.pending[gen.ino] = gen
         self.unsettled[gen.seq] = gen
         self.queue.append(gen)
-        self._send.send_nowait(gen)
         self.notify()
+
+    def place(self, position: int) -> None:
+        """Cluster mode: the ops that follow come from this position of the
+        cluster log. Their sequence numbers are made from it, so they are
+        the same on every node (each node's journal is the same sequence)."""
+        self._seq = max(self._seq, position << 8)
+
+    def staged_elsewhere(self, ino: int, generation: int, staged: Staged, digest: Digest) -> None:
+        """Cluster mode: the node that holds a generation staged it."""
+        gen = self.pending.get(ino)
+        if gen is None or gen.generation != generation or gen.owner is None or gen.state not in (State.UPLOADING, State.FAILED):
+            if self._nursery is not None and (gen is None or gen.generation <= generation):
+                self._nursery.start_soon(functools.partial(self._discard, staged, f"inode {ino} generation {generation}"))
+            return
+        gen.staged, gen.digest = staged, digest
+        gen.move(State.STAGED)
+        self.notify()
+
+    def restage(self, ino: int, generation: int) -> None:
+        """Cluster mode: the publishing node found the staged data of this
+        node's generation gone: stage it again."""
+        gen = self.pending.get(ino)
+        if gen is not None and gen.generation == generation and gen.owner is None and gen.state is State.STAGED:
+            gen.move(State.FAILED)
+            self.upload_again(gen)
+
+    def published_elsewhere(self, ino: int, generation: int, path: str, digest: Digest | None) -> None:
+        """Cluster mode: the publishing node showed this generation at `path`."""
+        self.publisher.showed(ino, generation, path, digest)
+        gen = self.pending.get(ino)
+        if gen is not None and gen.generation == generation:
+            if gen.state in (State.UPLOADING, State.FAILED):
+                gen.move(State.STAGED)
+            if gen.state is State.STAGED:
+                self.published(gen, path)
+        elif generation > self.published_gen.get(ino, 0):
+            self.published_gen[ino] = generation
+            self.notify()
 
     def renamed(self, src: str, dst: str, ino: int, is_dir: bool, replaced: int | None = None) -> None:
         op = Rename(self._next(), src, dst, ino, is_dir)
@@ -216,7 +285,7 @@ class Engine:
         return None
 
     def publisher_shown(self, ino: int) -> tuple[str, Shown] | None:
-        return shown_digest(self.publisher.replica, ino)
+        return self.publisher.shown(ino)
 
     def unpublished(self) -> list[Op]:
         """What is not in the store yet: unsettled generations (held and
@@ -275,6 +344,20 @@ class Engine:
             if gen.state is State.PARKED:
                 raise OSError(errno.EIO, f"publishing failed: {gen.error}")
             await self.wait_change()
+
+    async def published_for_load(self, ino: int) -> None:
+        """Cluster mode, before loading a file this node does not hold: until
+        its newest generation is published, and (where another node
+        publishes) until that node has applied everything this node's
+        journal has for the file's path, so that the store shows it there."""
+        gen = self.pending.get(ino)
+        if gen is not None and gen.owner is not None:
+            await self.wait_published(ino, gen.generation)
+        paths = self.ns.paths_of(ino)
+        if self.link is not None and not self.link.publishes and paths:
+            left = Left(self, self.barrier(paths[0]))
+            while not left.settled():
+                await self.wait_change()
 
     async def flush(self) -> None:
         """A barrier: until everything queued before the call is applied
@@ -347,7 +430,7 @@ class Engine:
     async def _upload(self, gen: FileGen) -> None:
         if gen.state not in (State.DIRTY, State.FAILED) or gen.staged is not None:
             return
-        if gen.size < self.backend.stage_ahead_from:
+        if gen.size < self.backend.stage_ahead_from and (self.link is None or self.link.publishes):
             # Small: hashed here (microseconds), written whole at publication
             # with its group (a thread round trip each would cost far more).
             gen.move(State.UPLOADING)
@@ -387,6 +470,8 @@ class Engine:
             return
         gen.staged, gen.digest = staged, digest
         gen.move(State.STAGED)
+        if self.link is not None and not self.link.publishes:
+            self.link.staged(gen)
         self.notify()
 
     async def read_snapshot(self, gens: FileGen | list[FileGen], what: str, fn: Callable, *args, nbytes: int = 0,
@@ -422,6 +507,12 @@ class Engine:
 
     def upload_again(self, gen: FileGen, delay: float = 0.0) -> None:
         gen.staged = None
+        if gen.owner is not None:  # staged by another node
+            if gen.state is State.STAGED:
+                gen.move(State.FAILED)
+            if self.link is not None:
+                self.link.restage(gen)
+            return
         if delay <= 0 or self._nursery is None:
             self._send.send_nowait(gen)
             return
@@ -481,6 +572,8 @@ class Engine:
             del self.pending[gen.ino]
         self.published_gen[gen.ino] = max(gen.generation, self.published_gen.get(gen.ino, 0))
         self._release(gen)
+        if self.link is not None and self.link.publishes:
+            self.link.published(gen, path)
         self.residency.published(gen.ino)
         self.counters.uploaded_bytes += gen.size
         self.counters.published_files += 1

@@ -60,6 +60,7 @@ class FileGen(Op):
     dropped_by: int = 0  # the seq of the op that deleted the file, if that dropped it
     superseded_by: FileGen | None = None
     retry_at: float = 0.0  # trio time before which a failed step is not retried
+    owner: str | None = None  # cluster mode: the node whose RAM holds it (None: this one), which stages it
 
     @property
     def path(self) -> str:

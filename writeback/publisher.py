@@ -178,7 +178,8 @@ class Publisher:
                 try:
                     if isinstance(op, FileGen):
                         if not await self._turn(op):
-                            await self._idle()
+                            if self.e.link is None or not await self._publish_group(around=True):
+                                await self._idle()
                             continue
                     else:
                         await self._apply(op)
@@ -275,9 +276,11 @@ class Publisher:
                     await self.call(f"record {path}", manifest.write, self.e.backend, Record.of(path, "symlink", op.meta, target=node.target), at=(path,))
 
     def _complete(self, op: Op) -> None:
-        popped = self.e.queue.popleft()
-        assert popped is op
-        self.position = op.seq
+        if self.e.queue[0] is op:
+            self.e.queue.popleft()
+            self.position = op.seq
+        else:  # published ahead of its turn (cluster mode, see `_group`): the position stays
+            self.e.queue.remove(op)
         self.trim_settled()
         if not (isinstance(op, Remove) and any(o is op for _, o in self.deferred)):
             op.done.set()
@@ -303,22 +306,43 @@ class Publisher:
         return True
 
     # -- group commit ----------------------------------------------------------
-    def _group(self) -> list[FileGen]:
+    def _group(self, around: bool = False) -> list[FileGen]:
         """The plain generations at the head of the queue: staged, one live
         name each, not a completion marker, nothing else to do there (no
         waiting removal, no other name showing the file, no failed try).
         Among themselves they are unordered data (C3 orders markers, renames
-        and removals after them), so they can be shown in any order."""
+        and removals after them), so they can be shown in any order.
+
+        `around` (cluster mode, the head not ready): the plain generations
+        among the files at the head that may go before it: data files of
+        other nodes publish in parallel, so one node's file still staging
+        does not hold back another node's. What comes after a generation
+        that waits, from its node or at its name, waits too, and so does
+        every completion marker and whatever follows a namespace change."""
         group: list[FileGen] = []
         names: set[str] = set()
+        waiting_nodes: set[str | None] = set()
+        waiting_names: set[str] = set()
         now = trio.current_time()
         for op in self.e.queue:
-            if (len(group) == GROUP_MAX or not isinstance(op, FileGen) or op.state is not State.STAGED or op.tries
-                    or op.staged is None or op.retry_at > now or len(op.names) != 1):
+            if len(group) == GROUP_MAX or not isinstance(op, FileGen):
                 break
-            name = op.names[0]
-            if name in names or self._is_marker(name) or not self._plain_spot(name, op.ino) or not self.live_at(name, op.ino):
-                break
+            if around and op.state in (State.DROPPED, State.PARKED):
+                continue  # its turn only completes it (or holds it): nothing to wait for
+            if around and (op.owner in waiting_nodes or waiting_names.intersection(op.names)):
+                waiting_nodes.add(op.owner)
+                waiting_names.update(op.names)
+                continue
+            ready = (op.state is State.STAGED and not op.tries and op.staged is not None and op.retry_at <= now
+                     and len(op.names) == 1)
+            name = op.names[0] if ready else ""
+            if (not ready or name in names or self._is_marker(name) or not self._plain_spot(name, op.ino)
+                    or not self.live_at(name, op.ino)):
+                if not around:
+                    break
+                waiting_nodes.add(op.owner)
+                waiting_names.update(op.names)
+                continue
             group.append(op)
             names.add(name)
         return group
@@ -343,16 +367,17 @@ class Publisher:
             return False
         return all(n is at for _, n in self.replica.nodes_of(ino))
 
-    async def _publish_group(self) -> bool:
+    async def _publish_group(self, around: bool = False) -> bool:
         """Show a group of plain generations with one store call: records,
         then data, made durable together (local stores: two syncfs for the
         group instead of three fsyncs per file). False if there is no group
         or the call failed: the head of the queue then goes the usual way,
-        one op at a time, retried in place (publication is idempotent)."""
+        one op at a time, retried in place (publication is idempotent).
+        `around`: the generations that may go before the head (see `_group`)."""
         if self.e.queue[0].seq <= self.single_until:
             return False
-        group = self._group()
-        if len(group) < 2:
+        group = self._group(around)
+        if len(group) < (1 if around else 2):
             return False
         held = [(gen, *self._hold(gen, gen.names)[0]) for gen in group]
         items = [(self._record(name, gen, node), gen.staged, name, gen.pieces) for gen, name, node in held]
@@ -836,6 +861,15 @@ class Publisher:
                 pass  # parked again
             finally:
                 self.current = None
+
+    # -- what the store shows ----------------------------------------------------------
+    def shown(self, ino: int) -> tuple[str, Shown] | None:
+        """A path where the store shows `ino`'s newest published bytes."""
+        return shown_digest(self.replica, ino)
+
+    def showed(self, ino: int, generation: int, path: str, digest) -> None:
+        """Cluster mode: the publishing node showed `generation` of `ino` at
+        `path` (heard by the nodes that follow it; see `Following`)."""
 
     # -- restart ----------------------------------------------------------------
     def restored(self, path: str, node: Node) -> None:

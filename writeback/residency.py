@@ -214,6 +214,12 @@ class Residency:
         if load is None:
             if self.e.ns.resident(ino):
                 return
+            if self.e.link is not None:
+                await self.e.published_for_load(ino)
+                load = self._loads.get(ino)
+        if load is None:
+            if self.e.ns.resident(ino):
+                return
             load = await self._start(ino)
             if load is None:
                 return
@@ -240,6 +246,11 @@ class Residency:
                 there = None
             if there is not None and there.kind == "file" and ino in self._expected:
                 expected = self._expected[ino] = there
+        if expected is None and shown.digest is None and self.e.link is not None:
+            # Cluster mode: published by another node, or found in the store when the cluster started
+            expected = await self.e.calls.run(f"read the record of {path}", manifest.read, self.e.backend, path)
+            if expected is None or expected.kind != "file":
+                raise self._failed(path, "it has no record in the store")
         if expected is not None:
             wanted = [d for d in (expected.current, expected.previous) if d is not None]
         elif shown.digest is not None:

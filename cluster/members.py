@@ -1,0 +1,113 @@
+"""Who is in a cluster, and which node publishes for it.
+
+Each daemon keeps a heartbeat in Redis while it runs. The first daemon to
+join a cluster that has no publishing node becomes it: it starts the cluster
+afresh (an empty log: the namespace is what the store holds, restored from
+it as a single-node mount would, since data that lived only in RAM did not
+outlive the daemons that held it), and its `Publisher` applies the cluster's
+journal to the store. The other daemons wait until it has restored the
+store (`ready`), then replay the log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+
+from .log import ClusterError, SharedLog
+
+BEAT_S = 1.0
+LEADER_TTL_S = 10.0  # a publishing node silent this long is gone
+READY_TIMEOUT_S = 120.0
+
+# KEYS: leader, head, log, ready, events, members. ARGV: me, ttl ms.
+# 1 if this daemon now publishes (the cluster was started afresh), else 0.
+_JOIN = """
+if redis.call('GET', KEYS[1]) then return 0 end
+redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
+# KEYS: leader. ARGV: me, ttl ms. 1 if still the publishing node.
+_KEEP = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+# KEYS: leader, ready. ARGV: me.
+_LEAVE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1], KEYS[2]) end
+return 1
+"""
+
+
+class Membership:
+    def __init__(self, shared: SharedLog, me: str, node: str) -> None:
+        self.shared = shared
+        self.me = me
+        self.node = node
+        p = shared.prefix
+        self.leader_key, self.ready_key, self.members_key = p + "leader", p + "ready", p + "members"
+        r = shared.redis
+        self._join = r.register_script(_JOIN)
+        self._keep = r.register_script(_KEEP)
+        self._leave = r.register_script(_LEAVE)
+        self.publishes = False
+
+    def join(self) -> bool:
+        """Join; True if this daemon publishes for the cluster (and starts it afresh)."""
+        s = self.shared
+        self.publishes = bool(self._join(keys=[self.leader_key, s.head_key, s.log_key, self.ready_key, s.prefix + "events",
+                                               self.members_key], args=[self.me, int(LEADER_TTL_S * 1000)]))
+        self.beat()
+        return self.publishes
+
+    def ready(self) -> None:
+        """The publishing node restored the store: the others may replay the log."""
+        self.shared.redis.set(self.ready_key, self.me)
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> str:
+        """Until the publishing node has restored the store; its id."""
+        r = self.shared.redis
+        deadline = time.monotonic() + timeout_s
+        while True:
+            leader, ready = r.get(self.leader_key), r.get(self.ready_key)
+            if leader is not None and leader == ready:
+                return leader.decode()
+            if time.monotonic() > deadline:
+                raise ClusterError(f"the cluster's publishing node ({(leader or b'none').decode()}) did not finish "
+                                   f"restoring the store within {timeout_s:.0f}s")
+            time.sleep(0.05)
+
+    def beat(self) -> bool:
+        """This daemon's heartbeat; False if it was the publishing node and no longer is."""
+        r = self.shared.redis
+        r.hset(self.members_key, self.me, json.dumps({"node": self.node, "host": socket.gethostname(), "pid": os.getpid(),
+                                                       "beat": time.time(), "publishes": self.publishes}))
+        if self.publishes:
+            return bool(self._keep(keys=[self.leader_key], args=[self.me, int(LEADER_TTL_S * 1000)]))
+        return True
+
+    def leader(self) -> str | None:
+        got = self.shared.redis.get(self.leader_key)
+        return got.decode() if got is not None else None
+
+    def members(self) -> dict[str, dict]:
+        """Every daemon that has a heartbeat, with its details and `age` (s since its last beat)."""
+        now = time.time()
+        out = {}
+        for me, raw in self.shared.redis.hgetall(self.members_key).items():
+            info = json.loads(raw)
+            info["age"] = now - info["beat"]
+            out[me.decode()] = info
+        return out
+
+    def leave(self) -> None:
+        r = self.shared.redis
+        r.hdel(self.members_key, self.me)
+        if self.publishes:
+            self._leave(keys=[self.leader_key, self.ready_key], args=[self.me])

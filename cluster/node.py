@@ -1,0 +1,104 @@
+"""A daemon as one node of a cluster: joins it, keeps its replica of the
+namespace and its heartbeat, and ties its write-back engine to the others.
+
+    join (before the mount)    Redis reached, the cluster's store checked;
+                               the first node publishes and starts afresh,
+                               the others wait until it has restored the store
+    start (in the daemon)      the publishing node restores the store and puts
+                               the result in the log; every node replays the
+                               log, then follows it, places its seals, beats
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import redis
+import trio
+from ckptfs.fs.tree import InodeTree
+from ckptfs.writeback.engine import Engine
+from ckptfs.writeback.following import Following
+
+from .events import Events
+from .log import ClusterError, SharedLog, Where
+from .members import BEAT_S, Membership
+from .namespace import SharedNamespace
+
+log = logging.getLogger(__name__)
+
+
+class ClusterNode:
+    def __init__(self, where: Where, store_url: str, tree: InodeTree, engine: Engine, node: str | None = None) -> None:
+        self.name = node or socket.gethostname()
+        self.shared = SharedLog(where)
+        self.shared.open(store_url)  # ClusterError: unreachable, refused, another store
+        self.namespace = SharedNamespace(tree, self.shared, self.name, engine)
+        self.members = Membership(self.shared, self.namespace.me, self.name)
+        self.engine = engine
+        self.events: Events | None = None
+        self.leader_gone = False
+
+    @property
+    def publishes(self) -> bool:
+        return self.members.publishes
+
+    def join(self) -> None:
+        """Join the cluster (a blocking call, before the mount serves)."""
+        try:
+            publishes = self.members.join()
+            if not publishes:
+                leader = self.members.wait_ready()
+                log.info("joined the cluster as node %s; node %s publishes for it", self.name, leader)
+            else:
+                log.info("started the cluster as node %s: this node publishes for it", self.name)
+        except redis.RedisError as exc:
+            raise ClusterError(f"cannot join the cluster: {exc}") from None
+        self.events = Events(self.shared, self.engine, self.namespace.me, publishes)
+        self.events.start()
+        self.engine.cluster(self.events, self.engine.publisher if publishes else Following(self.engine, self.engine.publisher.markers))
+
+    async def start(self, nursery: trio.Nursery) -> int:
+        """Show the namespace (the publishing node restores it from the store
+        first) and run the node's tasks; how many files the store held."""
+        assert self.events is not None
+        n = 0
+        if self.publishes:
+            entries: list[list] = []
+            tree = self.namespace.tree
+
+            def restore(path, mode, size=0, mtime_ns=0, target="", uid=None, gid=None):
+                entries.append([path, mode, size, mtime_ns, target, uid, gid])
+                return tree.restore(path, mode, size, mtime_ns, target, uid, gid)
+
+            n = await self.engine.scan(restore)
+            await self.namespace.restored(entries)
+            await trio.to_thread.run_sync(self.members.ready)
+        await nursery.start(self.namespace.follow)
+        await nursery.start(self.namespace.place_seals)
+        await nursery.start(self.events.run)
+        nursery.start_soon(self._beat)
+        return n
+
+    async def _beat(self) -> None:
+        while True:
+            await trio.sleep(BEAT_S)
+            try:
+                still = await trio.to_thread.run_sync(self.members.beat)
+                leader = self.members.leader() if not self.publishes else self.namespace.me
+            except redis.RedisError as exc:
+                log.warning("cannot reach the cluster's Redis for this node's heartbeat: %s", exc)
+                continue
+            if not still:
+                log.error("this node no longer publishes for the cluster (its heartbeat lapsed): nothing more is published")
+            if leader is None and not self.leader_gone:
+                self.leader_gone = True
+                log.error("the cluster's publishing node is gone: this node's files are no longer published; "
+                          "unmount every node and mount again (the store keeps what was published)")
+
+    def leave(self) -> None:
+        try:
+            self.members.leave()
+        except redis.RedisError as exc:
+            log.warning("cannot leave the cluster cleanly (%s): its heartbeat lapses instead", exc)
+        self.shared.close()

@@ -1,0 +1,243 @@
+"""Cluster mode on real mounts: several daemons on this machine (one per
+"node"), one namespace in a real Redis, one local-directory store."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from tests.mountutil import Mount, run_cli, start_mount, stop_mount
+from tests.storeutil import store_files, wait_store_matches, wait_until
+
+VISIBLE_S = 1.0  # the bound the README states for a change on one node to show on the others
+
+
+@contextmanager
+def nodes(tmp_path: Path, redis_db, names: str = "ab", store: Path | None = None):
+    """Mounts of one cluster, the first to start publishing for it; all stopped at the end, whatever happens."""
+    store = store or tmp_path / "store"
+    mounts: list[Mount] = []
+    try:
+        for name in names:
+            mounts.append(start_mount(tmp_path / name, store=store,
+                                      extra=("--cluster", redis_db.url, "--cluster-password-file", str(redis_db.password_file),
+                                             "--node", name)))
+        yield mounts
+    finally:
+        for m in mounts:
+            stop_mount(m)
+
+
+def _staging_of(store: Path, m: Mount) -> Path:
+    """The staging directory of the daemon of mount `m` (its id names its pid)."""
+    daemons = store / ".ckptfs" / "daemons"
+    wait_until(lambda: any(f"-{m.pid}-" in p.name for p in daemons.iterdir()), 10, "the daemon's heartbeat")
+    daemon = next(p.name for p in daemons.iterdir() if f"-{m.pid}-" in p.name)
+    return store / ".ckptfs" / "staging" / daemon
+
+
+@contextmanager
+def staging_blocked(store: Path, m: Mount):
+    """While inside: node `m` cannot stage anything (a file where its staging directory goes), the others can."""
+    staging = _staging_of(store, m)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.parent.mkdir(parents=True, exist_ok=True)
+    staging.write_bytes(b"blocked")
+    try:
+        yield
+    finally:
+        staging.unlink()
+    m.allowed_log_errors.append("upload")
+
+
+@contextmanager
+def watching(store: Path):
+    """What a watcher of the store saw, poll by poll, while inside."""
+    seen: list[set[str]] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            seen.append(set(store_files(store)))
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        yield seen
+    finally:
+        stop.set()
+        watcher.join()
+
+
+def test_names_and_files_are_shared_and_each_node_reads_the_others_files(tmp_path, redis_db):
+    with nodes(tmp_path, redis_db) as (a, b):
+        a.path("ckpt").mkdir(mode=0o750)
+        a.path("ckpt", "shard-a").write_bytes(b"A" * 300_000)
+        os.symlink("shard-a", a.path("ckpt", "link"))
+        deadline = time.monotonic() + VISIBLE_S
+        while not b.path("ckpt", "link").is_symlink():
+            assert time.monotonic() < deadline, "a change on one node is not seen on another within the bound"
+            time.sleep(0.02)
+        assert sorted(os.listdir(b.path("ckpt"))) == ["link", "shard-a"]
+        assert os.stat(b.path("ckpt")).st_mode & 0o7777 == 0o750
+        assert os.readlink(b.path("ckpt", "link")) == "shard-a"
+        assert b.path("ckpt", "shard-a").read_bytes() == b"A" * 300_000  # from the store, once a published it, verified
+        b.path("ckpt", "shard-b").write_bytes(b"B" * 70_000)
+        wait_until(lambda: a.path("ckpt", "shard-b").exists(), VISIBLE_S, "b's file on a")
+        assert a.path("ckpt", "shard-b").read_bytes() == b"B" * 70_000
+        assert os.stat(a.path("ckpt", "shard-b")).st_ino == os.stat(b.path("ckpt", "shard-b")).st_ino
+        wait_store_matches(tmp_path / "store", {"ckpt/shard-a": b"A" * 300_000, "ckpt/shard-b": b"B" * 70_000})
+        assert "loaded ckpt/shard-a from the store (300000 bytes, verified)" in b.log_text()
+        assert "loaded ckpt/shard-b from the store (70000 bytes, verified)" in a.log_text()
+        for m in (a, b):
+            assert m.unexpected_log_errors() == []
+
+
+def test_a_name_made_on_two_nodes_at_once_is_made_once(tmp_path, redis_db):
+    with nodes(tmp_path, redis_db, "abc") as mounts:
+        results: dict[str, object] = {}
+
+        def make(m: Mount) -> None:
+            try:
+                fd = os.open(m.path("latest"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                os.write(fd, m.mountpoint.parent.name.encode())
+                os.close(fd)
+                results[m.mountpoint.parent.name] = "made"
+            except OSError as exc:
+                results[m.mountpoint.parent.name] = exc.errno
+
+        threads = [threading.Thread(target=make, args=(m,)) for m in mounts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        made = [n for n, r in results.items() if r == "made"]
+        assert len(made) == 1 and sorted(r for r in results.values() if r != "made") == [errno.EEXIST, errno.EEXIST]
+        for m in mounts:
+            wait_until(lambda m=m: m.path("latest").exists() and m.path("latest").read_bytes() == made[0].encode(), 5,
+                       "the one file on every node")
+        wait_store_matches(tmp_path / "store", {"latest": made[0].encode()})
+
+
+def test_a_marker_written_on_one_node_waits_for_the_data_of_every_node(tmp_path, redis_db):
+    """C3 across nodes: the DCP pattern. Node b's shard cannot reach the
+    store for a while; node a's `.metadata`, written after it, stays out of
+    the store until it has, and a watcher never sees it earlier."""
+    store = tmp_path / "store"
+    with nodes(tmp_path, redis_db) as (a, b):
+        a.path("step-1").mkdir()
+        with watching(store) as seen:
+            with staging_blocked(store, b):
+                b.path("step-1", "shard-b.distcp").write_bytes(os.urandom(300_000))  # sealed first
+                a.path("step-1", "shard-a.distcp").write_bytes(os.urandom(300_000))
+                a.path("step-1", ".metadata").write_bytes(b"the plan")  # written last, on another node
+                wait_until(lambda: "step-1/shard-a.distcp" in store_files(store), 10, "a's own shard")
+                time.sleep(1.0)
+                assert "step-1/.metadata" not in store_files(store), "the marker reached the store before b's shard"
+                assert a.path("step-1", "shard-b.distcp").stat().st_size == 300_000
+            wait_until(lambda: "step-1/.metadata" in store_files(store), 30, "the marker, once b's shard is in")
+        assert set(store_files(store)) == {"step-1/shard-a.distcp", "step-1/shard-b.distcp", "step-1/.metadata"}
+        assert all("step-1/shard-b.distcp" in s for s in seen if "step-1/.metadata" in s)
+
+
+def test_rotation_and_renames_on_one_node_move_every_node_s_files_in_order(tmp_path, redis_db):
+    """rmtree of an old checkpoint on node a removes node b's files too, only
+    after the newer checkpoint is complete in the store; an Orbax-style
+    rename of a tmp directory on a moves b's files with it."""
+    store = tmp_path / "store"
+    with nodes(tmp_path, redis_db) as (a, b):
+        a.path("ckpt-1.orbax-checkpoint-tmp-1").mkdir()
+        b.path("ckpt-1.orbax-checkpoint-tmp-1", "b.bin").write_bytes(b"b1" * 1000)
+        a.path("ckpt-1.orbax-checkpoint-tmp-1", "a.bin").write_bytes(b"a1" * 1000)
+        os.rename(a.path("ckpt-1.orbax-checkpoint-tmp-1"), a.path("ckpt-1"))
+        a.path("ckpt-1", "commit_success.txt").write_bytes(b"ok")
+        first = {"ckpt-1/a.bin": b"a1" * 1000, "ckpt-1/b.bin": b"b1" * 1000, "ckpt-1/commit_success.txt": b"ok"}
+        wait_store_matches(store, first)
+        with staging_blocked(store, b):
+            a.path("ckpt-2").mkdir()
+            b.path("ckpt-2", "b.bin").write_bytes(b"b2" * 1000)
+            a.path("ckpt-2", "a.bin").write_bytes(b"a2" * 1000)
+            shutil.rmtree(a.path("ckpt-1"))  # rotation, on node a
+            time.sleep(1.0)
+            files = store_files(store)
+            assert "ckpt-1/b.bin" in files and "ckpt-1/a.bin" in files, "the old checkpoint went before the new one was in"
+            assert "ckpt-2/b.bin" not in files
+            assert not b.path("ckpt-1").exists()
+        wait_store_matches(store, {"ckpt-2/a.bin": b"a2" * 1000, "ckpt-2/b.bin": b"b2" * 1000}, 30)
+        assert not (store / "ckpt-1").exists()
+
+
+def test_status_and_flush_on_a_node_that_does_not_publish(tmp_path, redis_db):
+    store = tmp_path / "store"
+    with nodes(tmp_path, redis_db) as (a, b):
+        b.path("x.bin").write_bytes(b"x" * 100_000)
+        r = run_cli("flush", str(b.mountpoint), "--timeout", "30")
+        assert r.returncode == 0, r.stderr
+        assert store_files(store) == {"x.bin": b"x" * 100_000}
+        r = run_cli("status", str(b.mountpoint))
+        assert r.returncode == 0, r.stderr
+
+
+def test_a_cluster_restarts_from_the_store(tmp_path, redis_db):
+    store = tmp_path / "store"
+    with nodes(tmp_path, redis_db) as (a, b):
+        b.path("d").mkdir()
+        b.path("d", "f").write_bytes(b"kept" * 1000)
+        a.path("g").write_bytes(b"also")
+        wait_store_matches(store, {"d/f": b"kept" * 1000, "g": b"also"})
+    with nodes(tmp_path, redis_db, "ba") as (b, a):  # every daemon gone: the first back starts afresh from the store
+        assert sorted(os.listdir(a.mountpoint)) == ["d", "g"]
+        assert a.path("d", "f").read_bytes() == b"kept" * 1000
+        assert b.path("g").read_bytes() == b"also"
+
+
+def test_redis_problems_at_mount_are_one_line_errors(tmp_path, redis_db, monkeypatch):
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    store = str(tmp_path / "store")
+    monkeypatch.delenv("CKPTFS_REDIS_PASSWORD", raising=False)
+    r = run_cli("mount", str(mp), "--store", store, "--cluster", "redis://127.0.0.1:1/0")
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "cannot reach Redis at redis://127.0.0.1:1/0" in r.stderr, r.stderr
+    r = run_cli("mount", str(mp), "--store", store, "--cluster", redis_db.url)
+    assert r.returncode == 2 and "needs a password" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    env = {**os.environ, "CKPTFS_REDIS_PASSWORD": "wrong"}
+    r = run_cli("mount", str(mp), "--store", store, "--cluster", redis_db.url, env=env)
+    assert r.returncode == 2 and "refused the password" in r.stderr and "wrong" not in r.stderr, r.stderr
+    assert not os.path.ismount(mp)
+
+
+def _torchrun(n: int, *args: str) -> None:
+    script = Path(__file__).parent / "scripts" / "dcp_ranks.py"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", str(script), *args],
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+
+
+def test_torchrun_ranks_save_with_dcp_each_into_its_own_node_and_load_after_crash_and_restart(tmp_path, redis_db):
+    """The issue's DCP case: three ranks, each on its own node's mount, one
+    checkpoint. The store never shows `.metadata` before every rank's shard;
+    every rank loads it back after the trainer dies (daemons alive) and
+    after every daemon restarts."""
+    pytest.importorskip("torch")
+    store = tmp_path / "store"
+    shards = {f"dcp/step-1/__{r}_0.distcp" for r in range(3)}
+    with nodes(tmp_path, redis_db, "abc") as mounts:
+        with watching(store) as seen:
+            _torchrun(3, "save", "1", *(str(m.mountpoint) for m in mounts))
+            wait_until(lambda: shards | {"dcp/step-1/.metadata"} <= set(store_files(store)), 60, "the checkpoint in the store")
+        with_marker = [s for s in seen if "dcp/step-1/.metadata" in s]
+        assert with_marker and all(shards <= s for s in with_marker), "the store showed .metadata before every rank's shard"
+        _torchrun(3, "load", "1", *(str(m.mountpoint) for m in mounts))  # a new job, the daemons alive
+    with nodes(tmp_path, redis_db, "cab") as mounts:  # every daemon restarted: from the store
+        _torchrun(3, "load", "1", *(str(m.mountpoint) for m in mounts))

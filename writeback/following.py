@@ -1,0 +1,66 @@
+"""The publisher of a cluster node that does not publish.
+
+In cluster mode every node's engine holds the same journal (the cluster
+log's seals and changes, in its order, with the same sequence numbers), but
+one node's `Publisher` applies it to the store. Every other node runs a
+`Following` publisher: it never touches the store; it completes each op of
+its journal once the publishing node reports it applied (`progress`), and
+learns where files were shown (`showed`) so that reads load them. Its own
+generations are staged by its upload workers and reported to the publishing
+node (`ClusterLink.staged`); they are published when that node says so.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .journal import FileGen, Op
+from .manifest import Digest, Meta
+from .publisher import Publisher
+from .replica import Shown
+from .state import State
+
+log = logging.getLogger(__name__)
+
+
+class Following(Publisher):
+    def __init__(self, engine, markers) -> None:
+        super().__init__(engine, markers)
+        self.leader_position = 0  # the publishing node applied every op up to this sequence number
+        self._shown: dict[int, tuple[str, Shown]] = {}
+
+    async def run(self) -> None:
+        e = self.e
+        while True:
+            while e.queue and self._applied(e.queue[0]):
+                self._complete(e.queue[0])
+            await e.wait_change()
+
+    def _applied(self, op: Op) -> bool:
+        if op.seq > self.leader_position:
+            return False
+        return not isinstance(op, FileGen) or self.settled(op) or op.state is State.PARKED
+
+    def progress(self, position: int) -> None:
+        """The publishing node applied every op up to `position`."""
+        if position > self.leader_position:
+            self.leader_position = position
+            self.e.notify()
+
+    def shown(self, ino: int) -> tuple[str, Shown] | None:
+        """Where the store shows `ino` now (its path in the mount: the
+        caller waits for the publishing node to apply what came before),
+        with its digest if this node heard it; without, the store's record
+        vouches for the bytes (read at load)."""
+        paths = self.e.ns.paths_of(ino)
+        if not paths:
+            return None
+        generation = self.e.published_gen.get(ino, 0)
+        heard = self._shown.get(ino)
+        digest = heard[1].digest if heard is not None and heard[1].generation == generation else None
+        return paths[0], Shown(ino, generation, digest, Meta())
+
+    def showed(self, ino: int, generation: int, path: str, digest: Digest | None) -> None:
+        old = self._shown.get(ino)
+        if old is None or old[1].generation <= generation:
+            self._shown[ino] = (path, Shown(ino, generation, digest, Meta()))
