@@ -100,16 +100,18 @@ class Client:
     def ping(self) -> dict:
         return self.call("ping")
 
-    def status(self, files: bool = False, path: str | os.PathLike[str] | None = None) -> dict:
-        """Totals, and with `files` the per-file rows (under `path`)."""
-        return self.call("status", files=files, path=self._rel(path))
+    def status(self, files: bool = False, path: str | os.PathLike[str] | None = None, cluster: bool = False) -> dict:
+        """Totals, and with `files` the per-file rows (under `path`); with
+        `cluster` (a cluster mount) every node of the cluster too."""
+        return self.call("status", files=files, path=self._rel(path), cluster=cluster)
 
     def flush(self, path: str | os.PathLike[str] | None = None, timeout: float | None = None,
-              progress: Callable[[dict], None] | None = None) -> dict:
+              progress: Callable[[dict], None] | None = None, cluster: bool = False) -> dict:
         """Wait until everything sealed before the call (under `path`) is
-        published. Raises FlushIncomplete when `timeout` passes first."""
+        published; with `cluster`, everything sealed anywhere in the cluster
+        before the call. Raises FlushIncomplete when `timeout` passes first."""
         # Progress lines arrive every PROGRESS_EVERY_S: silence, not length, means hung.
-        result = self.call("flush", path=self._rel(path), timeout=timeout, progress=progress,
+        result = self.call("flush", path=self._rel(path), timeout=timeout, progress=progress, cluster=cluster,
                            deadline=math.inf if timeout is None else timeout + self.timeout)
         if not result["published"]:
             left = result["left"]

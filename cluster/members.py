@@ -20,6 +20,7 @@ from .log import ClusterError, SharedLog
 
 BEAT_S = 1.0
 LEADER_TTL_S = 10.0  # a publishing node silent this long is gone
+GONE_AFTER_S = 5.0  # any other node silent this long is gone
 READY_TIMEOUT_S = 120.0
 
 # KEYS: leader, head, log, ready, events, members. ARGV: me, ttl ms.

@@ -36,6 +36,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import redis
 import trio
 from ckptfs.fs.tree import Handle, InodeTree, Journal
 
@@ -44,6 +45,8 @@ from .log import READ_BATCH, SharedLog
 log = logging.getLogger(__name__)
 
 FOLLOW_BLOCK_S = 1.0
+REDIS_PATIENCE_S = 10.0  # a namespace change waits this long for an unreachable Redis, then fails with EIO
+APPEND_RETRY_S = 0.2
 # The tree's methods a log entry may name: every change of names, links and attributes.
 CHANGES = frozenset({"mknod", "mkdir", "symlink", "link", "unlink", "rmdir", "rename", "setattr", "setxattr", "removexattr"})
 
@@ -52,7 +55,7 @@ class ClusterJournal(Journal, Protocol):
     """The write-back engine as a cluster node sees it (writeback.engine.Engine)."""
 
     def place(self, position: int) -> None: ...  # what follows comes from this log position
-    def sealed_elsewhere(self, ino: int, generation: int, size: int, node: str) -> None: ...
+    def sealed_elsewhere(self, ino: int, generation: int, size: int, owner: str) -> None: ...
 
 
 class SharedNamespace:
@@ -63,14 +66,18 @@ class SharedNamespace:
         self.me = uuid.uuid4().hex  # this daemon, as the author of its entries
         self.engine = engine
         self.position = 0  # the last log position applied to the tree
-        self._outcomes: dict[int, Any] = {}  # position of an entry of ours -> what applying it gave
+        self._count = 0  # entries of ours made so far: each is numbered
+        self._outcomes: dict[int, Any] = {}  # number of an entry of ours -> what applying it gave
         self._appending = trio.Lock()  # this node's own appends, one at a time: they would only race each other
         self.applied = trio.Event()  # set (and replaced) whenever entries are applied
         self._applying = False
         self._unplaced: dict[tuple[int, int], Any] = {}  # (ino, generation) sealed here -> its snapshot, until placed
-        self._to_place: list[bytes] = []  # entries for seals (and the attributes a write changed) made here
+        self._to_place: list[tuple[int, bytes]] = []  # entries for seals (and the attributes a write changed) made here
         self._placing = trio.Event()  # set when an entry is queued
         self._shrunk = trio.Event()  # set (and replaced) when one has its place
+        # Told of every entry another node made, once applied: (op, args), to
+        # drop what the kernel caches of the names and files it changed.
+        self.elsewhere: Callable[[str, list], None] | None = None
         tree.journal = self
 
     # -- changes made here -------------------------------------------------------
@@ -82,24 +89,31 @@ class SharedNamespace:
             raise ValueError(f"not a shared namespace change: {op}")
         if kwargs.get("size") is not None:
             raise ValueError("a size change is a change of the file's bytes: made where they are, shared when sealed")
-        pos = await self._append(self._encode(op, args, kwargs))
-        outcome = self._outcomes.pop(pos)
+        outcome = await self._append(self._encode(op, args, kwargs))
         if isinstance(outcome, OSError):
             raise outcome
         return outcome
 
-    async def _append(self, raw: bytes) -> int:
+    async def _append(self, entry: tuple[int, bytes], patience_s: float = REDIS_PATIENCE_S) -> Any:
         """Append an entry after everything this replica has applied, and
-        apply up to it; its position."""
+        apply up to it; what applying it gave. Redis unreachable: tried
+        again for `patience_s`, then OSError(EIO). An append is conditional
+        on the log's end, so trying again never appends twice: an append
+        whose answer was lost is found applied when catching up."""
+        n, raw = entry
+        deadline = trio.current_time() + patience_s
         async with self._appending:
-            while True:
-                pos = await trio.to_thread.run_sync(self.log.append, self.position, raw)
-                if pos is not None:
-                    break
-                await self.catch_up()  # another node appended first: apply that, then try again after it
-            while self.position < pos:
-                await self.catch_up()
-        return pos
+            while n not in self._outcomes:
+                try:
+                    appended = await trio.to_thread.run_sync(self.log.append, self.position, raw)
+                    await self.catch_up()  # another node appended first (None): apply that, then try again after it
+                    assert appended is None or n in self._outcomes
+                except redis.RedisError as exc:
+                    if trio.current_time() > deadline:
+                        raise OSError(errno.EIO, f"the cluster's Redis is unreachable: {exc}") from None
+                    log.warning("cannot reach the cluster's Redis (%s): trying again", exc)
+                    await trio.sleep(APPEND_RETRY_S)
+        return self._outcomes.pop(n)
 
     async def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int, gid: int,
                      keeps_setid: Callable[[], bool]) -> Handle:
@@ -124,11 +138,16 @@ class SharedNamespace:
             raise OSError(errno.EISDIR, os.strerror(errno.EISDIR))
         return self.tree.open(inode.ino, flags, keeps_setid)
 
-    async def placed(self) -> None:
+    async def placed(self, patience_s: float = REDIS_PATIENCE_S) -> None:
         """Until every seal made here so far has its place in the log (and
-        so, on every node, comes before whatever happens after this call)."""
-        while self._to_place:
-            await self._shrunk.wait()
+        so, on every node, comes before whatever happens after this call).
+        OSError(EIO) after `patience_s` (Redis unreachable): the seals keep
+        their bytes in RAM and get their places once it answers again."""
+        with trio.move_on_after(patience_s):
+            while self._to_place:
+                await self._shrunk.wait()
+            return
+        raise OSError(errno.EIO, "the cluster's Redis is unreachable: the file is kept in RAM and published once it answers")
 
     async def place_seals(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Give each seal made here its place in the log, in the order they were made."""
@@ -139,7 +158,7 @@ class SharedNamespace:
                 self._placing = trio.Event()
                 continue
             try:
-                await self._append(self._to_place[0])
+                await self._append(self._to_place[0], patience_s=0)
             except Exception as exc:  # Redis unreachable: the seal waits (its bytes stay in RAM); tried again
                 log.warning("cannot give a seal its place in the cluster log yet (%s): trying again", exc)
                 await trio.sleep(0.5)
@@ -195,8 +214,8 @@ class SharedNamespace:
             raise RuntimeError("a namespace change made here without the cluster log")
         return self.engine
 
-    def _queue(self, raw: bytes) -> None:
-        self._to_place.append(raw)
+    def _queue(self, entry: tuple[int, bytes]) -> None:
+        self._to_place.append(entry)
         self._placing.set()
 
     # -- restore: the first node of a cluster shows the store ------------------------
@@ -216,12 +235,25 @@ class SharedNamespace:
             if len(got) < READ_BATCH:
                 return n
 
+    async def refresh(self) -> None:
+        """Catch up if Redis answers; if not, what this replica knows stands
+        (a lookup or an open goes on with it)."""
+        try:
+            await self.catch_up()
+        except redis.RedisError as exc:
+            log.warning("cannot reach the cluster's Redis (%s): answering from this node's view of the namespace", exc)
+
     async def follow(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Apply other nodes' changes as they arrive, for as long as the daemon runs."""
         await self.catch_up()
         task_status.started()
         while True:
-            got = await trio.to_thread.run_sync(self.log.wait, self.position, FOLLOW_BLOCK_S, abandon_on_cancel=True)
+            try:
+                got = await trio.to_thread.run_sync(self.log.wait, self.position, FOLLOW_BLOCK_S, abandon_on_cancel=True)
+            except redis.RedisError as exc:
+                log.warning("cannot read the cluster's log (%s): trying again", exc)
+                await trio.sleep(APPEND_RETRY_S * 5)
+                continue
             self._apply_all(got)
 
     def _apply_all(self, entries: list[tuple[int, bytes]]) -> int:
@@ -239,7 +271,7 @@ class SharedNamespace:
         return n
 
     def _apply(self, pos: int, raw: bytes) -> None:
-        author, node, when, op, args, kwargs = _decode(raw)
+        author, number, node, when, op, args, kwargs = _decode(raw)
         tree = self.tree
         tree.clock = lambda: when
         self._applying = True
@@ -267,7 +299,12 @@ class SharedNamespace:
             self._applying = False
         self.position = pos
         if author == self.me:
-            self._outcomes[pos] = outcome
+            self._outcomes[number] = outcome
+        elif self.elsewhere is not None:
+            try:
+                self.elsewhere(op, args)
+            except Exception:
+                log.exception("cannot drop what the kernel caches for change %d (%s)", pos, op)
 
     def _apply_seal(self, author: str, node: str, ino: int, generation: int, size: int, mtime_ns: int) -> None:
         tree = self.tree
@@ -282,16 +319,19 @@ class SharedNamespace:
             return
         keep = any(i == ino for i, _ in self._unplaced)  # sealed here since: that later seal wins
         if tree.sealed_elsewhere(ino, generation, size, mtime_ns, keep) is not None and tree.paths_of(ino) and self.engine is not None:
-            self.engine.sealed_elsewhere(ino, generation, size, node)
+            self.engine.sealed_elsewhere(ino, generation, size, author)
 
-    def _encode(self, op: str, args: tuple, kwargs: dict) -> bytes:
-        return json.dumps({"by": self.me, "node": self.node, "t": time.time_ns(), "op": op,
-                           "a": [_to_json(a) for a in args], "k": {k: _to_json(v) for k, v in kwargs.items()}}).encode()
+    def _encode(self, op: str, args: tuple, kwargs: dict) -> tuple[int, bytes]:
+        """A new entry of ours: its number and its bytes."""
+        self._count += 1
+        return self._count, json.dumps({"by": self.me, "n": self._count, "node": self.node, "t": time.time_ns(), "op": op,
+                                        "a": [_to_json(a) for a in args], "k": {k: _to_json(v) for k, v in kwargs.items()}}).encode()
 
 
-def _decode(raw: bytes) -> tuple[str, str, int, str, list, dict]:
+def _decode(raw: bytes) -> tuple[str, int, str, int, str, list, dict]:
     e = json.loads(raw)
-    return e["by"], e["node"], e["t"], e["op"], [_of_json(a) for a in e["a"]], {k: _of_json(v) for k, v in e["k"].items()}
+    return (e["by"], e["n"], e["node"], e["t"], e["op"], [_of_json(a) for a in e["a"]],
+            {k: _of_json(v) for k, v in e["k"].items()})
 
 
 def _to_json(v: Any) -> Any:

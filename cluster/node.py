@@ -12,6 +12,7 @@ namespace and its heartbeat, and ties its write-back engine to the others.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 
 import redis
@@ -19,13 +20,28 @@ import trio
 from ckptfs.fs.tree import InodeTree
 from ckptfs.writeback.engine import Engine
 from ckptfs.writeback.following import Following
+from ckptfs.writeback.journal import FileGen
+from ckptfs.writeback.state import State
 
 from .events import Events
 from .log import ClusterError, SharedLog, Where
-from .members import BEAT_S, Membership
+from .members import BEAT_S, GONE_AFTER_S, Membership
 from .namespace import SharedNamespace
 
 log = logging.getLogger(__name__)
+
+
+def _dead_here(info: dict) -> bool:
+    """A member on this host whose daemon process is gone."""
+    if info.get("host") != socket.gethostname():
+        return False
+    try:
+        os.kill(info["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
 
 
 class ClusterNode:
@@ -86,15 +102,55 @@ class ClusterNode:
             try:
                 still = await trio.to_thread.run_sync(self.members.beat)
                 leader = self.members.leader() if not self.publishes else self.namespace.me
+                members = await trio.to_thread.run_sync(self.members.members)
             except redis.RedisError as exc:
                 log.warning("cannot reach the cluster's Redis for this node's heartbeat: %s", exc)
                 continue
+            self._find_gone(members)
             if not still:
                 log.error("this node no longer publishes for the cluster (its heartbeat lapsed): nothing more is published")
             if leader is None and not self.leader_gone:
                 self.leader_gone = True
                 log.error("the cluster's publishing node is gone: this node's files are no longer published; "
                           "unmount every node and mount again (the store keeps what was published)")
+
+    def _find_gone(self, members: dict[str, dict]) -> None:
+        """Nodes holding unstaged generations that stopped beating: what
+        they held is lost (reported on every node, never waited for in silence)."""
+        owners = {g.owner for g in self.engine.pending.values() if g.owner is not None and g.owner not in self.engine.gone}
+        for owner in owners:
+            info = members.get(owner)
+            if info is not None and info["age"] < GONE_AFTER_S and not _dead_here(info):
+                continue
+            name = info["node"] if info is not None else owner[:8]
+            why = f"node {name} is gone (no heartbeat for {GONE_AFTER_S:.0f}s)" if info is not None else f"node {name} left the cluster"
+            if info is not None and _dead_here(info):
+                why = f"node {name} died (its daemon, pid {info['pid']} on this host, is gone)"
+            self.engine.lost(owner, why)
+
+    async def status(self) -> dict:
+        """The cluster as this node sees it: every node (a heartbeat, or
+        generations in the journal) with what it has not published yet and
+        what was lost with it; which node publishes; the log position."""
+        members = await trio.to_thread.run_sync(self.members.members)
+        leader = await trio.to_thread.run_sync(self.members.leader)
+        per: dict[str, dict] = {}
+        for op in self.engine.unpublished():
+            if isinstance(op, FileGen):
+                c = per.setdefault(op.owner or self.namespace.me, {"unpublished_files": 0, "unpublished_bytes": 0, "lost_files": 0})
+                if op.state is State.PARKED and op.error.startswith("lost:"):
+                    c["lost_files"] += 1
+                else:
+                    c["unpublished_files"] += 1
+                    c["unpublished_bytes"] += op.size
+        nodes = []
+        for me in sorted(set(members) | set(per)):
+            info = members.get(me, {})
+            nodes.append({"node": info.get("node", "?"), "id": me, "host": info.get("host", ""), "pid": info.get("pid"),
+                          "heartbeat_age_s": info.get("age"), "publishes": me == leader, "this": me == self.namespace.me,
+                          "gone": me in self.engine.gone or me not in members,
+                          **per.get(me, {"unpublished_files": 0, "unpublished_bytes": 0, "lost_files": 0})})
+        return {"nodes": nodes, "log_position": self.namespace.position, "publishing_node_gone": leader is None}
 
     def leave(self) -> None:
         try:

@@ -29,6 +29,7 @@ from ckptfs.client import MAX_LINE, PROTOCOL_VERSION
 from . import status
 
 if TYPE_CHECKING:
+    from ckptfs.cluster.node import ClusterNode
     from ckptfs.writeback.engine import Engine
 
 log = logging.getLogger(__name__)
@@ -42,8 +43,10 @@ class RequestError(Exception):
 
 
 class ControlServer:
-    def __init__(self, path: Path, tree: InodeTree, engine: Engine, ledger: status.Ledger, mount: dict[str, Any]) -> None:
+    def __init__(self, path: Path, tree: InodeTree, engine: Engine, ledger: status.Ledger, mount: dict[str, Any],
+                 cluster: ClusterNode | None = None) -> None:
         self.path = path
+        self.cluster = cluster
         self.tree = tree
         self.ledger = ledger
         self.engine = engine
@@ -97,14 +100,27 @@ class ControlServer:
         if op == "ping":
             return {**self.mount}
         if op == "status":
-            return self.status(bool(req.get("files")), path)
+            out = self.status(bool(req.get("files")), path)
+            if req.get("cluster"):
+                out["cluster"] = await self._cluster().status()
+            return out
         if op == "flush":
+            if req.get("cluster"):  # every seal the cluster's log has now, wherever it was made, is waited for
+                try:
+                    await self._cluster().namespace.catch_up()
+                except Exception as exc:
+                    raise RequestError(f"cannot reach the cluster's Redis: {exc}") from None
             return await self.flush(stream, path, _timeout(req.get("timeout")))
         if op == "prefetch":
             return await self.prefetch(stream, path)
         if op == "evict":
             return self.evict(path)
         raise RequestError(f"unknown request {op!r}")
+
+    def _cluster(self) -> ClusterNode:
+        if self.cluster is None:
+            raise RequestError("this mount is not in a cluster (mounted without --cluster)")
+        return self.cluster
 
     # -- requests ------------------------------------------------------------
     def status(self, with_files: bool, path: str) -> dict:

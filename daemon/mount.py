@@ -89,7 +89,8 @@ def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
     control = ControlServer(runtime.control_socket(mountpoint), tree, engine, ledger,
                             {"mountpoint": info.mountpoint, "store": config.store_url, "pid": info.pid, "started": info.started,
                              "log_file": info.log_file, "fsync": config.fsync, "memory_limit": config.memory_limit,
-                             "metrics_port": config.metrics_port})
+                             "metrics_port": config.metrics_port, "cluster": config.cluster, "node": node.name if node else None},
+                            cluster=node)
     closed = False
 
     def unmount() -> None:

@@ -52,7 +52,7 @@ def file_status(tree: InodeTree, engine: Engine, inode: Inode, path: str) -> Fil
     elif d.generation == inode.generation:
         state = "failed" if d.state is State.PARKED else d.state.value
         digest, tries, error = d.digest, d.tries, d.error
-        if d.state is State.PARKED:
+        if d.state is State.PARKED and not error.startswith("lost:"):  # lost with its node (cluster mode): never retried
             error = f"parked (failed for good, retried rarely): {error}"
     elif d.published_generation >= inode.generation:
         state = State.PUBLISHED.value

@@ -20,6 +20,8 @@ import errno
 import functools
 import logging
 import os
+import queue
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -110,6 +112,9 @@ class Operations(pyfuse3.Operations):
         # returns, so that the seal has its place before what follows it.
         self.shared = shared
         self.timeout = ATTR_TIMEOUT if shared is None else CLUSTER_ATTR_TIMEOUT
+        self._invalidations = _Invalidations()
+        if shared is not None:
+            shared.elsewhere = self._changed_elsewhere
         self.fsync_durable = fsync_durable
         self.metrics = metrics
         self.virtual_xattr = virtual_xattr
@@ -124,6 +129,17 @@ class Operations(pyfuse3.Operations):
     def _entry(self, inode: Inode) -> pyfuse3.EntryAttributes:
         """Attributes for a reply that gives the kernel a new reference."""
         return attributes(self.tree.ref(inode), self.timeout)
+
+    def _changed_elsewhere(self, op: str, args: list) -> None:
+        """Cluster mode: another node's change is applied here; the kernel
+        forgets what it cached of it (names, attributes, a file's pages)."""
+        if op in ("unlink", "rmdir"):
+            pyfuse3.invalidate_entry_async(args[0], args[1], ignore_enoent=True)
+        elif op == "rename":
+            pyfuse3.invalidate_entry_async(args[0], args[1], ignore_enoent=True)
+            pyfuse3.invalidate_entry_async(args[2], args[3], ignore_enoent=True)
+        elif op in ("sealed", "setattr", "setxattr", "removexattr"):
+            self._invalidations.put((args[0], op != "sealed"))
 
     async def _change(self, op: str, *args: Any, **kwargs: Any) -> Any:
         """A change of names, links or attributes: the tree's method `op`,
@@ -144,6 +160,12 @@ class Operations(pyfuse3.Operations):
     # -- names ---------------------------------------------------------------
     @_errors
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        try:
+            return self._entry(self.tree.lookup(parent_inode, name))
+        except OSError as exc:
+            if exc.errno != errno.ENOENT or self.shared is None:
+                raise
+        await self.shared.refresh()  # cluster mode: a name made elsewhere before this lookup is found
         return self._entry(self.tree.lookup(parent_inode, name))
 
     @_errors
@@ -216,6 +238,8 @@ class Operations(pyfuse3.Operations):
     # -- files ---------------------------------------------------------------
     @_errors
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        if self.shared is not None:
+            await self.shared.refresh()  # close-to-open: a file closed elsewhere before this open is seen as closed
         node = self.tree.get(inode)
         if flags & os.O_ACCMODE == os.O_RDONLY:
             await self._resident(node, 0, 0)  # a reader starts the load, and each read waits for its own bytes
@@ -339,6 +363,31 @@ class Operations(pyfuse3.Operations):
         if name.startswith(XATTR_PREFIX):
             raise pyfuse3.FUSEError(errno.EPERM)
         await self._change("removexattr", inode, name)
+
+
+class _Invalidations:
+    """Inodes whose cached attributes (and pages) the kernel must drop, sent
+    from a thread of their own: dropping pages waits for their locks, which
+    a read in progress holds until this daemon answers it."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[int, bool]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def put(self, item: tuple[int, bool]) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="ckptfs-invalidate", daemon=True)
+            self._thread.start()
+        self._queue.put(item)
+
+    def _run(self) -> None:
+        while True:
+            ino, attr_only = self._queue.get()
+            try:
+                pyfuse3.invalidate_inode(ino, attr_only)
+            except OSError as exc:  # ENOENT: the kernel holds no reference to it
+                if exc.errno != errno.ENOENT:
+                    log.debug("cannot invalidate inode %d: %s", ino, exc)
 
 
 CAP_FSETID = 4

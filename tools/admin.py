@@ -61,11 +61,14 @@ def _console():
 @click.option("--watch", is_flag=True, help="Refresh until interrupted (Ctrl-C).")
 @click.option("--interval", default=1.0, show_default=True, type=Number(0.1, 86400), metavar="S",
               help="Seconds between refreshes with --watch.")
-def status(mountpoint: str | None, as_json: bool, files: str | None, watch: bool, interval: float) -> None:
+@click.option("--cluster", is_flag=True, help="Also every node of the mount's cluster: what each has not published yet, and what was lost.")
+def status(mountpoint: str | None, as_json: bool, files: str | None, watch: bool, interval: float, cluster: bool) -> None:
     """What is durable yet: totals, and per file with --files.
 
     With no MOUNTPOINT: every ckptfs mount on this machine.
     """
+    if cluster and mountpoint is None:
+        _fail("--cluster needs a MOUNTPOINT", EXIT_USAGE)
     if mountpoint is not None:
         client = _client(mountpoint)
         mps = [client.mountpoint]
@@ -76,25 +79,26 @@ def status(mountpoint: str | None, as_json: bool, files: str | None, watch: bool
             _fail("--files PATH needs a MOUNTPOINT", EXIT_USAGE)
         mps = runtime.ckptfs_mounts()
     if not watch:
-        code = _show_status(mps, as_json, files, single=mountpoint is not None)
+        code = _show_status(mps, as_json, files, single=mountpoint is not None, cluster=cluster)
         sys.exit(code)
     try:
         while True:
             if sys.stdout.isatty():
                 click.clear()
-            _show_status(mps if mountpoint is not None else runtime.ckptfs_mounts(), as_json, files, single=mountpoint is not None)
+            _show_status(mps if mountpoint is not None else runtime.ckptfs_mounts(), as_json, files, single=mountpoint is not None,
+                         cluster=cluster)
             sys.stdout.flush()
             time.sleep(interval)
     except KeyboardInterrupt:
         sys.exit(0)
 
 
-def _show_status(mps: list[str], as_json: bool, files: str | None, single: bool) -> int:
+def _show_status(mps: list[str], as_json: bool, files: str | None, single: bool, cluster: bool = False) -> int:
     reports, code = [], 0
     for mp in mps:
         try:
             client = Client(mp)
-            reports.append(client.status(files=files is not None, path=files or mp))
+            reports.append(client.status(files=files is not None, path=files or mp, cluster=cluster))
         except CkptfsError as exc:
             if single:
                 _fail(str(exc), _exit_code(exc))
@@ -148,6 +152,8 @@ def _print_status(console, r: dict) -> None:
         grid.add_row("failing", f"[red]{t['failing']}[/]", f"last error {format_duration(t['last_error_age_s'])} ago")
         grid.add_row("", "", Text(printable(t["last_error"]), style="red"))
     console.print(grid)
+    if "cluster" in r:
+        _print_cluster(console, r["cluster"])
     if "files" in r:
         table = Table(show_edge=False, pad_edge=False)
         for col, justify in (("path", "left"), ("size", "right"), ("state", "left"), ("gen", "right"), ("xxh3", "left"),
@@ -161,18 +167,38 @@ def _print_status(console, r: dict) -> None:
         console.print(table)
 
 
+def _print_cluster(console, c: dict) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    if c["publishing_node_gone"]:
+        console.print(Text("the cluster's publishing node is gone: nothing more is published", style="red"))
+    table = Table(title=f"cluster (log position {c['log_position']})", show_edge=False, pad_edge=False, title_justify="left")
+    for col, justify in (("node", "left"), ("host", "left"), ("pid", "right"), ("heartbeat", "right"), ("role", "left"),
+                         ("unpublished", "right"), ("size", "right"), ("lost", "right")):
+        table.add_column(col, justify=justify)
+    for n in c["nodes"]:
+        age = "gone" if n["gone"] else f"{n['heartbeat_age_s']:.1f}s ago"
+        role = ("publishes" if n["publishes"] else "stages") + (" (this node)" if n["this"] else "")
+        lost = f"[red]{n['lost_files']}[/]" if n["lost_files"] else "0"
+        table.add_row(Text(printable(n["node"])), Text(printable(n["host"])), str(n["pid"] or ""), f"[red]{age}[/]" if n["gone"] else age,
+                      role, str(n["unpublished_files"]), format_size(n["unpublished_bytes"]), lost)
+    console.print(table)
+
+
 # -- flush ---------------------------------------------------------------------
 @click.command()
 @click.argument("path", required=False, default=".", metavar="[MOUNTPOINT|PATH]", type=click.Path())
 @click.option("--timeout", type=Number(0), default=None, metavar="S", help="Give up after S seconds (exit 1) [default: wait until published].")
-def flush(path: str, timeout: float | None) -> None:
+@click.option("--cluster", is_flag=True, help="Wait for what every node of the mount's cluster sealed before now, not only what this node has seen.")
+def flush(path: str, timeout: float | None, cluster: bool) -> None:
     """Wait until everything sealed (closed) before now, on the mount or under
     PATH, is published to the store. A barrier: what is written later is not
     waited for. Exit 0 once published; 1 on timeout, naming what is left."""
     client = _client(path)
     where = os.path.join(client.mountpoint, client.relpath).rstrip("/")
     try:
-        result = _flush_with_progress(client, timeout)
+        result = _flush_with_progress(client, timeout, cluster)
     except FlushIncomplete as exc:
         click.echo(f"ckptfs: error: not published after {timeout:g}s: {len(exc.left)} left under {printable(where)}", err=True)
         for f in exc.left:
@@ -185,7 +211,7 @@ def flush(path: str, timeout: float | None) -> None:
                f"({result['files']} files, {format_size(result['bytes'])} waited for)")
 
 
-def _flush_with_progress(client: Client, timeout: float | None) -> dict:
+def _flush_with_progress(client: Client, timeout: float | None, cluster: bool = False) -> dict:
     if not sys.stderr.isatty():
         last = [0.0, None]
 
@@ -197,7 +223,7 @@ def _flush_with_progress(client: Client, timeout: float | None) -> dict:
                 click.echo(f"ckptfs: flush: {p['files_left']} of {p['files']} files left, "
                            f"{format_size(p['bytes_left'])} of {format_size(p['bytes'])}{failing}", err=True)
 
-        return client.flush(timeout=timeout, progress=line)
+        return client.flush(timeout=timeout, progress=line, cluster=cluster)
 
     from rich.markup import escape
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
@@ -212,7 +238,7 @@ def _flush_with_progress(client: Client, timeout: float | None) -> dict:
                 desc += f" [red](retrying {escape(printable(p['failed'][0]['path']))}: {escape(printable(p['failed'][0]['error']))})[/]"
             bar.update(task, total=p["bytes"], completed=p["bytes"] - p["bytes_left"], description=desc)
 
-        return client.flush(timeout=timeout, progress=update)
+        return client.flush(timeout=timeout, progress=update, cluster=cluster)
 
 
 # -- prefetch / evict ----------------------------------------------------------

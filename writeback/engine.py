@@ -154,6 +154,7 @@ class Engine:
         self._image: bytes | None = None  # every record at the scan (manifest.Image, packed)
         self._outside: list[str] = []
         self.link: ClusterLink | None = None  # cluster mode (see `cluster`)
+        self.gone: set[str] = set()  # cluster mode: nodes that died (their unstaged generations are lost)
 
     def cluster(self, link: ClusterLink, publisher: Publisher) -> None:
         """Cluster mode: the journal is the whole cluster's (every node's
@@ -179,12 +180,12 @@ class Engine:
         self._enqueue(gen)
         self._send.send_nowait(gen)
 
-    def sealed_elsewhere(self, ino: int, generation: int, size: int, node: str) -> None:
-        """Cluster mode: another node sealed this generation; its RAM holds
-        the bytes and it stages them (`staged_elsewhere` when it has)."""
+    def sealed_elsewhere(self, ino: int, generation: int, size: int, owner: str) -> None:
+        """Cluster mode: another daemon (`owner`) sealed this generation; its
+        RAM holds the bytes and it stages them (`staged_elsewhere` when it has)."""
         meta = self.meta_of(ino)
         assert meta is not None
-        gen = FileGen(self._next(), ino, generation, None, meta, size, self.ns.paths_of(ino), owner=node)
+        gen = FileGen(self._next(), ino, generation, None, meta, size, self.ns.paths_of(ino), owner=owner)
         gen.move(State.UPLOADING)
         self._enqueue(gen)
 
@@ -215,6 +216,25 @@ class Engine:
         gen.staged, gen.digest = staged, digest
         gen.move(State.STAGED)
         self.notify()
+
+    def lost(self, node: str, why: str) -> int:
+        """Cluster mode: `node` is gone, and with its RAM every generation it
+        had not staged yet. Each is parked, loudly, for good: the completion
+        markers in its directory tree (and later removals) wait until its
+        file is rewritten or deleted, as for any parked file. How many."""
+        self.gone.add(node)
+        n = 0
+        for gen in list(self.pending.values()):
+            if gen.owner == node and gen.state in (State.UPLOADING, State.FAILED):
+                gen.error, gen.error_at = f"lost: {why}", time.time()
+                gen.move(State.PARKED)
+                self.publisher.park(gen)
+                self.touched.add(gen.ino)
+                log.error("LOST %s (generation %d, %d bytes): %s; it was never published, and completion markers in its "
+                          "directory wait until it is rewritten or deleted", gen.path, gen.generation, gen.size, why)
+                n += 1
+        self.notify()
+        return n
 
     def restage(self, ino: int, generation: int) -> None:
         """Cluster mode: the publishing node found the staged data of this
@@ -604,7 +624,8 @@ class Engine:
         if self.pending.get(gen.ino) is gen:
             del self.pending[gen.ino]
         self.publisher.parked.discard(gen)
-        if gen.staged is not None and self._nursery is not None:
+        reported = self.link is not None and not self.link.publishes and gen.owner is None  # staged here: reported as soon as staged
+        if gen.staged is not None and self._nursery is not None and not reported:  # reported: the publishing node's to discard
             staged, gen.staged = gen.staged, None
             self._nursery.start_soon(functools.partial(self._discard, staged, gen.path))
         self._release(gen)

@@ -846,6 +846,8 @@ class Publisher:
             if gen.state is not State.PARKED:
                 self.parked.discard(gen)
                 continue
+            if gen.owner is not None and gen.owner in self.e.gone:
+                continue  # lost with its node: nothing to try
             log.info("retrying parked %s", gen.path)
             self.parked.discard(gen)
             gen.move(State.FAILED)

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -22,7 +24,7 @@ VISIBLE_S = 1.0  # the bound the README states for a change on one node to show 
 
 
 @contextmanager
-def nodes(tmp_path: Path, redis_db, names: str = "ab", store: Path | None = None):
+def nodes(tmp_path: Path, redis_db, names: str = "ab", store: Path | None = None, extra: tuple[str, ...] = ()):
     """Mounts of one cluster, the first to start publishing for it; all stopped at the end, whatever happens."""
     store = store or tmp_path / "store"
     mounts: list[Mount] = []
@@ -30,7 +32,7 @@ def nodes(tmp_path: Path, redis_db, names: str = "ab", store: Path | None = None
         for name in names:
             mounts.append(start_mount(tmp_path / name, store=store,
                                       extra=("--cluster", redis_db.url, "--cluster-password-file", str(redis_db.password_file),
-                                             "--node", name)))
+                                             "--node", name, *extra)))
         yield mounts
     finally:
         for m in mounts:
@@ -177,15 +179,40 @@ def test_rotation_and_renames_on_one_node_move_every_node_s_files_in_order(tmp_p
         assert not (store / "ckpt-1").exists()
 
 
-def test_status_and_flush_on_a_node_that_does_not_publish(tmp_path, redis_db):
+def test_cluster_status_and_flush(tmp_path, redis_db):
+    """`flush --cluster` on a node waits for what another node sealed before
+    it; `status --cluster` shows every node, its role and what it has not
+    published yet."""
     store = tmp_path / "store"
     with nodes(tmp_path, redis_db) as (a, b):
-        b.path("x.bin").write_bytes(b"x" * 100_000)
-        r = run_cli("flush", str(b.mountpoint), "--timeout", "30")
+        r = run_cli("status", str(a.mountpoint), "--cluster", "--json")
+        assert r.returncode == 0, r.stderr
+        got = json.loads(r.stdout)["cluster"]["nodes"]
+        assert [(n["node"], n["publishes"], n["this"], n["gone"]) for n in got if n["node"] in "ab"] in (
+            [("a", True, True, False), ("b", False, False, False)], [("b", False, False, False), ("a", True, True, False)])
+        with staging_blocked(store, b):
+            b.path("x.bin").write_bytes(b"x" * 100_000)
+            wait_until(lambda: a.path("x.bin").exists(), VISIBLE_S, "b's file on a")
+            r = run_cli("status", str(a.mountpoint), "--cluster", "--json")
+            rows = {n["node"]: n for n in json.loads(r.stdout)["cluster"]["nodes"]}
+            assert rows["b"]["unpublished_files"] == 1 and rows["b"]["unpublished_bytes"] == 100_000, rows
+            assert rows["a"]["unpublished_files"] == 0
+            r = run_cli("flush", str(a.mountpoint), "--cluster", "--timeout", "2")
+            assert r.returncode == 1 and "x.bin" in r.stderr, r.stderr
+            r = run_cli("status", str(b.mountpoint), "--cluster")
+            assert r.returncode == 0 and "publishes" in r.stdout and "stages (this node)" in r.stdout, r.stdout
+        r = run_cli("flush", str(a.mountpoint), "--cluster", "--timeout", "30")
         assert r.returncode == 0, r.stderr
         assert store_files(store) == {"x.bin": b"x" * 100_000}
-        r = run_cli("status", str(b.mountpoint))
+        r = run_cli("status", str(a.mountpoint), "--cluster")
         assert r.returncode == 0, r.stderr
+
+
+def test_cluster_requests_on_a_mount_without_a_cluster_say_so(fresh_mount):
+    for args in (("status", "--cluster"), ("flush", "--cluster")):
+        r = run_cli(args[0], str(fresh_mount.mountpoint), *args[1:])
+        assert r.returncode != 0 and "not in a cluster (mounted without --cluster)" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
 
 
 def test_a_cluster_restarts_from_the_store(tmp_path, redis_db):
@@ -241,3 +268,96 @@ def test_torchrun_ranks_save_with_dcp_each_into_its_own_node_and_load_after_cras
         _torchrun(3, "load", "1", *(str(m.mountpoint) for m in mounts))  # a new job, the daemons alive
     with nodes(tmp_path, redis_db, "cab") as mounts:  # every daemon restarted: from the store
         _torchrun(3, "load", "1", *(str(m.mountpoint) for m in mounts))
+
+
+def test_a_node_killed_mid_checkpoint_loses_only_its_unpublished_files_loudly(tmp_path, redis_db):
+    """kill -9 of node b while its shard cannot be staged: every other node
+    reports the shard lost, the checkpoint's marker is never published, and
+    the next checkpoint works."""
+    store = tmp_path / "store"
+    with nodes(tmp_path, redis_db, "abc") as (a, b, c):
+        a.path("step-1").mkdir()
+        with staging_blocked(store, b):
+            b.path("step-1", "shard-b").write_bytes(b"b" * 100_000)
+            a.path("step-1", "shard-a").write_bytes(b"a" * 100_000)
+            a.path("step-1", ".metadata").write_bytes(b"plan")
+            b.proc.kill()
+            b.proc.wait()
+        for m in (a, c):
+            wait_until(lambda m=m: "LOST step-1/shard-b" in m.log_text(), 20, f"node {m.mountpoint.parent.name} reporting the lost shard")
+            m.allowed_log_errors.append("LOST step-1/shard-b")
+        for field, value in (("state", "failed"), ("error", "lost: node b died")):
+            got = subprocess.run(["getfattr", "-n", f"user.ckptfs.{field}", "--only-values", str(c.path("step-1", "shard-b"))],
+                                 capture_output=True, text=True)
+            assert got.stdout.startswith(value), got
+        r = run_cli("status", str(a.mountpoint), "--cluster", "--json")
+        rows = {n["node"]: n for n in json.loads(r.stdout)["cluster"]["nodes"]}
+        assert rows["b"]["lost_files"] == 1 and rows["b"]["gone"], rows
+        a.path("step-2").mkdir()
+        c.path("step-2", "shard-c").write_bytes(b"c" * 1000)
+        a.path("step-2", ".metadata").write_bytes(b"plan 2")
+        wait_until(lambda: "step-2/.metadata" in store_files(store), 20, "the next checkpoint")
+        time.sleep(0.5)
+        files = store_files(store)
+        assert "step-1/.metadata" not in files and "step-1/shard-b" not in files
+        assert files["step-1/shard-a"] == b"a" * 100_000 and files["step-2/shard-c"] == b"c" * 1000
+        for m in (a, c):
+            assert m.unexpected_log_errors() == [], m.unexpected_log_errors()
+
+
+def test_redis_lost_while_mounted_blocks_changes_for_a_bound_then_eio_and_loses_nothing(tmp_path, redis_db):
+    """Redis stops answering (SIGSTOP: a partition). A namespace change and
+    a close wait up to the bound, then fail with EIO; the bytes written stay
+    in RAM and everything reaches every node and the store once Redis is back."""
+    store = tmp_path / "store"
+    with nodes(tmp_path, redis_db) as (a, b):
+        a.path("d").mkdir()
+        a.path("d", "f").write_bytes(b"v1")
+        wait_store_matches(store, {"d/f": b"v1"})
+        for m in (a, b):
+            m.allowed_log_errors += ["cannot reach the cluster's Redis", "cannot read the cluster's", "cannot give a seal its place",
+                                     "Redis for this node's heartbeat"]
+        os.kill(redis_db.proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(OSError) as got:
+                a.path("d", "new").mkdir()
+            assert got.value.errno == errno.EIO
+            assert 5 <= time.monotonic() - t0 <= 40
+            fd = os.open(a.path("d", "f"), os.O_WRONLY | os.O_TRUNC)
+            os.write(fd, b"v2, written while Redis was away")
+            with pytest.raises(OSError) as got:
+                os.close(fd)  # its seal cannot get its place in the log yet
+            assert got.value.errno == errno.EIO
+            assert a.path("d", "f").read_bytes() == b"v2, written while Redis was away"
+        finally:
+            os.kill(redis_db.proc.pid, signal.SIGCONT)
+        wait_store_matches(store, {"d/f": b"v2, written while Redis was away"}, 60)
+        wait_until(lambda: b.path("d", "f").read_bytes() == b"v2, written while Redis was away", 10, "the new bytes on b")
+        a.path("d", "new").mkdir()
+        wait_until(lambda: b.path("d", "new").is_dir(), 10, "a change after the outage")
+
+
+def test_a_cluster_over_s3(tmp_path, redis_db, s3):
+    """Two nodes on one S3 bucket (SeaweedFS): a large file of the node that
+    does not publish is staged by it (a multipart upload) and completed by
+    the publishing node; the marker comes after it; renames and rotation
+    move and delete every node's objects; no upload is left open."""
+    url = s3.bucket("cluster")
+    big = os.urandom(20 << 20)
+    with nodes(tmp_path, redis_db, extra=("--store", url, *s3.cli_options())) as (a, b):
+        a.path("ckpt-tmp").mkdir()
+        b.path("ckpt-tmp", "shard-b").write_bytes(big)
+        a.path("ckpt-tmp", "shard-a").write_bytes(b"a" * 1000)
+        os.rename(a.path("ckpt-tmp"), a.path("ckpt-1"))
+        a.path("ckpt-1", "commit_success.txt").write_bytes(b"ok")
+        assert run_cli("flush", str(b.mountpoint), "--cluster", "--timeout", "60").returncode == 0
+        objects = s3.objects("cluster")
+        assert objects == {"ckpt-1/shard-a": b"a" * 1000, "ckpt-1/shard-b": big, "ckpt-1/commit_success.txt": b"ok"}
+        assert a.path("ckpt-1", "shard-b").read_bytes() == big  # a loads it from the bucket, verified
+        shutil.rmtree(b.path("ckpt-1"))
+        assert run_cli("flush", str(a.mountpoint), "--cluster", "--timeout", "60").returncode == 0
+        assert s3.objects("cluster") == {}
+        assert s3.uploads("cluster") == []
+        for m in (a, b):
+            assert m.unexpected_log_errors() == [], m.unexpected_log_errors()
