@@ -361,3 +361,24 @@ def test_a_cluster_over_s3(tmp_path, redis_db, s3):
         assert s3.uploads("cluster") == []
         for m in (a, b):
             assert m.unexpected_log_errors() == [], m.unexpected_log_errors()
+
+
+def test_writing_a_file_another_node_wrote_loads_it_then_takes_it_over(tmp_path, redis_db):
+    """Node b opens for writing (appending) a file node a wrote: the open
+    waits for a's generation to be published and loads it; b's close seals a
+    new generation that supersedes a's, on every node and in the store."""
+    store = tmp_path / "store"
+    with nodes(tmp_path, redis_db) as (a, b):
+        a.path("log.txt").write_bytes(b"from a\n")
+        with open(b.path("log.txt"), "ab") as f:  # waits for a's bytes, published, then appends
+            f.write(b"from b\n")
+        assert b.path("log.txt").read_bytes() == b"from a\nfrom b\n"
+        wait_until(lambda: a.path("log.txt").read_bytes() == b"from a\nfrom b\n", 5, "b's generation on a")
+        wait_store_matches(store, {"log.txt": b"from a\nfrom b\n"})
+        with open(a.path("log.txt"), "r+b") as f:  # and back: a takes it over again
+            f.seek(0)
+            f.write(b"FROM")
+        wait_store_matches(store, {"log.txt": b"FROM a\nfrom b\n"})
+        assert b.path("log.txt").read_bytes() == b"FROM a\nfrom b\n"
+        for m in (a, b):
+            assert m.unexpected_log_errors() == [], m.unexpected_log_errors()
