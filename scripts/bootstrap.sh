@@ -14,6 +14,7 @@ command -v gcc >/dev/null || missing+=(gcc)
 command -v getfattr >/dev/null || missing+=(attr)  # tests read user.ckptfs.* xattrs
 { command -v setpriv >/dev/null && command -v unshare >/dev/null; } || missing+=(util-linux)  # tests act as another user
 command -v redis-server >/dev/null || missing+=(redis-server)  # cluster tests: the metadata engine on loopback
+command -v openssl >/dev/null || missing+=(openssl)  # cluster tests: a certificate for Redis over TLS
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
   $SUDO apt-get update -qq

@@ -24,10 +24,25 @@ class RedisServer:
     port: int = 0
     password: str = ""
     proc: subprocess.Popen | None = None
+    tls: bool = False  # TLS only (rediss://), with a certificate of its own, signed by `ca`
 
     @property
     def url(self) -> str:
+        if self.tls:
+            return f"rediss://127.0.0.1:{self.port}/0?ssl_ca_certs={self.ca}"
         return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def ca(self) -> Path:
+        return self.root / "ca.pem"
+
+    def _make_certificate(self) -> tuple[Path, Path]:
+        key, cert = self.root / "server.key", self.root / "server.pem"
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=127.0.0.1",
+                        "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                       check=True, capture_output=True)
+        self.ca.write_bytes(cert.read_bytes())  # self-signed: its own authority
+        return key, cert
 
     @property
     def password_file(self) -> Path:
@@ -43,7 +58,11 @@ class RedisServer:
         self.password_file.write_text(self.password + "\n")
         self.password_file.chmod(0o600)
         conf = self.root / "redis.conf"
-        conf.write_text(f"bind 127.0.0.1\nport {self.port}\nrequirepass {self.password}\nsave \"\"\nappendonly no\n"
+        listen = f"port {self.port}\n"
+        if self.tls:
+            key, cert = self._make_certificate()
+            listen = f"port 0\ntls-port {self.port}\ntls-cert-file {cert}\ntls-key-file {key}\ntls-ca-cert-file {self.ca}\ntls-auth-clients no\n"
+        conf.write_text(f"bind 127.0.0.1\n{listen}requirepass {self.password}\nsave \"\"\nappendonly no\n"
                         f"dir {self.root}\nlogfile {self.root / 'redis.log'}\n")
         conf.chmod(0o600)
         self.proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", str(conf)], stdout=subprocess.DEVNULL,
@@ -51,7 +70,7 @@ class RedisServer:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             try:
-                redis.Redis(port=self.port, password=self.password, socket_timeout=1).ping()
+                self.client(timeout=1).ping()
                 return
             except redis.RedisError:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
@@ -60,10 +79,13 @@ class RedisServer:
                     raise RuntimeError(f"redis-server did not start: {log.read_text()[-2000:] if log.exists() else ''}") from None
                 time.sleep(0.05)
 
-    def client(self):
+    def client(self, timeout: float = 5):
         import redis
 
-        return redis.Redis(port=self.port, password=self.password, socket_timeout=5)
+        if self.tls:
+            return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=timeout, ssl=True,
+                               ssl_ca_certs=str(self.ca))
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=timeout)
 
     def flush(self) -> None:
         self.client().flushall()

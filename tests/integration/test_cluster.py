@@ -382,3 +382,24 @@ def test_writing_a_file_another_node_wrote_loads_it_then_takes_it_over(tmp_path,
         assert b.path("log.txt").read_bytes() == b"FROM a\nfrom b\n"
         for m in (a, b):
             assert m.unexpected_log_errors() == [], m.unexpected_log_errors()
+
+
+def test_a_cluster_over_tls(tmp_path, redis_db):
+    """rediss://: a Redis that speaks TLS only, its certificate checked
+    against a CA file named in the URL; a plain redis:// URL to it is a one-line error."""
+    from tests.redisserver import RedisServer
+
+    server = RedisServer(tmp_path / "tls-redis", tls=True)
+    server.start()
+    try:
+        with nodes(tmp_path, server) as (a, b):
+            a.path("over-tls").write_bytes(b"secret")
+            wait_until(lambda: b.path("over-tls").exists(), VISIBLE_S, "a's file on b")
+            assert b.path("over-tls").read_bytes() == b"secret"
+        mp = tmp_path / "plain"
+        mp.mkdir()
+        r = run_cli("mount", str(mp), "--store", str(tmp_path / "store"), "--cluster", f"redis://127.0.0.1:{server.port}/0",
+                    "--cluster-password-file", str(server.password_file), timeout=60)
+        assert r.returncode == 2 and "Redis at redis://127.0.0.1" in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
+    finally:
+        server.stop()
