@@ -155,6 +155,7 @@ class Engine:
         self._outside: list[str] = []
         self.link: ClusterLink | None = None  # cluster mode (see `cluster`)
         self.gone: set[str] = set()  # cluster mode: nodes that died (their unstaged generations are lost)
+        self.why_gone: dict[str, str] = {}
 
     def cluster(self, link: ClusterLink, publisher: Publisher) -> None:
         """Cluster mode: the journal is the whole cluster's (every node's
@@ -223,18 +224,22 @@ class Engine:
         markers in its directory tree (and later removals) wait until its
         file is rewritten or deleted, as for any parked file. How many."""
         self.gone.add(node)
-        n = 0
-        for gen in list(self.pending.values()):
-            if gen.owner == node and gen.state in (State.UPLOADING, State.FAILED):
-                gen.error, gen.error_at = f"lost: {why}", time.time()
-                gen.move(State.PARKED)
-                self.publisher.park(gen)
-                self.touched.add(gen.ino)
-                log.error("LOST %s (generation %d, %d bytes): %s; it was never published, and completion markers in its "
-                          "directory wait until it is rewritten or deleted", gen.path, gen.generation, gen.size, why)
-                n += 1
+        self.why_gone[node] = why
+        lost = [g for g in self.pending.values() if g.owner == node and g.state in (State.UPLOADING, State.FAILED)]
+        for gen in lost:
+            self._lose(gen)
+        log.warning("%s: %d of its files lost (the files it staged are still published)", why, len(lost))
         self.notify()
-        return n
+        return len(lost)
+
+    def _lose(self, gen: FileGen) -> None:
+        assert gen.owner is not None
+        gen.error, gen.error_at = f"lost: {self.why_gone[gen.owner]}", time.time()
+        gen.move(State.PARKED)
+        self.publisher.park(gen)
+        self.touched.add(gen.ino)
+        log.error("LOST %s (generation %d, %d bytes): %s; it was never published, and completion markers in its "
+                  "directory wait until it is rewritten or deleted", gen.path, gen.generation, gen.size, self.why_gone[gen.owner])
 
     def restage(self, ino: int, generation: int) -> None:
         """Cluster mode: the publishing node found the staged data of this
@@ -530,7 +535,9 @@ class Engine:
         if gen.owner is not None:  # staged by another node
             if gen.state is State.STAGED:
                 gen.move(State.FAILED)
-            if self.link is not None:
+            if gen.owner in self.gone:  # its staged copy went with its node: nothing can stage it again
+                self._lose(gen)
+            elif self.link is not None:
                 self.link.restage(gen)
             return
         if delay <= 0 or self._nursery is None:
@@ -548,6 +555,10 @@ class Engine:
         """Count a failed step of `op`; True if that parked it."""
         if isinstance(op, FileGen) and op.state in (State.DROPPED, State.PUBLISHED):
             return False
+        if isinstance(op, FileGen) and op.owner in self.gone and isinstance(exc, FileNotFoundError):
+            self._lose(op)  # its staged copy went with its node (a new daemon cleared it): nothing can stage it again
+            self.notify()
+            return True
         op.tries += 1
         op.error, op.error_at = f"{step}: {type(exc).__name__}: {exc}", time.time()
         self.counters.retries += 1
