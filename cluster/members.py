@@ -60,8 +60,15 @@ class Membership:
         self.publishes = False
 
     def join(self) -> bool:
-        """Join; True if this daemon publishes for the cluster (and starts it afresh)."""
+        """Join; True if this daemon publishes for the cluster (and starts it
+        afresh). ClusterError if the publishing node is gone while other
+        nodes still run: starting afresh would pull their namespace from under them."""
         s = self.shared
+        if self.leader() is None:
+            live = {i["node"] for m, i in self.members().items() if m != self.me and i["age"] < GONE_AFTER_S}
+            if live:
+                raise ClusterError(f"the cluster's publishing node is gone while {len(live)} node(s) still run "
+                                   f"({', '.join(sorted(live))}): unmount every node of the cluster, then mount again")
         self.publishes = bool(self._join(keys=[self.leader_key, s.head_key, s.log_key, self.ready_key, s.prefix + "events",
                                                self.members_key], args=[self.me, int(LEADER_TTL_S * 1000)]))
         self.beat()

@@ -78,6 +78,7 @@ class ClusterNode:
         """Show the namespace (the publishing node restores it from the store
         first) and run the node's tasks; how many files the store held."""
         assert self.events is not None
+        nursery.start_soon(self._beat)  # first: restoring a large store must not look like a dead node
         n = 0
         if self.publishes:
             entries: list[list] = []
@@ -93,7 +94,6 @@ class ClusterNode:
         await nursery.start(self.namespace.follow)
         await nursery.start(self.namespace.place_seals)
         await nursery.start(self.events.run)
-        nursery.start_soon(self._beat)
         return n
 
     async def _beat(self) -> None:

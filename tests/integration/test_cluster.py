@@ -432,3 +432,20 @@ def test_a_dead_node_s_staged_file_is_published_and_one_whose_staging_went_is_lo
         assert "sub/x" not in store_files(store) and store_files(store)["first"] == b"a" * 1000
         a.allowed_log_errors += ["LOST sub/x", "node b died"]
         assert a.unexpected_log_errors() == [], a.unexpected_log_errors()
+
+
+def test_when_the_publishing_node_dies_the_others_say_so_and_no_node_starts_the_cluster_over_them(tmp_path, redis_db):
+    with nodes(tmp_path, redis_db) as (a, b):
+        a.proc.kill()
+        a.proc.wait()
+        wait_until(lambda: "the cluster's publishing node is gone" in b.log_text(), 30, "b noticing")
+        b.allowed_log_errors.append("the cluster's publishing node is gone")
+        r = run_cli("status", str(b.mountpoint), "--cluster")
+        assert "the cluster's publishing node is gone" in r.stdout, r.stdout
+        mp = tmp_path / "c"
+        mp.mkdir()
+        r = run_cli("mount", str(mp), "--store", str(tmp_path / "store"), "--cluster", redis_db.url,
+                    "--cluster-password-file", str(redis_db.password_file), "--node", "c", timeout=60)
+        assert r.returncode != 0 and not os.path.ismount(mp)
+        assert "node(s) still run (b): unmount every node of the cluster, then mount again" in r.stderr, r.stderr
+        assert r.stderr.strip().count("\n") == 0, r.stderr
