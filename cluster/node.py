@@ -111,6 +111,8 @@ class ClusterNode:
                 log.error("this node no longer publishes for the cluster (its heartbeat lapsed): nothing more is published")
             if leader is None and not self.leader_gone:
                 self.leader_gone = True
+                self.engine.stalled = "the cluster's publishing node is gone: nothing more is published"
+                self.engine.notify()  # flushes waiting learn that they wait for nothing
                 log.error("the cluster's publishing node is gone: this node's files are no longer published; "
                           "unmount every node and mount again (the store keeps what was published)")
 

@@ -108,6 +108,8 @@ class Totals:
     oldest_unpublished_s: float = 0.0
     upload_bytes_per_s: float = 0.0
     failing: int = 0  # unpublished changes whose last try failed
+    lost: int = 0  # cluster mode: files lost with the node that held them
+    stalled: str = ""  # cluster mode: why nothing is published any more ("" while it is)
     last_error: str = ""  # the newest of their errors ("" when nothing fails)
     last_error_age_s: float = 0.0
     counters: dict[str, int] = field(default_factory=dict)
@@ -210,6 +212,8 @@ def _finish(t: Totals, tree: InodeTree, engine: Engine) -> Totals:
     sealed = [g.sealed_at for g in left if isinstance(g, FileGen)]
     t.oldest_unpublished_s = time.time() - min(sealed) if sealed else 0.0
     t.upload_bytes_per_s = engine.throughput()
+    t.lost = sum(1 for g in left if isinstance(g, FileGen) and g.error.startswith("lost:"))
+    t.stalled = engine.stalled
     failing = engine.failing()
     t.failing = len(failing)
     if failing:

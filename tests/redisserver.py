@@ -53,7 +53,7 @@ class RedisServer:
 
         self.root.mkdir(parents=True, exist_ok=True)
         if not self.port:
-            self.port = _free_port()
+            self.port = free_port()
             self.password = secrets.token_hex(16)
         self.password_file.write_text(self.password + "\n")
         self.password_file.chmod(0o600)
@@ -101,7 +101,7 @@ class RedisServer:
         self.proc = None
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

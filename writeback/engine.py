@@ -156,6 +156,7 @@ class Engine:
         self.link: ClusterLink | None = None  # cluster mode (see `cluster`)
         self.gone: set[str] = set()  # cluster mode: nodes that died (their unstaged generations are lost)
         self.why_gone: dict[str, str] = {}
+        self.stalled = ""  # cluster mode: why nothing will be published any more (the publishing node is gone)
 
     def cluster(self, link: ClusterLink, publisher: Publisher) -> None:
         """Cluster mode: the journal is the whole cluster's (every node's
@@ -354,7 +355,10 @@ class Engine:
         return not op.done.is_set()
 
     def stuck(self, op: Op) -> bool:
-        """Cannot complete until a parked file is resolved (by a user)."""
+        """Cannot complete until a parked file is resolved (by a user), or
+        ever (cluster mode: the publishing node is gone)."""
+        if self.stalled:
+            return True
         if isinstance(op, FileGen):
             return op.state is State.PARKED or self.publisher.held_back(op)
         return isinstance(op, Remove) and self.publisher.blocked_by_parked()

@@ -12,19 +12,22 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from tests.mountutil import Mount, run_cli, start_mount, stop_mount
+from tests.redisserver import free_port
 from tests.storeutil import store_files, wait_store_matches, wait_until
 
 VISIBLE_S = 1.0  # the bound the README states for a change on one node to show on the others
 
 
 @contextmanager
-def nodes(tmp_path: Path, redis_db, names: str = "ab", store: Path | None = None, extra: tuple[str, ...] = ()):
+def nodes(tmp_path: Path, redis_db, names: str = "ab", store: Path | None = None, extra: tuple[str, ...] = (),
+          per_node: dict[str, tuple[str, ...]] | None = None):
     """Mounts of one cluster, the first to start publishing for it; all stopped at the end, whatever happens."""
     store = store or tmp_path / "store"
     mounts: list[Mount] = []
@@ -32,7 +35,7 @@ def nodes(tmp_path: Path, redis_db, names: str = "ab", store: Path | None = None
         for name in names:
             mounts.append(start_mount(tmp_path / name, store=store,
                                       extra=("--cluster", redis_db.url, "--cluster-password-file", str(redis_db.password_file),
-                                             "--node", name, *extra)))
+                                             "--node", name, *extra, *(per_node or {}).get(name, ()))))
         yield mounts
     finally:
         for m in mounts:
@@ -275,7 +278,8 @@ def test_a_node_killed_mid_checkpoint_loses_only_its_unpublished_files_loudly(tm
     reports the shard lost, the checkpoint's marker is never published, and
     the next checkpoint works."""
     store = tmp_path / "store"
-    with nodes(tmp_path, redis_db, "abc") as (a, b, c):
+    port = free_port()
+    with nodes(tmp_path, redis_db, "abc", per_node={"c": ("--metrics-port", str(port))}) as (a, b, c):
         a.path("step-1").mkdir()
         with staging_blocked(store, b):
             b.path("step-1", "shard-b").write_bytes(b"b" * 100_000)
@@ -293,6 +297,11 @@ def test_a_node_killed_mid_checkpoint_loses_only_its_unpublished_files_loudly(tm
         r = run_cli("status", str(a.mountpoint), "--cluster", "--json")
         rows = {n["node"]: n for n in json.loads(r.stdout)["cluster"]["nodes"]}
         assert rows["b"]["lost_files"] == 1 and rows["b"]["gone"], rows
+        assert json.loads(r.stdout)["totals"]["lost"] == 1
+        r = run_cli("status", str(c.mountpoint))
+        assert "lost with their node" in r.stdout, r.stdout
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert "ckptfs_lost_files 1.0" in metrics, metrics
         a.path("step-2").mkdir()
         c.path("step-2", "shard-c").write_bytes(b"c" * 1000)
         a.path("step-2", ".metadata").write_bytes(b"plan 2")
@@ -442,6 +451,12 @@ def test_when_the_publishing_node_dies_the_others_say_so_and_no_node_starts_the_
         b.allowed_log_errors.append("the cluster's publishing node is gone")
         r = run_cli("status", str(b.mountpoint), "--cluster")
         assert "the cluster's publishing node is gone" in r.stdout, r.stdout
+        b.path("after").write_bytes(b"never published")
+        t0 = time.monotonic()
+        r = run_cli("flush", str(b.mountpoint), "--cluster", "--timeout", "60")  # nothing to wait for: says so at once
+        assert r.returncode == 1 and "after" in r.stderr and time.monotonic() - t0 < 30, r.stderr
+        r = run_cli("status", str(b.mountpoint), "--json")
+        assert json.loads(r.stdout)["totals"]["stalled"].startswith("the cluster's publishing node is gone")
         mp = tmp_path / "c"
         mp.mkdir()
         r = run_cli("mount", str(mp), "--store", str(tmp_path / "store"), "--cluster", redis_db.url,
