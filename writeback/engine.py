@@ -157,6 +157,8 @@ class Engine:
         self.gone: set[str] = set()  # cluster mode: nodes that died (their unstaged generations are lost)
         self.why_gone: dict[str, str] = {}
         self.stalled = ""  # cluster mode: why nothing will be published any more (the publishing node is gone)
+        self._sealed_elsewhere: dict[int, int] = {}  # cluster mode: inode -> the newest generation sealed elsewhere, applied here
+        self._staged_early: dict[tuple[int, int], tuple[Staged, Digest]] = {}  # staged before its seal was applied here
 
     def cluster(self, link: ClusterLink, publisher: Publisher) -> None:
         """Cluster mode: the journal is the whole cluster's (every node's
@@ -190,6 +192,13 @@ class Engine:
         gen = FileGen(self._next(), ino, generation, None, meta, size, self.ns.paths_of(ino), owner=owner)
         gen.move(State.UPLOADING)
         self._enqueue(gen)
+        self._sealed_elsewhere[ino] = generation
+        early = self._staged_early.pop((ino, generation), None)
+        if early is not None:  # its node staged it before this node applied its seal
+            self.staged_elsewhere(ino, generation, *early)
+        elif self.published_gen.get(ino, 0) >= generation:  # published before this node applied its seal
+            gen.move(State.STAGED)
+            self.published(gen, gen.path)
 
     def _enqueue(self, gen: FileGen) -> None:
         older = self.pending.get(gen.ino)
@@ -210,9 +219,12 @@ class Engine:
 
     def staged_elsewhere(self, ino: int, generation: int, staged: Staged, digest: Digest) -> None:
         """Cluster mode: the node that holds a generation staged it."""
+        if generation > self._sealed_elsewhere.get(ino, 0):  # its seal is not applied here yet: it will be
+            self._staged_early[(ino, generation)] = (staged, digest)
+            return
         gen = self.pending.get(ino)
         if gen is None or gen.generation != generation or gen.owner is None or gen.state not in (State.UPLOADING, State.FAILED):
-            if self._nursery is not None and (gen is None or gen.generation <= generation):
+            if self._nursery is not None and (gen is None or gen.generation <= generation):  # dropped here (superseded, deleted)
                 self._nursery.start_soon(functools.partial(self._discard, staged, f"inode {ino} generation {generation}"))
             return
         gen.staged, gen.digest = staged, digest
@@ -367,6 +379,8 @@ class Engine:
         """Until `generation` of `ino` (or a newer one) is published; raises
         OSError(EIO) if it is parked (failed for good) or deleted."""
         while self.published_gen.get(ino, 0) < generation:
+            if self.stalled:
+                raise OSError(errno.EIO, self.stalled)
             gen = self.pending.get(ino)
             if gen is None:
                 raise OSError(errno.EIO, "the file can no longer be published (deleted?)")

@@ -444,11 +444,18 @@ def test_a_dead_node_s_staged_file_is_published_and_one_whose_staging_went_is_lo
 
 
 def test_when_the_publishing_node_dies_the_others_say_so_and_no_node_starts_the_cluster_over_them(tmp_path, redis_db):
-    with nodes(tmp_path, redis_db) as (a, b):
+    with nodes(tmp_path, redis_db, "abc") as (a, b, c):
         a.proc.kill()
         a.proc.wait()
-        wait_until(lambda: "the cluster's publishing node is gone" in b.log_text(), 30, "b noticing")
-        b.allowed_log_errors.append("the cluster's publishing node is gone")
+        for m in (b, c):
+            wait_until(lambda m=m: "the cluster's publishing node is gone" in m.log_text(), 30, "noticing")
+            m.allowed_log_errors.append("the cluster's publishing node is gone")
+        c.path("from-c").write_bytes(b"c")
+        wait_until(lambda: b.path("from-c").exists(), VISIBLE_S, "c's file on b")
+        t0 = time.monotonic()
+        with pytest.raises(OSError) as got:  # never to be published: an error, not a wait
+            b.path("from-c").read_bytes()
+        assert got.value.errno == errno.EIO and time.monotonic() - t0 < 5
         r = run_cli("status", str(b.mountpoint), "--cluster")
         assert "the cluster's publishing node is gone" in r.stdout, r.stdout
         b.path("after").write_bytes(b"never published")
@@ -457,10 +464,10 @@ def test_when_the_publishing_node_dies_the_others_say_so_and_no_node_starts_the_
         assert r.returncode == 1 and "after" in r.stderr and time.monotonic() - t0 < 30, r.stderr
         r = run_cli("status", str(b.mountpoint), "--json")
         assert json.loads(r.stdout)["totals"]["stalled"].startswith("the cluster's publishing node is gone")
-        mp = tmp_path / "c"
+        mp = tmp_path / "d"
         mp.mkdir()
         r = run_cli("mount", str(mp), "--store", str(tmp_path / "store"), "--cluster", redis_db.url,
-                    "--cluster-password-file", str(redis_db.password_file), "--node", "c", timeout=60)
+                    "--cluster-password-file", str(redis_db.password_file), "--node", "d", timeout=60)
         assert r.returncode != 0 and not os.path.ismount(mp)
-        assert "node(s) still run (b): unmount every node of the cluster, then mount again" in r.stderr, r.stderr
+        assert "node(s) still run (b, c): unmount every node of the cluster, then mount again" in r.stderr, r.stderr
         assert r.stderr.strip().count("\n") == 0, r.stderr
