@@ -185,10 +185,14 @@ class Backend:
         return f"{self.staging}/{_NAME_PREFIX}{next(_names):x}"
 
     # -- the daemon's own namespace --------------------------------------------
-    def prepare(self, daemon_id: str, started: float) -> None:
+    def prepare(self, daemon_id: str, started: float, sole: bool = True) -> None:
         """Called once by the daemon that will write: claim a staging prefix,
         and clear what dead daemons left (staging, multipart uploads). Never
-        another live daemon's: verify and watchers must not call this."""
+        another live daemon's: verify and watchers must not call this.
+        `sole`: no other daemon writes this store, so an upload left open
+        at a file's name (no daemon's prefix) before `started` is
+        abandoned; not so for a node joining a running cluster, whose
+        other nodes stage at files' names."""
         self.daemon_id = daemon_id
         self.records_changed = set()
         self.heartbeat()
@@ -198,7 +202,7 @@ class Backend:
             owner = path[len(STAGING) + 1 :].split("/", 1)[0] if "/" in path[len(STAGING) + 1 :] else ""
             if owner not in live:
                 self.delete(path)
-        self._clean_uploads(live, started)
+        self._clean_uploads(live, started, sole)
 
     def heartbeat(self) -> None:
         self.put(f"{DAEMONS}/{self.daemon_id}", json.dumps({"time": time.time(), "pid": os.getpid()}).encode())
@@ -226,8 +230,9 @@ class Backend:
                 self.delete(path)
         return live
 
-    def _clean_uploads(self, live: set[str], started: float) -> None:
-        """Abort incomplete multipart uploads that no live daemon owns."""
+    def _clean_uploads(self, live: set[str], started: float, named: bool) -> None:
+        """Abort incomplete multipart uploads that no live daemon owns
+        (`named`: those at files' names too, begun before `started`)."""
 
     # -- data --------------------------------------------------------------------
     def stage(self, pieces: Iterable[memoryview | bytes], size: int, name: str | None = None) -> Staged:
@@ -352,8 +357,8 @@ class LocalBackend(Backend):
         self.root = root
         self.url = url
 
-    def prepare(self, daemon_id: str, started: float) -> None:
-        super().prepare(daemon_id, started)
+    def prepare(self, daemon_id: str, started: float, sole: bool = True) -> None:
+        super().prepare(daemon_id, started, sole)
         with self._at(f"{STAGING}/x") as (staging, _):
             for name in os.listdir(staging):  # emptied directories of dead daemons
                 with contextlib.suppress(OSError):
@@ -943,15 +948,18 @@ class S3Backend(FsspecBackend):
         self.fs.copy(self._abs(src), self._abs(dst))
         self.fs.rm_file(self._abs(src))
 
-    def _clean_uploads(self, live: set[str], started: float) -> None:
+    def _clean_uploads(self, live: set[str], started: float, named: bool) -> None:
         """Abort the uploads no live daemon owns: those under a dead daemon's
-        staging prefix, and those left open at a file's name (owned by no
-        prefix) that began before this daemon started (one daemon per store)."""
+        staging prefix, and (`named`) those left open at a file's name (owned
+        by no prefix) that began before this daemon started (one daemon per
+        store, or the node starting a cluster)."""
         bucket, prefix = self._bucket_key("")
         staging = f"{prefix}/{STAGING}/" if prefix else f"{STAGING}/"
         for up in list(self._uploads()):
             key = up["Key"]
             owner = key[len(staging) :].split("/", 1)[0] if key.startswith(staging) else ""
+            if not owner and not named:
+                continue
             initiated = up.get("Initiated")
             old = initiated is None or initiated.timestamp() < started
             if owner not in live and old:

@@ -733,7 +733,8 @@ class Engine:
 
     async def claim(self, daemon_id: str, started: float) -> None:
         """Become the store's writer (`Backend.prepare`): after the scan."""
-        await self.patiently("claim the store", self.backend.prepare, daemon_id, started)
+        sole = self.link is None or self.link.publishes  # a node joining a running cluster: others stage too
+        await self.patiently("claim the store", self.backend.prepare, daemon_id, started, sole)
         for mark in self._outside:  # the scan read every record: what they warned of is known
             await self.patiently("claim the store", self.backend.delete, mark)
 

@@ -114,3 +114,21 @@ def test_large_files_publish_in_place_and_a_renamed_one_at_its_new_name(s3, tmp_
     store = open_store(url, s3.options())
     assert verify(store).clean
     assert list(store._uploads()) == []
+
+
+def test_a_node_joining_a_cluster_leaves_open_uploads_at_file_names_alone(s3):
+    """An upload left open at a file's name belongs to no daemon's prefix.
+    A lone daemon (or the node starting a cluster) aborts one begun before
+    it started; a node joining a running cluster must not: another node is
+    staging there, and the publishing node completes it later."""
+    import time
+
+    url = s3.bucket("joining")
+    store = open_store(url, s3.options())
+    bucket, key = store._bucket_key("ckpt/shard-b")
+    store.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
+    later = time.time() + 60  # as if each daemon started after the upload began
+    open_store(url, s3.options()).prepare("joiner", later, sole=False)
+    assert s3.uploads("joining") == ["ckpt/shard-b"]
+    open_store(url, s3.options()).prepare("alone", later, sole=True)
+    assert s3.uploads("joining") == []
