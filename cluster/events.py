@@ -50,6 +50,7 @@ class Events:
         self._out: list[bytes] = []
         self._wake = trio.Event()
         self._last = "$"  # the stream id read up to (set at `start`)
+        self._unreachable = False  # an outage of Redis was logged (once)
 
     # -- ClusterLink ---------------------------------------------------------------
     def staged(self, gen: FileGen) -> None:
@@ -94,8 +95,11 @@ class Events:
             batch, self._out = self._out, []
             try:
                 await trio.to_thread.run_sync(self._xadd, batch)
+                self._unreachable = False
             except redis.RedisError as exc:
-                log.warning("cannot reach the cluster's Redis (%s): telling the other nodes again shortly", exc)
+                if not self._unreachable:  # once per outage
+                    log.warning("cannot reach the cluster's Redis (%s): telling the other nodes again shortly", exc)
+                    self._unreachable = True
                 self._out[:0] = batch
                 await trio.sleep(0.5)
 
@@ -132,7 +136,9 @@ class Events:
             try:
                 got = await trio.to_thread.run_sync(self._xread, waiter, abandon_on_cancel=True)
             except redis.RedisError as exc:
-                log.warning("cannot read the cluster's events (%s): trying again", exc)
+                if not self._unreachable:
+                    log.warning("cannot read the cluster's events (%s): trying again", exc)
+                    self._unreachable = True
                 await trio.sleep(0.5)
                 continue
             for eid, raw in got:

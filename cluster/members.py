@@ -32,11 +32,14 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
 
-# KEYS: leader. ARGV: me, ttl ms. 1 if still the publishing node.
+# KEYS: leader. ARGV: me, ttl ms. 1 if still the publishing node: its key
+# kept, or taken again after it lapsed while no other node took it (Redis
+# paused or unreachable longer than the ttl).
 _KEEP = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return 1
+local leader = redis.call('GET', KEYS[1])
+if leader == ARGV[1] then redis.call('PEXPIRE', KEYS[1], ARGV[2]); return 1 end
+if not leader then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]); return 1 end
+return 0
 """
 
 # KEYS: leader, ready. ARGV: me.
@@ -44,6 +47,12 @@ _LEAVE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1], KEYS[2]) end
 return 1
 """
+
+
+def _now(r) -> float:
+    """Redis's clock: heartbeats of nodes on different hosts are compared on one clock."""
+    sec, usec = r.time()
+    return sec + usec / 1e6
 
 
 class Membership:
@@ -95,7 +104,7 @@ class Membership:
         """This daemon's heartbeat; False if it was the publishing node and no longer is."""
         r = self.shared.redis
         r.hset(self.members_key, self.me, json.dumps({"node": self.node, "host": socket.gethostname(), "pid": os.getpid(),
-                                                       "beat": time.time(), "publishes": self.publishes}))
+                                                       "beat": _now(r), "publishes": self.publishes}))
         if self.publishes:
             return bool(self._keep(keys=[self.leader_key], args=[self.me, int(LEADER_TTL_S * 1000)]))
         return True
@@ -106,7 +115,7 @@ class Membership:
 
     def members(self) -> dict[str, dict]:
         """Every daemon that has a heartbeat, with its details and `age` (s since its last beat)."""
-        now = time.time()
+        now = _now(self.shared.redis)
         out = {}
         for me, raw in self.shared.redis.hgetall(self.members_key).items():
             info = json.loads(raw)

@@ -71,6 +71,7 @@ class SharedNamespace:
         self._appending = trio.Lock()  # this node's own appends, one at a time: they would only race each other
         self.applied = trio.Event()  # set (and replaced) whenever entries are applied
         self._applying = False
+        self._warned: set[str] = set()  # what an outage of Redis was logged as (once each, until it answers again)
         self._unplaced: dict[tuple[int, int], Any] = {}  # (ino, generation) sealed here -> its snapshot, until placed
         self._to_place: list[tuple[int, bytes]] = []  # entries for seals (and the attributes a write changed) made here
         self._placing = trio.Event()  # set when an entry is queued
@@ -102,6 +103,7 @@ class SharedNamespace:
         whose answer was lost is found applied when catching up."""
         n, raw = entry
         deadline = trio.current_time() + patience_s
+        warned = False
         async with self._appending:
             while n not in self._outcomes:
                 try:
@@ -111,7 +113,9 @@ class SharedNamespace:
                 except redis.RedisError as exc:
                     if trio.current_time() > deadline:
                         raise OSError(errno.EIO, f"the cluster's Redis is unreachable: {exc}") from None
-                    log.warning("cannot reach the cluster's Redis (%s): trying again", exc)
+                    if not warned:
+                        log.warning("cannot reach the cluster's Redis (%s): trying again for %.0fs", exc, patience_s)
+                        warned = True
                     await trio.sleep(APPEND_RETRY_S)
         return self._outcomes.pop(n)
 
@@ -160,12 +164,18 @@ class SharedNamespace:
             try:
                 await self._append(self._to_place[0], patience_s=0)
             except Exception as exc:  # Redis unreachable: the seal waits (its bytes stay in RAM); tried again
-                log.warning("cannot give a seal its place in the cluster log yet (%s): trying again", exc)
+                self._unreachable(f"cannot give a seal its place in the cluster log yet ({exc}): trying again")
                 await trio.sleep(0.5)
                 continue
             self._to_place.pop(0)
             self._shrunk.set()
             self._shrunk = trio.Event()
+
+    def _unreachable(self, what: str) -> None:
+        kind = what.split(" (", 1)[0]
+        if kind not in self._warned:
+            self._warned.add(kind)
+            log.warning("%s", what)
 
     # -- the tree's journal --------------------------------------------------------
     def sealed(self, ino: int, generation: int, snapshot) -> None:
@@ -241,7 +251,7 @@ class SharedNamespace:
         try:
             await self.catch_up()
         except redis.RedisError as exc:
-            log.warning("cannot reach the cluster's Redis (%s): answering from this node's view of the namespace", exc)
+            self._unreachable(f"cannot reach the cluster's Redis ({exc}): answering from this node's view of the namespace")
 
     async def follow(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Apply other nodes' changes as they arrive, for as long as the daemon runs."""
@@ -251,9 +261,12 @@ class SharedNamespace:
             try:
                 got = await trio.to_thread.run_sync(self.log.wait, self.position, FOLLOW_BLOCK_S, abandon_on_cancel=True)
             except redis.RedisError as exc:
-                log.warning("cannot read the cluster's log (%s): trying again", exc)
+                self._unreachable(f"cannot read the cluster's log ({exc}): trying again")
                 await trio.sleep(APPEND_RETRY_S * 5)
                 continue
+            if self._warned:
+                log.info("the cluster's Redis answers again")
+                self._warned.clear()
             self._apply_all(got)
 
     def _apply_all(self, entries: list[tuple[int, bytes]]) -> int:

@@ -54,6 +54,9 @@ class ClusterNode:
         self.engine = engine
         self.events: Events | None = None
         self.leader_gone = False
+        self.leader_id = ""  # the node that publishes for the cluster (set at `join`)
+        self.unreachable = False
+        self.beating_since = 0.0  # trio time of the first heartbeat after Redis last failed to answer
 
     @property
     def publishes(self) -> bool:
@@ -64,9 +67,10 @@ class ClusterNode:
         try:
             publishes = self.members.join()
             if not publishes:
-                leader = self.members.wait_ready()
-                log.info("joined the cluster as node %s; node %s publishes for it", self.name, leader)
+                self.leader_id = self.members.wait_ready()
+                log.info("joined the cluster as node %s; node %s publishes for it", self.name, self.leader_id)
             else:
+                self.leader_id = self.namespace.me
                 log.info("started the cluster as node %s: this node publishes for it", self.name)
         except redis.RedisError as exc:
             raise ClusterError(f"cannot join the cluster: {exc}") from None
@@ -104,25 +108,42 @@ class ClusterNode:
                 leader = self.members.leader() if not self.publishes else self.namespace.me
                 members = await trio.to_thread.run_sync(self.members.members)
             except redis.RedisError as exc:
-                log.warning("cannot reach the cluster's Redis for this node's heartbeat: %s", exc)
+                if not self.unreachable:  # once per outage
+                    log.warning("cannot reach the cluster's Redis for this node's heartbeat: %s", exc)
+                    self.unreachable = True
                 continue
-            self._find_gone(members)
+            if self.unreachable or not self.beating_since:
+                self.beating_since = trio.current_time()
+            self.unreachable = False
+            # Others' heartbeats are judged only once this node's own have run
+            # a while: after Redis was away, every node's looks old at first.
+            self._find_gone(members, trusted=trio.current_time() - self.beating_since >= GONE_AFTER_S)
             if not still:
-                log.error("this node no longer publishes for the cluster (its heartbeat lapsed): nothing more is published")
-            if leader is None and not self.leader_gone:
-                self.leader_gone = True
-                self.engine.stalled = "the cluster's publishing node is gone: nothing more is published"
-                self.engine.notify()  # flushes waiting learn that they wait for nothing
-                log.error("the cluster's publishing node is gone: this node's files are no longer published; "
-                          "unmount every node and mount again (the store keeps what was published)")
+                log.error("this node no longer publishes for the cluster (another node took over): nothing more is published here")
+            self._watch_leader(leader)
 
-    def _find_gone(self, members: dict[str, dict]) -> None:
+    def _watch_leader(self, leader: str | None) -> None:
+        if leader is None and not self.leader_gone:
+            self.leader_gone = True
+            self.engine.stalled = "the cluster's publishing node is gone: nothing more is published"
+            self.engine.notify()  # flushes waiting learn that they wait for nothing
+            log.error("the cluster's publishing node is gone: this node's files are no longer published; "
+                      "unmount every node and mount again (the store keeps what was published)")
+        elif leader == self.leader_id and self.leader_gone:  # its heartbeat lapsed while Redis was away, and it is back
+            self.leader_gone = False
+            self.engine.stalled = ""
+            self.engine.notify()
+            log.info("the cluster's publishing node is back: publishing goes on")
+
+    def _find_gone(self, members: dict[str, dict], trusted: bool) -> None:
         """Nodes holding unstaged generations that stopped beating: what
-        they held is lost (reported on every node, never waited for in silence)."""
+        they held is lost (reported on every node, never waited for in
+        silence). `trusted`: heartbeat ages mean something (else only a
+        daemon gone from this host counts)."""
         owners = {g.owner for g in self.engine.pending.values() if g.owner is not None and g.owner not in self.engine.gone}
         for owner in owners:
             info = members.get(owner)
-            if info is not None and info["age"] < GONE_AFTER_S and not _dead_here(info):
+            if info is not None and not _dead_here(info) and (info["age"] < GONE_AFTER_S or not trusted):
                 continue
             name = info["node"] if info is not None else owner[:8]
             why = f"node {name} is gone (no heartbeat for {GONE_AFTER_S:.0f}s)" if info is not None else f"node {name} left the cluster"
