@@ -44,6 +44,7 @@ class Events:
     def __init__(self, shared: SharedLog, engine: Engine, me: str, publishes: bool) -> None:
         self.shared = shared
         self.key = shared.prefix + "events"
+        self.progress_key = shared.prefix + "progress"
         self.engine = engine
         self.me = me
         self.publishes = publishes
@@ -74,9 +75,15 @@ class Events:
 
     # -- running ---------------------------------------------------------------------
     def start(self) -> None:
-        """Read events from now on (before this node makes any)."""
-        last = self.shared.redis.xrevrange(self.key, count=1)
+        """Read events from now on (before this node makes any). A node
+        joining a running cluster also learns how far the publishing node
+        got: the journal it replays holds files published long ago."""
+        r = self.shared.redis
+        last = r.xrevrange(self.key, count=1)
         self._last = last[0][0].decode() if last else "0-0"
+        if not self.publishes:
+            following: Following = self.engine.publisher  # type: ignore[assignment]
+            following.joined(int(r.get(self.progress_key) or 0))
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -107,6 +114,8 @@ class Events:
         pipe = self.shared.redis.pipeline(transaction=False)
         for raw in batch:
             pipe.xadd(self.key, {"e": raw}, maxlen=KEPT, approximate=True)
+        if self.publishes:  # where the publishing node got, for nodes that join later (`start`)
+            pipe.set(self.progress_key, self._position())
         pipe.execute()
 
     async def _report_progress(self) -> None:

@@ -23,11 +23,11 @@ LEADER_TTL_S = 10.0  # a publishing node silent this long is gone
 GONE_AFTER_S = 5.0  # any other node silent this long is gone
 READY_TIMEOUT_S = 120.0
 
-# KEYS: leader, head, log, ready, events, members. ARGV: me, ttl ms.
+# KEYS: leader, head, log, ready, events, members, progress. ARGV: me, ttl ms.
 # 1 if this daemon now publishes (the cluster was started afresh), else 0.
 _JOIN = """
 if redis.call('GET', KEYS[1]) then return 0 end
-redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
+redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7])
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
@@ -47,6 +47,19 @@ _LEAVE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1], KEYS[2]) end
 return 1
 """
+
+
+def dead_here(info: dict) -> bool:
+    """A member on this host whose daemon process is gone."""
+    if info.get("host") != socket.gethostname():
+        return False
+    try:
+        os.kill(info["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
 
 
 def _now(r) -> float:
@@ -74,12 +87,12 @@ class Membership:
         nodes still run: starting afresh would pull their namespace from under them."""
         s = self.shared
         if self.leader() is None:
-            live = {i["node"] for m, i in self.members().items() if m != self.me and i["age"] < GONE_AFTER_S}
+            live = {i["node"] for m, i in self.members().items() if m != self.me and i["age"] < GONE_AFTER_S and not dead_here(i)}
             if live:
                 raise ClusterError(f"the cluster's publishing node is gone while {len(live)} node(s) still run "
                                    f"({', '.join(sorted(live))}): unmount every node of the cluster, then mount again")
         self.publishes = bool(self._join(keys=[self.leader_key, s.head_key, s.log_key, self.ready_key, s.prefix + "events",
-                                               self.members_key], args=[self.me, int(LEADER_TTL_S * 1000)]))
+                                               self.members_key, s.prefix + "progress"], args=[self.me, int(LEADER_TTL_S * 1000)]))
         self.beat()
         return self.publishes
 

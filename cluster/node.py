@@ -12,7 +12,6 @@ namespace and its heartbeat, and ties its write-back engine to the others.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 
 import redis
@@ -25,23 +24,10 @@ from ckptfs.writeback.state import State
 
 from .events import Events
 from .log import ClusterError, SharedLog, Where
-from .members import BEAT_S, GONE_AFTER_S, Membership
+from .members import BEAT_S, GONE_AFTER_S, Membership, dead_here
 from .namespace import SharedNamespace
 
 log = logging.getLogger(__name__)
-
-
-def _dead_here(info: dict) -> bool:
-    """A member on this host whose daemon process is gone."""
-    if info.get("host") != socket.gethostname():
-        return False
-    try:
-        os.kill(info["pid"], 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
 
 
 class ClusterNode:
@@ -75,8 +61,8 @@ class ClusterNode:
         except redis.RedisError as exc:
             raise ClusterError(f"cannot join the cluster: {exc}") from None
         self.events = Events(self.shared, self.engine, self.namespace.me, publishes)
-        self.events.start()
         self.engine.cluster(self.events, self.engine.publisher if publishes else Following(self.engine, self.engine.publisher.markers))
+        self.events.start()
 
     async def start(self, nursery: trio.Nursery) -> int:
         """Show the namespace (the publishing node restores it from the store
@@ -143,11 +129,11 @@ class ClusterNode:
         owners = {g.owner for g in self.engine.pending.values() if g.owner is not None and g.owner not in self.engine.gone}
         for owner in owners:
             info = members.get(owner)
-            if info is not None and not _dead_here(info) and (info["age"] < GONE_AFTER_S or not trusted):
+            if info is not None and not dead_here(info) and (info["age"] < GONE_AFTER_S or not trusted):
                 continue
             name = info["node"] if info is not None else owner[:8]
             why = f"node {name} is gone (no heartbeat for {GONE_AFTER_S:.0f}s)" if info is not None else f"node {name} left the cluster"
-            if info is not None and _dead_here(info):
+            if info is not None and dead_here(info):
                 why = f"node {name} died (its daemon, pid {info['pid']} on this host, is gone)"
             self.engine.lost(owner, why)
 

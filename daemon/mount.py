@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import gc
 import logging
 import os
@@ -55,6 +56,7 @@ def fuse_options(name: str) -> set[str]:
 def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
     """Mount, serve until unmounted or signalled, drain write-back, unmount.
     Returns 0, or 1 if anything was left unpublished."""
+    faulthandler.enable()  # a crash in native code (FUSE, mmap) leaves its tracebacks on stderr, not silence
     backend = open_store(config.store_url, config.storage_options)
     spill_dir = config.spill_dir or DEFAULT_SPILL_DIR
     tree = InodeTree(MemoryPool(config.memory_limit, config.reuse_ram), uid=os.getuid(), gid=os.getgid(), spill_dir=spill_dir)

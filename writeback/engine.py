@@ -199,6 +199,12 @@ class Engine:
         elif self.published_gen.get(ino, 0) >= generation:  # published before this node applied its seal
             gen.move(State.STAGED)
             self.published(gen, gen.path)
+        elif self.publisher.settled_before_join(gen.seq):  # replayed from before this node joined: long published
+            gen.move(State.STAGED)
+            gen.move(State.PUBLISHED)
+            del self.pending[ino]
+            self.published_gen[ino] = max(generation, self.published_gen.get(ino, 0))
+            self.touched.add(ino)
 
     def _enqueue(self, gen: FileGen) -> None:
         older = self.pending.get(gen.ino)

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import logging
 
-from .journal import FileGen, Op
+from .journal import Op
 from .manifest import Digest, Meta
 from .publisher import Publisher
 from .replica import Shown
-from .state import State
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +26,7 @@ class Following(Publisher):
     def __init__(self, engine, markers) -> None:
         super().__init__(engine, markers)
         self.leader_position = 0  # the publishing node applied every op up to this sequence number
+        self.joined_at = 0  # where it was when this node joined
         self._shown: dict[int, tuple[str, Shown]] = {}
 
     async def run(self) -> None:
@@ -37,9 +37,21 @@ class Following(Publisher):
             await e.wait_change()
 
     def _applied(self, op: Op) -> bool:
-        if op.seq > self.leader_position:
-            return False
-        return not isinstance(op, FileGen) or self.settled(op) or op.state is State.PARKED
+        """The publishing node has had `op`'s turn: done, or for a file,
+        published, held (a marker that waits for a parked file) or parked:
+        a file that is not published stays unsettled here as there."""
+        return op.seq <= self.leader_position
+
+    def joined(self, position: int) -> None:
+        """This node joined a running cluster whose publishing node had
+        applied every op up to `position`: the generations up to there that
+        this node's replay of the log makes were published (or, rarely,
+        held or parked there) long ago."""
+        self.joined_at = position
+        self.progress(position)
+
+    def settled_before_join(self, seq: int) -> bool:
+        return seq <= self.joined_at
 
     def progress(self, position: int) -> None:
         """The publishing node applied every op up to `position`."""

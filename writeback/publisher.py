@@ -869,6 +869,11 @@ class Publisher:
         """A path where the store shows `ino`'s newest published bytes."""
         return shown_digest(self.replica, ino)
 
+    def settled_before_join(self, seq: int) -> bool:
+        """Cluster mode: the op `seq` was applied to the store before this
+        node joined (only a `Following` publisher joins a running cluster)."""
+        return False
+
     def showed(self, ino: int, generation: int, path: str, digest) -> None:
         """Cluster mode: the publishing node showed `generation` of `ino` at
         `path` (heard by the nodes that follow it; see `Following`)."""

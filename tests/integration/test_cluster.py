@@ -38,7 +38,7 @@ def nodes(tmp_path: Path, redis_db, names: str = "ab", store: Path | None = None
                                              "--node", name, *extra, *(per_node or {}).get(name, ()))))
         yield mounts
     finally:
-        for m in mounts:
+        for m in reversed(mounts):  # the publishing node (the first) last, as the README says
             stop_mount(m)
 
 
@@ -479,3 +479,26 @@ def test_when_the_publishing_node_dies_the_others_say_so_and_no_node_starts_the_
         assert r.returncode != 0 and not os.path.ismount(mp)
         assert "node(s) still run (b, c): unmount every node of the cluster, then mount again" in r.stderr, r.stderr
         assert r.stderr.strip().count("\n") == 0, r.stderr
+
+
+def test_a_node_joining_a_running_cluster_does_not_wait_for_files_published_before_it_joined(tmp_path, redis_db):
+    """A late node replays the whole log, seals of files published long ago
+    included: they count as published (the publishing node's progress when
+    the node joined), so its flush, status and unmount do not wait for them."""
+    store = tmp_path / "store"
+    with nodes(tmp_path, redis_db) as (a, b):
+        for i in range(3):
+            b.path(f"f{i}").write_bytes(b"b" * (1000 + i))
+        assert run_cli("flush", str(b.mountpoint), "--cluster", "--timeout", "30").returncode == 0
+        stop_mount(b)
+        late = start_mount(tmp_path / "late", store=store,
+                           extra=("--cluster", redis_db.url, "--cluster-password-file", str(redis_db.password_file), "--node", "late"))
+        try:
+            r = run_cli("flush", str(late.mountpoint), "--cluster", "--timeout", "10")
+            assert r.returncode == 0, r.stderr
+            totals = json.loads(run_cli("status", str(late.mountpoint), "--json").stdout)["totals"]
+            assert totals["queue"] == 0 and totals["by_state"]["published"]["files"] == 3, totals
+            assert late.path("f2").read_bytes() == b"b" * 1002
+        finally:
+            stop_mount(late)
+        assert late.proc.returncode == 0 and "everything published" in late.log_text(), late.log_text()[-2000:]

@@ -31,8 +31,8 @@ class Node:
         shared.open(str(store))
         self.ns = SharedNamespace(self.tree, shared, name, self.engine)
         self.events = Events(shared, self.engine, self.ns.me, publishes)
-        self.events.start()
         self.engine.cluster(self.events, self.engine.publisher if publishes else Following(self.engine, self.engine.publisher.markers))
+        self.events.start()
 
     async def start(self, nursery: trio.Nursery, follow: bool = True) -> None:
         await nursery.start(self.engine.run)
