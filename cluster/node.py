@@ -91,7 +91,7 @@ class ClusterNode:
             await trio.sleep(BEAT_S)
             try:
                 still = await trio.to_thread.run_sync(self.members.beat)
-                leader = self.members.leader() if not self.publishes else self.namespace.me
+                leader = await trio.to_thread.run_sync(self.members.leader) if not self.publishes else self.namespace.me
                 members = await trio.to_thread.run_sync(self.members.members)
             except redis.RedisError as exc:
                 if not self.unreachable:  # once per outage
