@@ -5,15 +5,15 @@ environment or a file, never on a command line."""
 
 from __future__ import annotations
 
-import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.s3server import stop_group
 
 START_TIMEOUT_S = 20.0
 
@@ -91,13 +91,7 @@ class RedisServer:
         self.client().flushall()
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_group(self.proc, 10)
         self.proc = None
 
 

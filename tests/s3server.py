@@ -76,13 +76,7 @@ class S3Server:
                 time.sleep(0.2)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        stop_group(self.proc, 15)
         self.proc = None
 
     def _s3fs(self):
@@ -111,6 +105,18 @@ class S3Server:
         """Keys of the bucket's incomplete multipart uploads."""
         page = self._s3fs().call_s3("list_multipart_uploads", Bucket=bucket)
         return [u["Key"] for u in page.get("Uploads", [])]
+
+
+def stop_group(proc: subprocess.Popen | None, timeout: float) -> None:
+    """Stop a server started in a session of its own: SIGTERM to its process
+    group, SIGKILL if it is not gone within `timeout`."""
+    if proc is not None and proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def free_port() -> int:
