@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SWITCH_INTERVAL_S = 1e-4  # see `serve`
+EXIT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # unmount and drain (see `_Signals`)
 
 READ_AHEAD_KB = 4096  # with 1 MiB requests: several in flight while the reader copies
 
@@ -180,7 +181,13 @@ async def _main(config: MountConfig, tree: InodeTree, engine: Engine, control: C
         if n:
             log.info("the store holds %d files: shown now, loaded on first use", n)
         signals = _Signals()
-        nursery.start_soon(signals.watch)
+        # The receiver puts back what was there before it when the run ends,
+        # while this daemon still unmounts, leaves its cluster and writes its
+        # report: ignored then, not a silent death halfway (a SIGTERM sent
+        # just after a lazy unmount, as `fusermount -u -z; kill` does).
+        for signum in EXIT_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
+        await nursery.start(signals.watch)
         nursery.start_soon(_when_live, str(config.mountpoint), ready)
         # Idle workers are kept: each new one would malloc a fresh 1 MiB buffer.
         await pyfuse3.main(min_tasks=8, max_tasks=64)
@@ -211,8 +218,9 @@ class _Signals:
         self.count = 0
         self.serving = True  # the FUSE session is open (not yet unmounted, by us or by `fusermount3 -u`)
 
-    async def watch(self) -> None:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+    async def watch(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        with trio.open_signal_receiver(*EXIT_SIGNALS) as signals:
+            task_status.started()
             async for signum in signals:
                 self.count += 1
                 if self.count == 1:

@@ -12,14 +12,10 @@ node (`ClusterLink.staged`); they are published when that node says so.
 
 from __future__ import annotations
 
-import logging
-
 from .journal import Op
 from .manifest import Digest, Meta
 from .publisher import Publisher
 from .replica import Shown
-
-log = logging.getLogger(__name__)
 
 
 class Following(Publisher):
@@ -27,7 +23,7 @@ class Following(Publisher):
         super().__init__(engine, markers)
         self.leader_position = 0  # the publishing node applied every op up to this sequence number
         self.joined_at = 0  # where it was when this node joined
-        self._shown: dict[int, tuple[str, Shown]] = {}
+        self._digests: dict[int, tuple[int, Digest | None]] = {}  # inode -> (generation, digest) the publishing node showed
 
     async def run(self) -> None:
         e = self.e
@@ -68,11 +64,11 @@ class Following(Publisher):
         if not paths:
             return None
         generation = self.e.published_gen.get(ino, 0)
-        heard = self._shown.get(ino)
-        digest = heard[1].digest if heard is not None and heard[1].generation == generation else None
+        heard = self._digests.get(ino)
+        digest = heard[1] if heard is not None and heard[0] == generation else None
         return paths[0], Shown(ino, generation, digest, Meta())
 
     def showed(self, ino: int, generation: int, path: str, digest: Digest | None) -> None:
-        old = self._shown.get(ino)
-        if old is None or old[1].generation <= generation:
-            self._shown[ino] = (path, Shown(ino, generation, digest, Meta()))
+        old = self._digests.get(ino)
+        if old is None or old[0] <= generation:
+            self._digests[ino] = (generation, digest)
