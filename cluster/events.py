@@ -6,7 +6,11 @@ One node's publisher applies the cluster's journal to the store (see
 - `staged`    a node staged a generation it holds: the publishing node shows it at its turn;
 - `restage`   the publishing node found that staged data gone: its node stages it again;
 - `published` the publishing node showed a generation at a path (its digest with it);
-- `progress`  the publishing node applied every op of the journal up to a sequence number.
+- `progress`  the publishing node applied every op of the journal up to a sequence number;
+- `leader`    a node took over publishing (the one that published is gone):
+              every node reports again what it has staged and not seen published;
+- `lost`      the publishing node lost a node's generation, taking that node for
+              gone: the node, if it was only frozen or cut off, hears it too.
 
 Events go through one Redis stream, each node reading all of it from the
 moment it joined. They carry no file data: bytes go from a node's RAM to
@@ -17,19 +21,22 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import redis
 import trio
 from ckptfs.writeback.backend import Staged
-from ckptfs.writeback.journal import FileGen
+from ckptfs.writeback.following import Following
+from ckptfs.writeback.journal import LOST, FileGen
 from ckptfs.writeback.manifest import Digest
+from ckptfs.writeback.state import State
 
 from .log import READ_BATCH, SharedLog
+from .members import LEASE_S
 
 if TYPE_CHECKING:
     from ckptfs.writeback.engine import Engine
-    from ckptfs.writeback.following import Following
 
 log = logging.getLogger(__name__)
 
@@ -41,17 +48,23 @@ KEPT = 200_000  # events kept in the stream (approximately): a node reads them w
 class Events:
     """This node's side: it is the engine's `ClusterLink`."""
 
-    def __init__(self, shared: SharedLog, engine: Engine, me: str, publishes: bool) -> None:
+    def __init__(self, shared: SharedLog, engine: Engine, me: str, publishes: bool, leader: str | None = None) -> None:
         self.shared = shared
         self.key = shared.prefix + "events"
         self.progress_key = shared.prefix + "progress"
         self.engine = engine
         self.me = me
         self.publishes = publishes
+        self.leader = leader  # whose progress counts (None: anyone's)
         self._out: list[bytes] = []
         self._wake = trio.Event()
         self._last = "$"  # the stream id read up to (set at `start`)
         self._unreachable = False  # an outage of Redis was logged (once)
+        self._nursery: trio.Nursery | None = None
+        # The publishing node's lease: it changes the store only until then
+        # (time.monotonic()), renewed by each heartbeat that keeps its key.
+        self.lease_until = time.monotonic() + LEASE_S if publishes else 0.0
+        self._lapsed = False  # the lease ran out (logged once)
 
     # -- ClusterLink ---------------------------------------------------------------
     def staged(self, gen: FileGen) -> None:
@@ -68,6 +81,67 @@ class Events:
     def restage(self, gen: FileGen) -> None:
         self._post({"e": "restage", "ino": gen.ino, "gen": gen.generation, "to": gen.owner})
 
+    def lost(self, gen: FileGen) -> None:
+        self._post({"e": "lost", "ino": gen.ino, "gen": gen.generation, "to": gen.owner, "why": gen.error.removeprefix(LOST)})
+
+    async def leased(self) -> None:
+        """Until this node may change the store: while its lease holds. The
+        lease is shorter than the leader key's lifetime in Redis, so a node
+        cut off from Redis (or frozen) stops publishing before another node
+        can take over."""
+        while time.monotonic() >= self.lease_until:
+            if not self._lapsed:
+                self._lapsed = True
+                self.engine.stalled = "this node's lease to publish for the cluster ran out: Redis does not answer its heartbeat"
+                log.warning("this node's lease to publish for the cluster ran out (Redis does not answer its heartbeat): publishing waits")
+            await trio.sleep(0.1)
+        if self._lapsed:
+            self._lapsed = False
+            self.engine.stalled = ""
+            log.info("this node's lease to publish for the cluster is renewed: publishing goes on")
+
+    def renew(self, since: float) -> None:
+        """The leader key was kept by a heartbeat sent at `since` (time.monotonic())."""
+        self.lease_until = max(self.lease_until, since + LEASE_S)
+
+    def follow(self, leader: str, position: int) -> None:
+        """Another node took over publishing from this one (`leader`, at
+        `position` now): this node follows it from now on."""
+        self.lease_until = 0.0
+        self._lapsed = False
+        self.engine.stalled = ""
+        self.publishes = False
+        self.leader = leader
+        following = Following(self.engine, self.engine.publisher.markers)
+        self.engine.follow(following)
+        following.progress(position)
+        self._report_staged()
+
+    async def take_over(self, since: float) -> None:
+        """This node publishes for the cluster from now on, in place of the
+        node that did (gone), its leader key taken at `since` (the lease's
+        start): from where that node's progress says it stopped. Every other
+        node is told to report again what it staged."""
+        self.renew(since)
+        await until_redis_answers(self.caught_up)  # everything the gone node said, its last progress included
+        following: Following = self.engine.publisher  # type: ignore[assignment]
+        self.publishes = True  # what the others stage is this node's to show from now on
+        await self.engine.take_over(following.leader_position)
+        assert self._nursery is not None
+        self._nursery.start_soon(self._report_progress)
+        self._post({"e": "leader"})
+
+    def leader_progress(self) -> int:
+        """Where the publishing node's progress is (a blocking call)."""
+        return int(self.shared.redis.get(self.progress_key) or 0)
+
+    async def caught_up(self) -> None:
+        """Until every event in the stream now has been taken in."""
+        last = await trio.to_thread.run_sync(lambda: self.shared.redis.xrevrange(self.key, count=1))
+        target = _id(last[0][0].decode()) if last else (0, 0)
+        while _id(self._last) < target:
+            await trio.sleep(0.01)
+
     def _post(self, event: dict) -> None:
         event["by"] = self.me
         self._out.append(json.dumps(event).encode())
@@ -83,10 +157,11 @@ class Events:
         self._last = last[0][0].decode() if last else "0-0"
         if not self.publishes:
             following: Following = self.engine.publisher  # type: ignore[assignment]
-            following.joined(int(r.get(self.progress_key) or 0))
+            following.joined(self.leader_progress())
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             nursery.start_soon(self._send)
             nursery.start_soon(self._receive)
             if self.publishes:
@@ -120,7 +195,7 @@ class Events:
 
     async def _report_progress(self) -> None:
         reported = -1
-        while True:
+        while self.publishes:
             change = self.engine.next_change()
             position = self._position()
             if position != reported:
@@ -170,12 +245,39 @@ class Events:
             e.staged_elsewhere(event["ino"], event["gen"], Staged(size, token, parts, at), _digest(event["digest"]))
         elif kind == "restage" and event["to"] == self.me:
             e.restage(event["ino"], event["gen"])
-        elif kind == "published" and not self.publishes:
+        elif kind == "published":  # on a node that published until another took over too
             e.published_elsewhere(event["ino"], event["gen"], event["path"], _digest(event["digest"]))
-        elif kind == "progress" and not self.publishes:
+        elif kind == "progress" and not self.publishes and self.leader in (None, event["by"]):
             following: Following = e.publisher  # type: ignore[assignment]
             following.progress(event["position"])
+        elif kind == "lost" and event["to"] == self.me:
+            e.lost_here(event["ino"], event["gen"], event["why"])
+        elif kind == "leader" and not self.publishes:
+            self.leader = event["by"]  # a node it took over from, frozen and back, no longer counts
+            self._report_staged()  # what the old publishing node knew of them went with it
+
+    def _report_staged(self) -> None:
+        """Tell the (new) publishing node of every generation this node staged."""
+        for gen in list(self.engine.pending.values()):
+            if gen.owner is None and gen.state is State.STAGED and gen.staged is not None and gen.staged.token is not None:
+                self.staged(gen)
+
+
+def _id(eid: str) -> tuple[int, int]:
+    ms, _, n = eid.partition("-")
+    return int(ms), int(n or 0)
 
 
 def _digest(raw) -> Digest | None:
     return None if raw is None else Digest(raw[0], raw[1], tuple(raw[2]))
+
+
+async def until_redis_answers(fn, *args) -> None:
+    """`fn(*args)`, tried again each second while Redis does not answer."""
+    while True:
+        try:
+            await fn(*args)
+            return
+        except redis.RedisError as exc:
+            log.warning("cannot reach the cluster's Redis (%s): trying again", exc)
+            await trio.sleep(1.0)

@@ -1,12 +1,18 @@
 """Who is in a cluster, and which node publishes for it.
 
 Each daemon keeps a heartbeat in Redis while it runs. The first daemon to
-join a cluster that has no publishing node becomes it: it starts the cluster
-afresh (an empty log: the namespace is what the store holds, restored from
-it as a single-node mount would, since data that lived only in RAM did not
-outlive the daemons that held it), and its `Publisher` applies the cluster's
-journal to the store. The other daemons wait until it has restored the
-store (`ready`), then replay the log.
+join a cluster that has no daemon running becomes its publishing node: it
+starts the cluster afresh (an empty log: the namespace is what the store
+holds, restored from it as a single-node mount would, since data that lived
+only in RAM did not outlive the daemons that held it), and its `Publisher`
+applies the cluster's journal to the store. The other daemons wait until it
+has restored the store (`ready`), then replay the log.
+
+The publishing node holds a key in Redis that lapses unless its heartbeat
+keeps it (`LEADER_TTL_S`), and changes the store only within a shorter lease
+(`LEASE_S`) from its last kept heartbeat. When it is gone (its key lapsed,
+or its daemon is gone from this host), another node takes the key
+(`take_over`) and publishes from where it stopped.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from .log import ClusterError, SharedLog
 
 BEAT_S = 1.0
 LEADER_TTL_S = 10.0  # a publishing node silent this long is gone
+LEASE_S = 0.7 * LEADER_TTL_S  # it stops changing the store this long after its last kept heartbeat
 GONE_AFTER_S = 5.0  # any other node silent this long is gone
 READY_TIMEOUT_S = 120.0
 
@@ -40,6 +47,16 @@ local leader = redis.call('GET', KEYS[1])
 if leader == ARGV[1] then redis.call('PEXPIRE', KEYS[1], ARGV[2]); return 1 end
 if not leader then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]); return 1 end
 return 0
+"""
+
+# KEYS: leader, ready. ARGV: the publishing node that is gone, me, ttl ms.
+# 1 if this daemon now publishes (it restores its replica of the store, then sets `ready`).
+_TAKE = """
+local leader = redis.call('GET', KEYS[1])
+if leader and leader ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+redis.call('DEL', KEYS[2])
+return 1
 """
 
 # KEYS: leader, ready. ARGV: me.
@@ -78,6 +95,7 @@ class Membership:
         r = shared.redis
         self._join = r.register_script(_JOIN)
         self._keep = r.register_script(_KEEP)
+        self._take = r.register_script(_TAKE)
         self._leave = r.register_script(_LEAVE)
         self.publishes = False
 
@@ -86,11 +104,15 @@ class Membership:
         afresh). ClusterError if the publishing node is gone while other
         nodes still run: starting afresh would pull their namespace from under them."""
         s = self.shared
-        if self.leader() is None:
+        deadline = time.monotonic() + LEADER_TTL_S + 2 * GONE_AFTER_S
+        while self.leader() is None:
             live = {i["node"] for m, i in self.members().items() if m != self.me and i["age"] < GONE_AFTER_S and not dead_here(i)}
-            if live:
-                raise ClusterError(f"the cluster's publishing node is gone while {len(live)} node(s) still run "
-                                   f"({', '.join(sorted(live))}): unmount every node of the cluster, then mount again")
+            if not live:
+                break
+            if time.monotonic() > deadline:  # none of them took over publishing
+                raise ClusterError(f"the cluster's publishing node is gone and none of the {len(live)} node(s) still running "
+                                   f"({', '.join(sorted(live))}) took over: unmount every node of the cluster, then mount again")
+            time.sleep(0.2)  # one of them is taking over
         self.publishes = bool(self._join(keys=[self.leader_key, s.head_key, s.log_key, self.ready_key, s.prefix + "events",
                                                self.members_key, s.prefix + "progress"], args=[self.me, int(LEADER_TTL_S * 1000)]))
         self.beat()
@@ -121,6 +143,12 @@ class Membership:
         if self.publishes:
             return bool(self._keep(keys=[self.leader_key], args=[self.me, int(LEADER_TTL_S * 1000)]))
         return True
+
+    def take_over(self, gone: str) -> bool:
+        """Become the publishing node in place of `gone`; False if another node did first."""
+        won = bool(self._take(keys=[self.leader_key, self.ready_key], args=[gone, self.me, int(LEADER_TTL_S * 1000)]))
+        self.publishes = self.publishes or won
+        return won
 
     def leader(self) -> str | None:
         got = self.shared.redis.get(self.leader_key)

@@ -7,12 +7,15 @@ namespace and its heartbeat, and ties its write-back engine to the others.
     start (in the daemon)      the publishing node restores the store and puts
                                the result in the log; every node replays the
                                log, then follows it, places its seals, beats
+    take over                  the publishing node is gone: one of the others
+                               takes its key and publishes from where it stopped
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import time
 
 import redis
 import trio
@@ -20,9 +23,8 @@ from ckptfs.fs.tree import InodeTree
 from ckptfs.writeback.engine import Engine
 from ckptfs.writeback.following import Following
 from ckptfs.writeback.journal import FileGen
-from ckptfs.writeback.state import State
 
-from .events import Events
+from .events import Events, until_redis_answers
 from .log import ClusterError, SharedLog, Where
 from .members import BEAT_S, GONE_AFTER_S, Membership, dead_here
 from .namespace import SharedNamespace
@@ -40,9 +42,11 @@ class ClusterNode:
         self.engine = engine
         self.events: Events | None = None
         self.leader_gone = False
-        self.leader_id = ""  # the node that publishes for the cluster (set at `join`)
         self.unreachable = False
         self.beating_since = 0.0  # trio time of the first heartbeat after Redis last failed to answer
+        self.taking_over = False
+        self._nursery: trio.Nursery | None = None
+        self._names: dict[str, str] = {}  # node id -> its name, as heartbeats said (a node that left has none)
 
     @property
     def publishes(self) -> bool:
@@ -53,14 +57,15 @@ class ClusterNode:
         try:
             publishes = self.members.join()
             if not publishes:
-                self.leader_id = self.members.wait_ready()
-                log.info("joined the cluster as node %s; node %s publishes for it", self.name, self.leader_id)
+                leader = self.members.wait_ready()
+                log.info("joined the cluster as node %s; node %s publishes for it", self.name,
+                         self.members.members().get(leader, {}).get("node", leader[:8]))
             else:
-                self.leader_id = self.namespace.me
+                leader = self.namespace.me
                 log.info("started the cluster as node %s: this node publishes for it", self.name)
         except redis.RedisError as exc:
             raise ClusterError(f"cannot join the cluster: {exc}") from None
-        self.events = Events(self.shared, self.engine, self.namespace.me, publishes)
+        self.events = Events(self.shared, self.engine, self.namespace.me, publishes, leader)
         self.engine.cluster(self.events, self.engine.publisher if publishes else Following(self.engine, self.engine.publisher.markers))
         self.events.start()
 
@@ -68,6 +73,7 @@ class ClusterNode:
         """Show the namespace (the publishing node restores it from the store
         first) and run the node's tasks; how many files the store held."""
         assert self.events is not None
+        self._nursery = nursery
         nursery.start_soon(self._beat)  # first: restoring a large store must not look like a dead node
         n = 0
         if self.publishes:
@@ -87,12 +93,16 @@ class ClusterNode:
         return n
 
     async def _beat(self) -> None:
+        assert self.events is not None
         while True:
             await trio.sleep(BEAT_S)
             try:
+                sent = time.monotonic()
                 still = await trio.to_thread.run_sync(self.members.beat)
-                leader = await trio.to_thread.run_sync(self.members.leader) if not self.publishes else self.namespace.me
+                leader = await trio.to_thread.run_sync(self.members.leader) if not (self.publishes and still) else self.namespace.me
                 members = await trio.to_thread.run_sync(self.members.members)
+                if self.publishes and not still:  # another node took the key: this node follows it
+                    self._follow(leader, await trio.to_thread.run_sync(self.events.leader_progress), members)
             except redis.RedisError as exc:
                 if not self.unreachable:  # once per outage
                     log.warning("cannot reach the cluster's Redis for this node's heartbeat: %s", exc)
@@ -103,29 +113,94 @@ class ClusterNode:
             self.unreachable = False
             # Others' heartbeats are judged only once this node's own have run
             # a while: after Redis was away, every node's looks old at first.
-            self._find_gone(members, trusted=trio.current_time() - self.beating_since >= GONE_AFTER_S)
-            if not still:
-                log.error("this node no longer publishes for the cluster (another node took over): nothing more is published here")
-            self._watch_leader(leader)
+            trusted = trio.current_time() - self.beating_since >= GONE_AFTER_S
+            self._find_gone(members, trusted)
+            if self.publishes:
+                self.events.renew(sent)
+            self._watch_leader(leader, members, trusted)
 
-    def _watch_leader(self, leader: str | None) -> None:
-        if leader is None and not self.leader_gone:
+    def _follow(self, leader: str | None, position: int, members: dict[str, dict]) -> None:
+        """This node published for the cluster and another node took over
+        (this one was frozen or cut off from Redis longer than its lease:
+        it changed the store no more since). It follows that node now."""
+        assert self.events is not None
+        self.members.publishes = False
+        self.events.follow(leader or "", position)
+        log.error("node %s took over publishing for the cluster while this node was frozen or cut off from Redis: this node "
+                  "follows it now; the files this node held then are reported lost", members.get(leader or "", {}).get("node", "?"))
+
+    def _watch_leader(self, leader: str | None, members: dict[str, dict], trusted: bool) -> None:
+        """Another node's turn to publish: a node that took over is followed;
+        a publishing node that is gone is replaced (`_take_over`)."""
+        assert self.events is not None
+        if self.publishes or self.taking_over:
+            return
+        self._names.update((m, info["node"]) for m, info in members.items())
+        if leader is not None and leader != self.events.leader:
+            self.events.leader = leader
+            self._leader_back()
+            log.info("node %s now publishes for the cluster", self._name(leader))
+            return
+        old = members.get(self.events.leader)
+        dead = old is not None and dead_here(old)
+        if leader is not None and not dead:
+            if self.leader_gone:  # its key lapsed while Redis was away, and it took it up again
+                self._leader_back()
+                log.info("the cluster's publishing node is back: publishing goes on")
+            return
+        name = self._name(self.events.leader)
+        if old is None:  # it left the cluster (unmounted)
+            why = f"the cluster's publishing node {name} left the cluster"
+        elif dead or (trusted and old["age"] >= GONE_AFTER_S):
+            why = f"the cluster's publishing node {name} is gone"
+        else:
+            why = ""
+        if not self.leader_gone:
             self.leader_gone = True
-            self.engine.stalled = "the cluster's publishing node is gone: nothing more is published"
-            self.engine.notify()  # flushes waiting learn that they wait for nothing
-            log.error("the cluster's publishing node is gone: this node's files are no longer published; "
-                      "unmount every node and mount again (the store keeps what was published)")
-        elif leader == self.leader_id and self.leader_gone:  # its heartbeat lapsed while Redis was away, and it is back
-            self.leader_gone = False
-            self.engine.stalled = ""
-            self.engine.notify()
-            log.info("the cluster's publishing node is back: publishing goes on")
+            self.engine.stalled = why or f"the cluster's publishing node ({name}) is not keeping its key: a node takes over once it is gone"
+            log.log(logging.INFO if old is None else logging.WARNING, "%s", self.engine.stalled)
+        if why:
+            self.taking_over = True
+            assert self._nursery is not None
+            self._nursery.start_soon(self._take_over, why, logging.INFO if old is None else logging.WARNING)
+
+    def _name(self, node: str) -> str:
+        return self._names.get(node, node[:8])
+
+    def _leader_back(self) -> None:
+        self.leader_gone = False
+        self.engine.stalled = ""
+        self.engine.notify()
+
+    async def _take_over(self, why: str, level: int) -> None:
+        """Publish for the cluster in place of the node that did (gone)."""
+        assert self.events is not None
+        try:
+            sent = time.monotonic()
+            won = await trio.to_thread.run_sync(self.members.take_over, self.events.leader)
+        except redis.RedisError as exc:
+            log.warning("cannot take over publishing for the cluster yet: %s", exc)
+            won = False
+        if not won:  # another node did (the next heartbeat follows it), or Redis did not answer
+            self.taking_over = False
+            return
+        log.log(level, "%s: this node takes over publishing", why)
+        await until_redis_answers(self.namespace.catch_up)  # the whole log applied: the journal this node takes over
+        await self.events.take_over(sent)
+        await until_redis_answers(trio.to_thread.run_sync, self.members.ready)
+        self.events.leader, self.taking_over = self.namespace.me, False
+        self._leader_back()
+        log.info("this node now publishes for the cluster")
 
     def _find_gone(self, members: dict[str, dict], trusted: bool) -> None:
         """Nodes holding unstaged generations that stopped beating: what
         they held is lost (reported on every node, never waited for in
         silence). `trusted`: heartbeat ages mean something (else only a
         daemon gone from this host counts)."""
+        for owner in list(self.engine.gone):  # beating again: it was frozen or cut off, not dead
+            info = members.get(owner)
+            if trusted and info is not None and info["age"] < GONE_AFTER_S and not dead_here(info):
+                self.engine.back(owner, info["node"])
         owners = {g.owner for g in self.engine.pending.values() if g.owner is not None and g.owner not in self.engine.gone}
         for owner in owners:
             info = members.get(owner)
@@ -147,7 +222,7 @@ class ClusterNode:
         for op in self.engine.unpublished():
             if isinstance(op, FileGen):
                 c = per.setdefault(op.owner or self.namespace.me, {"unpublished_files": 0, "unpublished_bytes": 0, "lost_files": 0})
-                if op.state is State.PARKED and op.error.startswith("lost:"):
+                if op.lost:
                     c["lost_files"] += 1
                 else:
                     c["unpublished_files"] += 1

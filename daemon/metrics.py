@@ -94,7 +94,9 @@ class _TotalsCollector(Collector):
         yield GaugeMetricFamily("ckptfs_oldest_unpublished_seconds", "Age of the oldest sealed, unpublished file", value=t.oldest_unpublished_s)
         yield GaugeMetricFamily("ckptfs_upload_bytes_per_second", "Bytes published per second, recent average", value=t.upload_bytes_per_s)
         yield GaugeMetricFamily("ckptfs_lost_files", "Cluster mode: files lost with the node that held them (never published)", value=t.lost)
-        yield GaugeMetricFamily("ckptfs_publishing_stalled", "Cluster mode: 1 when the cluster's publishing node is gone", value=int(bool(t.stalled)))
+        yield GaugeMetricFamily("ckptfs_publishing_stalled",
+                                "Cluster mode: 1 while publishing is paused (the publishing node is gone, not yet replaced, or its lease ran out)",
+                                value=int(bool(t.stalled)))
         yield GaugeMetricFamily("ckptfs_verify_failures", "Files whose bytes in the store failed verification", value=t.counters["verify_failures"])
         for key, (name, doc) in COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=t.counters[key])

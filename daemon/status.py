@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import trio
 from ckptfs.fs.ops import XATTR_PREFIX
 from ckptfs.fs.tree import Inode, InodeTree
-from ckptfs.writeback.journal import FileGen
+from ckptfs.writeback.journal import LOST, FileGen
 from ckptfs.writeback.state import State
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ def file_status(tree: InodeTree, engine: Engine, inode: Inode, path: str) -> Fil
     elif d.generation == inode.generation:
         state = "failed" if d.state is State.PARKED else d.state.value
         digest, tries, error = d.digest, d.tries, d.error
-        if d.state is State.PARKED and not error.startswith("lost:"):  # lost with its node (cluster mode): never retried
+        if d.state is State.PARKED and not error.startswith(LOST):  # lost with its node (cluster mode): never retried
             error = f"parked (failed for good, retried rarely): {error}"
     elif d.published_generation >= inode.generation:
         state = State.PUBLISHED.value
@@ -109,7 +109,7 @@ class Totals:
     upload_bytes_per_s: float = 0.0
     failing: int = 0  # unpublished changes whose last try failed
     lost: int = 0  # cluster mode: files lost with the node that held them
-    stalled: str = ""  # cluster mode: why nothing is published any more ("" while it is)
+    stalled: str = ""  # cluster mode: why publishing is paused now ("" while it goes on)
     last_error: str = ""  # the newest of their errors ("" when nothing fails)
     last_error_age_s: float = 0.0
     counters: dict[str, int] = field(default_factory=dict)
@@ -212,7 +212,7 @@ def _finish(t: Totals, tree: InodeTree, engine: Engine) -> Totals:
     sealed = [g.sealed_at for g in left if isinstance(g, FileGen)]
     t.oldest_unpublished_s = time.time() - min(sealed) if sealed else 0.0
     t.upload_bytes_per_s = engine.throughput()
-    t.lost = sum(1 for g in left if isinstance(g, FileGen) and g.error.startswith("lost:"))
+    t.lost = sum(1 for g in left if isinstance(g, FileGen) and g.lost)
     t.stalled = engine.stalled
     failing = engine.failing()
     t.failing = len(failing)

@@ -151,7 +151,7 @@ def _print_status(console, r: dict) -> None:
     if t.get("lost"):
         grid.add_row("lost with their node", f"[red]{t['lost']}[/]", "never published (cluster mode)")
     if t.get("stalled"):
-        grid.add_row("publishing", "[red]stopped[/]", Text(printable(t["stalled"]), style="red"))
+        grid.add_row("publishing", "[red]paused[/]", Text(printable(t["stalled"]), style="red"))
     if t["last_error"]:  # only while something is failing; the history is in the log
         grid.add_row("failing", f"[red]{t['failing']}[/]", f"last error {format_duration(t['last_error_age_s'])} ago")
         grid.add_row("", "", Text(printable(t["last_error"]), style="red"))

@@ -32,10 +32,10 @@ from typing import Protocol
 
 import trio
 
-from . import manifest, storeio
+from . import manifest, storeio, takeover
 from .backend import HEARTBEAT_S, Backend, Staged, StoreError
 from .calls import Deadlines, StoreCalls, permanent
-from .journal import Attrs, Exchange, FileGen, Link, Mkdir, Op, Remove, Rename, Snapshot, Symlink, kind
+from .journal import LOST, Attrs, Exchange, FileGen, Link, Mkdir, Op, Remove, Rename, Snapshot, Symlink, kind
 from .manifest import Digest, Meta, record_path
 from .publisher import MARKERS, Publisher
 from .replica import Dir, File, Shown
@@ -60,7 +60,9 @@ class ClusterLink(Protocol):
 
     def staged(self, gen: FileGen) -> None: ...  # a generation of this node's is staged: the publishing node shows it
     def published(self, gen: FileGen, path: str) -> None: ...  # the publishing node showed a generation
+    def lost(self, gen: FileGen) -> None: ...  # the publishing node lost another node's generation with that node
     def restage(self, gen: FileGen) -> None: ...  # the staged data of another node's generation is gone: stage it again
+    async def leased(self) -> None: ...  # until this node may change the store (its lease to publish holds)
 
 
 class Namespace(Protocol):
@@ -156,9 +158,10 @@ class Engine:
         self.link: ClusterLink | None = None  # cluster mode (see `cluster`)
         self.gone: set[str] = set()  # cluster mode: nodes that died (their unstaged generations are lost)
         self.why_gone: dict[str, str] = {}
-        self.stalled = ""  # cluster mode: why nothing will be published any more (the publishing node is gone)
+        self.stalled = ""  # cluster mode: why nothing is published for now (the publishing node is gone, a node takes over)
         self._sealed_elsewhere: dict[int, int] = {}  # cluster mode: inode -> the newest generation sealed elsewhere, applied here
         self._staged_early: dict[tuple[int, int], tuple[Staged, Digest]] = {}  # staged before its seal was applied here
+        self._publishing = trio.CancelScope()  # the publisher's run (a node taking over publishing starts another)
 
     def cluster(self, link: ClusterLink, publisher: Publisher) -> None:
         """Cluster mode: the journal is the whole cluster's (every node's
@@ -196,9 +199,10 @@ class Engine:
         early = self._staged_early.pop((ino, generation), None)
         if early is not None:  # its node staged it before this node applied its seal
             self.staged_elsewhere(ino, generation, *early)
-        elif self.published_gen.get(ino, 0) >= generation:  # published before this node applied its seal
-            gen.move(State.STAGED)
-            self.published(gen, gen.path)
+        if self.published_gen.get(ino, 0) >= generation:  # published before this node applied its seal (staged or not)
+            if gen.state is State.UPLOADING:
+                gen.move(State.STAGED)
+            self._settle(gen, gen.path)
         elif self.publisher.settled_before_join(gen.seq):  # replayed from before this node joined: long published
             gen.move(State.STAGED)
             gen.move(State.PUBLISHED)
@@ -251,14 +255,36 @@ class Engine:
         self.notify()
         return len(lost)
 
-    def _lose(self, gen: FileGen) -> None:
-        assert gen.owner is not None
-        gen.error, gen.error_at = f"lost: {self.why_gone[gen.owner]}", time.time()
+    def back(self, node: str, name: str) -> None:
+        """Cluster mode: `node`, taken for gone, beats again (it was frozen
+        or cut off): what it writes from now on is published as any node's.
+        What it held then stays lost (it hears so: `lost_here`)."""
+        if node in self.gone:
+            self.gone.discard(node)
+            log.warning("node %s, taken for gone, is back: its files from before stay lost, its new ones are published", name)
+
+    def lost_here(self, ino: int, generation: int, why: str) -> None:
+        """Cluster mode: the publishing node lost this node's generation (it
+        took this node for gone: frozen, or cut off from Redis)."""
+        gen = self.pending.get(ino)
+        if gen is None or gen.generation != generation or gen.owner is not None or gen.state in (State.PUBLISHED, State.DROPPED, State.PARKED):
+            return
+        if gen.staged is not None and self._nursery is not None:
+            staged, gen.staged = gen.staged, None
+            self._nursery.start_soon(functools.partial(self._discard, staged, gen.path))
+        self._lose(gen, why)
+        self.notify()
+
+    def _lose(self, gen: FileGen, why: str | None = None) -> None:
+        why = why or self.why_gone[gen.owner or ""]
+        gen.error, gen.error_at = f"{LOST}{why}", time.time()
         gen.move(State.PARKED)
         self.publisher.park(gen)
         self.touched.add(gen.ino)
+        if self.link is not None and self.link.publishes and gen.owner is not None:
+            self.link.lost(gen)  # its node hears it, if it is not gone for good (frozen, cut off)
         log.error("LOST %s (generation %d, %d bytes): %s; it was never published, and completion markers in its "
-                  "directory wait until it is rewritten or deleted", gen.path, gen.generation, gen.size, self.why_gone[gen.owner])
+                  "directory wait until it is rewritten or deleted", gen.path, gen.generation, gen.size, why)
 
     def restage(self, ino: int, generation: int) -> None:
         """Cluster mode: the publishing node found the staged data of this
@@ -269,14 +295,19 @@ class Engine:
             self.upload_again(gen)
 
     def published_elsewhere(self, ino: int, generation: int, path: str, digest: Digest | None) -> None:
-        """Cluster mode: the publishing node showed this generation at `path`."""
+        """Cluster mode: the publishing node showed this generation at `path`
+        (perhaps one this node took for lost: the publishing node died just
+        after, and this node heard of its death first)."""
         self.publisher.showed(ino, generation, path, digest)
         gen = self.pending.get(ino)
         if gen is not None and gen.generation == generation:
+            if gen.lost:
+                gen.move(State.FAILED)
+                self.publisher.parked.discard(gen)
             if gen.state in (State.UPLOADING, State.FAILED):
                 gen.move(State.STAGED)
             if gen.state is State.STAGED:
-                self.published(gen, path)
+                self._settle(gen, path)
         elif generation > self.published_gen.get(ino, 0):
             self.published_gen[ino] = generation
             self.notify()
@@ -373,10 +404,7 @@ class Engine:
         return not op.done.is_set()
 
     def stuck(self, op: Op) -> bool:
-        """Cannot complete until a parked file is resolved (by a user), or
-        ever (cluster mode: the publishing node is gone)."""
-        if self.stalled:
-            return True
+        """Cannot complete until a parked file is resolved (by a user)."""
         if isinstance(op, FileGen):
             return op.state is State.PARKED or self.publisher.held_back(op)
         return isinstance(op, Remove) and self.publisher.blocked_by_parked()
@@ -385,8 +413,6 @@ class Engine:
         """Until `generation` of `ino` (or a newer one) is published; raises
         OSError(EIO) if it is parked (failed for good) or deleted."""
         while self.published_gen.get(ino, 0) < generation:
-            if self.stalled:
-                raise OSError(errno.EIO, self.stalled)
             gen = self.pending.get(ino)
             if gen is None:
                 raise OSError(errno.EIO, "the file can no longer be published (deleted?)")
@@ -448,11 +474,84 @@ class Engine:
                 self._nursery = nursery
                 for _ in range(self.workers):
                     nursery.start_soon(self._upload_worker, self._recv.clone())
-                nursery.start_soon(self.publisher.run)
+                nursery.start_soon(self._publish)
                 nursery.start_soon(self._heartbeat)
                 task_status.started()
         finally:
             self._nursery = None  # stopped: background work (a load) runs in its caller instead
+
+    async def _publish(self) -> None:
+        while True:
+            with trio.CancelScope() as self._publishing:
+                await self.publisher.run()
+
+    async def take_over(self, position: int) -> None:
+        """Cluster mode: this node now publishes for the cluster; the node
+        that did is gone, and had applied every op up to `position` to the
+        store. Its replica of the store is rebuilt (see `takeover`) and a
+        `Publisher` takes the place of this node's `Following` one."""
+        assert self.link is not None
+        following = self.publisher
+        while self.queue and self.queue[0].seq <= position:
+            following._complete(self.queue[0])
+        while True:
+            try:
+                scanned = await self.patiently("scan the store", storeio.scan, self.backend)
+                break
+            except StoreError as exc:
+                log.error("cannot take over publishing for the cluster yet: %s; trying again in %.0fs", exc, self.retry.max_s)
+                await trio.sleep(self.retry.max_s)
+        publisher = Publisher(self, following.markers)
+        for e in scanned.entries:
+            rec = scanned.records.get(e.path)
+            if e.is_dir:
+                publisher.restored(e.path, Dir(0))
+            elif rec is not None and rec.kind == "file":
+                publisher.restored(e.path, File(0, shown=Shown(0, 0, rec.current, rec.meta)))
+            else:
+                publisher.restored(e.path, File(0, shown=Shown(0, 0, None, Meta())))
+        for rec in scanned.records.values():
+            if rec.kind == "symlink":
+                publisher.restored(rec.path, RLink(0, target=rec.target, shown=True, meta=rec.meta))
+            elif rec.kind == "dir":
+                d = publisher.replica.lookup(rec.path)
+                if not isinstance(d, Dir):
+                    d = Dir(0)
+                    publisher.restored(rec.path, d)
+                d.recorded = rec.meta
+        ops = list(self.queue)  # everything after `position`
+        takeover.follow(publisher.replica, ops, lambda path: getattr(self.ns.inode_at(path), "ino", None), self.published_gen)
+        held = [g for g in self.unsettled.values() if g.seq <= position and g.state not in (State.PUBLISHED, State.DROPPED)]
+        then = takeover.names_then({g: self.ns.paths_of(g.ino) for g in held}, ops)
+        for gen in held:
+            gen.names = then[gen] or self.ns.paths_of(gen.ino)
+        publisher.position = position
+        publisher.parked = {g for g in following.parked if g.state is State.PARKED}
+        for gen in publisher.parked:
+            if gen.owner is not None and gen.lost:
+                self.link.lost(gen)  # lost while this node followed: their nodes hear it from the publishing node
+        publisher.retry_parked_at = following.retry_parked_at
+        publisher.dirty = {n for _, n in publisher.replica.walk(publisher.replica.root) if isinstance(n, Dir)} | {publisher.replica.root}
+        self.queue.extendleft(reversed(held))  # their turn again, first
+        log.info("took over publishing for the cluster at position %d: %d entries in the store, %d ops to apply, %d held again",
+                 position, len(scanned.entries), len(ops), len(held))
+        self.publisher = publisher
+        self._publishing.cancel()
+        self.notify()
+
+    def follow(self, following: Publisher) -> None:
+        """Cluster mode: another node took over publishing from this one
+        (frozen or cut off from Redis past its lease): `following` follows
+        it from now on. This node's replica of the store goes: the other
+        node rebuilt its own. Small files this node would have written
+        whole at their turn are staged now, as every following node does."""
+        self.publisher = following
+        self._publishing.cancel()
+        for gen in list(self.pending.values()):
+            if gen.owner is None and gen.state is State.STAGED and gen.staged is not None and gen.staged.token is None:
+                gen.move(State.FAILED)
+                self.upload_again(gen)
+        self.notify()
 
     async def _heartbeat(self) -> None:
         while True:
@@ -619,6 +718,12 @@ class Engine:
 
     def published(self, gen: FileGen, path: str) -> None:
         """The publisher showed `gen` at `path`."""
+        if gen.state is not State.PUBLISHED and self.link is not None and self.link.publishes:
+            self.link.published(gen, path)
+        self._settle(gen, path)
+
+    def _settle(self, gen: FileGen, path: str) -> None:
+        """`gen` is shown at `path` (by this node's publisher, or another's)."""
         if gen.state is State.PUBLISHED:
             return
         gen.move(State.PUBLISHED)
@@ -627,8 +732,6 @@ class Engine:
             del self.pending[gen.ino]
         self.published_gen[gen.ino] = max(gen.generation, self.published_gen.get(gen.ino, 0))
         self._release(gen)
-        if self.link is not None and self.link.publishes:
-            self.link.published(gen, path)
         self.residency.published(gen.ino)
         self.counters.uploaded_bytes += gen.size
         self.counters.published_files += 1

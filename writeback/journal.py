@@ -26,6 +26,9 @@ class Snapshot(Protocol):
     def release(self) -> None: ...
 
 
+LOST = "lost: "  # the error of a lost generation (cluster mode), before why
+
+
 @dataclass(eq=False)
 class Op:
     seq: int
@@ -65,6 +68,11 @@ class FileGen(Op):
     @property
     def path(self) -> str:
         return self.names[0] if self.names else ""
+
+    @property
+    def lost(self) -> bool:
+        """Cluster mode: parked for good, its bytes gone with the node that held them."""
+        return self.state is State.PARKED and self.error.startswith(LOST)
 
     def pieces(self):
         """The sealed bytes, read lazily (in a store call's thread); Cancelled

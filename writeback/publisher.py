@@ -151,6 +151,8 @@ class Publisher:
         one is abandoned in turn (a group's step: late for each generation
         in it, whose own retries may go on: they do the same thing)."""
         await self._after_late_steps(at)
+        if self.e.link is not None:
+            await self.e.link.leased()
         ended = trio.Event()
         try:
             if reading is not None:
@@ -294,6 +296,8 @@ class Publisher:
         if gen.state is State.PARKED:
             self._hold(gen, gen.names)
             return True
+        if gen.state is State.PUBLISHED and self.shown(gen.ino) is not None:
+            return True  # shown ahead of its turn, by the node that published before this one (cluster mode)
         if gen.staged is None and gen.state is not State.PUBLISHED:
             return False  # still uploading, or its upload failed and is scheduled again
         if gen.retry_at > trio.current_time():
@@ -846,8 +850,8 @@ class Publisher:
             if gen.state is not State.PARKED:
                 self.parked.discard(gen)
                 continue
-            if gen.owner is not None and gen.owner in self.e.gone:
-                continue  # lost with its node: nothing to try
+            if gen.lost:
+                continue  # lost with its node, for good (even if that node comes back: it was told)
             log.info("retrying parked %s", gen.path)
             self.parked.discard(gen)
             gen.move(State.FAILED)

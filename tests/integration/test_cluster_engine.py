@@ -99,3 +99,77 @@ async def test_a_publication_heard_before_its_seal_was_applied_settles_the_gener
         with trio.fail_after(10):
             await c.engine.flush()
         nursery.cancel_scope.cancel()
+
+
+async def test_a_node_taking_over_publishing_shows_a_file_the_gone_node_held_at_its_name_then(tmp_path, redis_db):
+    """Node b writes `tmp`, renames it to `mid`, then to `final`. The
+    publishing node a had applied the seal and the first rename when it went
+    (its turn found the file renamed away: held, at `mid`), not the second.
+    b takes over from a's last progress and must hold the file where a did,
+    at `mid` (its name now, followed back), so the second rename shows it
+    at `final`: held at its sealed name, `tmp`, it would never be shown."""
+    store = tmp_path / "store"
+    a = Node(redis_db, store, "a", publishes=True)
+    b = Node(redis_db, store, "b", publishes=False)
+    data = b"held" * 50_000
+    async with trio.open_nursery() as nursery:
+        a_alive = trio.CancelScope()
+
+        async def run_a(task_status=trio.TASK_STATUS_IGNORED) -> None:
+            with a_alive:
+                async with trio.open_nursery() as inner:
+                    await a.start(inner, follow=False)  # a applies the log only when told
+                    task_status.started()
+                    await trio.sleep_forever()
+
+        await nursery.start(run_a)
+        await b.start(nursery)
+        a.events.lease_until = 0.0  # a's lease ran out: its publisher stops at its first store step
+        ino = await b.write(b"tmp", data)
+        with trio.fail_after(10):
+            while b.engine.pending[ino].state is not State.STAGED:  # staged (and reported) by b
+                await trio.sleep(0.01)
+        await b.ns.change("rename", 1, b"tmp", 1, b"mid", 0)
+        await b.ns.change("rename", 1, b"mid", 1, b"final", 0)
+        await a.ns.catch_up()
+        with trio.fail_after(10):  # a's turn of the seal and of the first rename came; the second waits
+            while not (a.engine.queue and getattr(a.engine.queue[0], "dst", "") == "final" and a.engine.publisher.current is not None):
+                await trio.sleep(0.01)
+        position = a.engine.publisher.position
+        with trio.fail_after(10):
+            while b.engine.publisher.leader_position < position:  # b heard a's progress
+                await trio.sleep(0.01)
+        a_alive.cancel()  # a is gone
+        await b.events.take_over(time.monotonic())
+        with trio.fail_after(20):
+            await b.engine.flush()
+        assert (store / "final").read_bytes() == data
+        assert not (store / "tmp").exists() and not (store / "mid").exists()
+        assert b.engine.published_gen[ino] == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_seal_applied_after_its_staging_and_its_publication_were_heard_is_published(tmp_path, redis_db):
+    """A publishing node frozen past its lease wakes and reads what it
+    missed before it applies the log: another node's file was staged
+    (reported to it) and then published by the node that took over. The
+    generation that the file's seal then makes is published at once; it
+    used to stay staged, waited for forever (a read of it hung)."""
+    store = tmp_path / "store"
+    a = Node(redis_db, store, "a", publishes=True)
+    b = Node(redis_db, store, "b", publishes=False)
+    async with trio.open_nursery() as nursery:
+        await a.start(nursery, follow=False)  # a applies the log only when told
+        await b.start(nursery)
+        a.events.lease_until = 0.0  # a changes the store no more
+        ino = await b.write(b"x", b"x" * 200_000)
+        with trio.fail_after(10):
+            while (ino, 1) not in a.engine._staged_early:  # b's report, heard before the seal
+                await trio.sleep(0.01)
+        digest = a.engine._staged_early[(ino, 1)][1]
+        a.engine.published_elsewhere(ino, 1, "x", digest)  # what the node that took over says next
+        await a.ns.catch_up()
+        gen = a.engine.pending.get(ino)
+        assert gen is None or gen.state is State.PUBLISHED
+        assert a.engine.published_gen[ino] == 1
+        nursery.cancel_scope.cancel()

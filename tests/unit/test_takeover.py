@@ -1,0 +1,41 @@
+"""How a node taking over publishing maps the store's names to live inodes
+(`takeover.follow`) and live names back to the old publisher's position
+(`takeover.names_then`), through the namespace changes still queued."""
+
+from __future__ import annotations
+
+from ckptfs.writeback import takeover
+from ckptfs.writeback.journal import Exchange, Link, Remove, Rename
+from ckptfs.writeback.replica import Dir, File, Replica, Shown
+
+
+def _store(*paths: str) -> Replica:
+    replica = Replica()
+    for path in paths:
+        if path.endswith("/"):
+            replica.bind(path.rstrip("/"), Dir(0))
+        else:
+            replica.bind(path, File(0, shown=Shown(0, 0, None)))
+    return replica
+
+
+def test_store_names_are_bound_to_the_inodes_found_where_the_queued_changes_moved_them():
+    replica = _store("tmp/", "tmp/shard", "old", "gone", "a", "b")
+    ops = [Rename(1, "tmp", "step", 0, True), Remove(2, "gone", 0, False), Exchange(3, "a", "b"),
+           Rename(4, "old", "new", 0, False)]
+    live = {"step": 10, "step/shard": 11, "new": 12, "a": 13, "b": 14}
+    takeover.follow(replica, ops, live.get, {11: 3})
+    ino = {path: node.ino for path, node in replica.walk(replica.root)}
+    assert ino["tmp"] == 10 and ino["tmp/shard"] == 11 and ino["old"] == 12 and ino["gone"] == 0
+    assert ino["a"] == 14 and ino["b"] == 13  # exchanged since: each is the other's inode now
+    shard = replica.lookup("tmp/shard")
+    assert isinstance(shard, File) and shard.shown is not None and (shard.shown.ino, shard.shown.generation) == (11, 3)
+    assert [p for p, _ in replica.nodes_of(11)] == ["tmp/shard"]
+
+
+def test_live_names_are_followed_back_to_the_names_they_had_before_the_queued_changes():
+    ops = [Rename(1, "x.tmp", "mid", 0, False), Rename(2, "dir", "dir2", 0, True), Link(3, "hard", 7),
+           Exchange(4, "p", "q"), Rename(5, "mid", "final", 0, False)]
+    now = {"gen-x": ["final"], "gen-d": ["dir2/sub/f"], "gen-l": ["hard", "orig"], "gen-p": ["q"]}
+    then = takeover.names_then(now, ops)
+    assert then == {"gen-x": ["x.tmp"], "gen-d": ["dir/sub/f"], "gen-l": ["orig"], "gen-p": ["p"]}

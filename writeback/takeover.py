@@ -1,0 +1,98 @@
+"""How a node that followed the cluster's publishing node becomes it.
+
+The publishing node's `Publisher` keeps the store's namespace as a replica,
+at the journal position it reached; when that node dies, its replica dies
+with it. Every node holds the same journal, so the node that takes over
+rebuilds the replica from two things it has:
+
+- the store, scanned: what the old publisher left there, every op up to the
+  last position `P` it reported applied (and maybe a few after it, which
+  are applied again: publication is idempotent);
+- the journal after `P`, still in this node's queue: each name the scan
+  finds is followed through its namespace changes to the name it has in the
+  live mount now, and bound to the inode found there (`follow`);
+- generations sealed at or before `P` and not published were *held* by the
+  old publisher (renamed or deleted before their turn, a completion marker
+  waiting, a parked file). They are held again at the names they had at
+  `P`: their names now, followed back through the same changes (`names_then`),
+  and take their turn again before everything after `P`.
+
+Pure data, no I/O (the engine scans and swaps publishers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+
+from .journal import Exchange, Link, Op, Remove, Rename
+from .replica import Dir, File, Node, Replica, Shown
+
+
+def _twin(paths: Iterable[tuple[str, object]]) -> tuple[Replica, dict[Node, object]]:
+    """A throwaway replica of stand-ins for `paths` (parents before their
+    children), each mapped to what it stands for."""
+    twin = Replica()
+    of: dict[Node, object] = {}
+    for path, what in paths:
+        stand_in = Dir(ino=0) if isinstance(what, Dir) else Node(ino=0)
+        twin.bind(path, stand_in)
+        of[stand_in] = what
+    return twin, of
+
+
+def _swap(twin: Replica, a: str, b: str) -> None:
+    na, nb = twin.lookup(a), twin.lookup(b)
+    for n in (na, nb):
+        if n is not None:
+            twin.detach(n)
+    if na is not None:
+        twin.bind(b, na)
+    if nb is not None:
+        twin.bind(a, nb)
+
+
+def _replay(twin: Replica, ops: list[Op], backward: bool = False) -> None:
+    """Move `twin`'s stand-ins as `ops` moved names (`backward`: undo them,
+    last first). Forward, a removal takes its name away; backward, a name
+    a hard link made had not existed."""
+    for op in reversed(ops) if backward else ops:
+        if isinstance(op, Rename):
+            src, dst = (op.dst, op.src) if backward else (op.src, op.dst)
+            moving = twin.lookup(src)
+            if moving is not None:
+                twin.bind(dst, moving)
+        elif isinstance(op, Exchange):
+            _swap(twin, op.a, op.b)
+        elif (isinstance(op, Remove) and not backward) or (isinstance(op, Link) and backward):
+            gone = twin.lookup(op.name)
+            if gone is not None and not (backward and isinstance(gone, Dir)):
+                twin.detach(gone)
+
+
+def follow(replica: Replica, ops: list[Op], inode_at: Callable[[str], int | None], generation_of: Mapping[int, int]) -> None:
+    """Bind every name of `replica` (the store as scanned, inodes unknown)
+    to the inode the live mount has there after `ops`; names that `ops`
+    remove stay bound to no inode (0)."""
+    twin, of = _twin(list(replica.walk(replica.root)))
+    _replay(twin, ops)
+    for path, stand_in in list(twin.walk(twin.root)):
+        node = of.get(stand_in)
+        if not isinstance(node, Node):
+            continue
+        ino = inode_at(path) or 0
+        replica.rebind_ino(node, ino)
+        if isinstance(node, File) and node.shown is not None:
+            node.shown = Shown(ino, generation_of.get(ino, 0), node.shown.digest, node.shown.meta)
+
+
+def names_then(now: Mapping[object, list[str]], ops: list[Op]) -> dict[object, list[str]]:
+    """The names each key's paths in the live mount (`now`) had before
+    `ops` happened: the paths followed back through them. A name that one
+    of them made (a hard link) had no earlier name and is left out."""
+    twin, of = _twin([(path, key) for key, paths in now.items() for path in paths])
+    _replay(twin, ops, backward=True)
+    then: dict[object, list[str]] = {key: [] for key in now}
+    for path, stand_in in twin.walk(twin.root):
+        if stand_in in of:
+            then[of[stand_in]].append(path)
+    return then
