@@ -544,11 +544,14 @@ class Engine:
         (frozen or cut off from Redis past its lease): `following` follows
         it from now on. This node's replica of the store goes: the other
         node rebuilt its own. Small files this node would have written
-        whole at their turn are staged now, as every following node does."""
+        whole at their turn, or at their names, are staged again, hidden, as
+        every following node stages."""
         self.publisher = following
         self._publishing.cancel()
-        for gen in list(self.pending.values()):
-            if gen.owner is None and gen.state is State.STAGED and gen.staged is not None and gen.staged.token is None:
+        for gen in list(self.pending.values()):  # staged for this node's own publisher: whole at publication, or at its name
+            if gen.owner is None and gen.state is State.STAGED and gen.staged is not None and (gen.staged.token is None or gen.staged.at):
+                if gen.staged.token is not None and self._nursery is not None:
+                    self._nursery.start_soon(functools.partial(self._discard, gen.staged, gen.path))
                 gen.move(State.FAILED)
                 self.upload_again(gen)
         self.notify()
@@ -603,8 +606,9 @@ class Engine:
 
         try:
             names = self.ns.paths_of(gen.ino)  # where it will probably be published (the store may stage there)
-            staged, digest = await self.read_snapshot(gen, f"upload {gen.path}", storeio.stage, self.backend,
-                                                      gen.pieces(), gen.size, cancelled, names[0] if names else None, nbytes=gen.size)
+            elsewhere = self.link is not None and not self.link.publishes  # by the cluster's publishing node, without the bytes
+            staged, digest = await self.read_snapshot(gen, f"upload {gen.path}", storeio.stage, self.backend, gen.pieces(), gen.size,
+                                                      cancelled, names[0] if names else None, elsewhere, nbytes=gen.size)
         except storeio.Cancelled:
             return
         except Exception as exc:

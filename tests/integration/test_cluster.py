@@ -64,6 +64,11 @@ def staging_blocked(store: Path, m: Mount):
     m.allowed_log_errors += ["upload", "publish of"]  # the publishing node stages its small files at publication
 
 
+def _xattr(path: Path, field: str) -> str:
+    got = subprocess.run(["getfattr", "-n", f"user.ckptfs.{field}", "--only-values", str(path)], capture_output=True, text=True)
+    return got.stdout.strip()
+
+
 @contextmanager
 def watching(store: Path):
     """What a watcher of the store saw, poll by poll, while inside."""
@@ -357,27 +362,60 @@ def test_redis_lost_while_mounted_blocks_changes_for_a_bound_then_eio_and_loses_
 
 
 def test_a_cluster_over_s3(tmp_path, redis_db, s3):
-    """Two nodes on one S3 bucket (SeaweedFS): a large file of the node that
-    does not publish is staged by it (a multipart upload) and completed by
-    the publishing node; the marker comes after it; renames and rotation
-    move and delete every node's objects; no upload is left open."""
+    """Two nodes on one S3 bucket (SeaweedFS): a large and a small file of
+    the node that does not publish are staged by it (hidden objects: the
+    publishing node has not their bytes, and they are renamed before their
+    turn) and shown by the publishing node; the marker comes after them;
+    renames and rotation move and delete every node's objects; no upload is
+    left open."""
     url = s3.bucket("cluster")
     big = os.urandom(20 << 20)
     with nodes(tmp_path, redis_db, extra=("--store", url, *s3.cli_options())) as (a, b):
         a.path("ckpt-tmp").mkdir()
         b.path("ckpt-tmp", "shard-b").write_bytes(big)
+        b.path("ckpt-tmp", "small-b").write_bytes(b"b" * 1000)
         a.path("ckpt-tmp", "shard-a").write_bytes(b"a" * 1000)
         os.rename(a.path("ckpt-tmp"), a.path("ckpt-1"))
         a.path("ckpt-1", "commit_success.txt").write_bytes(b"ok")
         assert run_cli("flush", str(b.mountpoint), "--cluster", "--timeout", "60").returncode == 0
         objects = s3.objects("cluster")
-        assert objects == {"ckpt-1/shard-a": b"a" * 1000, "ckpt-1/shard-b": big, "ckpt-1/commit_success.txt": b"ok"}
+        assert objects == {"ckpt-1/shard-a": b"a" * 1000, "ckpt-1/shard-b": big, "ckpt-1/small-b": b"b" * 1000,
+                           "ckpt-1/commit_success.txt": b"ok"}
         assert a.path("ckpt-1", "shard-b").read_bytes() == big  # a loads it from the bucket, verified
         shutil.rmtree(b.path("ckpt-1"))
         assert run_cli("flush", str(a.mountpoint), "--cluster", "--timeout", "60").returncode == 0
         assert s3.objects("cluster") == {}
         assert s3.uploads("cluster") == []
         for m in (a, b):
+            assert m.unexpected_log_errors() == [], m.unexpected_log_errors()
+
+
+def test_a_cluster_over_s3_fails_over_and_shows_what_the_others_staged_for_the_dead_node(tmp_path, redis_db, s3):
+    """Over S3: while the publishing node a is frozen, node c stages a large
+    shard and b renames the checkpoint's tmp directory and writes its
+    marker (a small file); then a is killed. The node that takes over hears
+    of the staged files again and shows them, moves a's published shard
+    with the directory, and shows the marker last; no upload stays open."""
+    url = s3.bucket("failover")
+    big = os.urandom(12 << 20)
+    with nodes(tmp_path, redis_db, "abc", extra=("--store", url, *s3.cli_options())) as (a, b, c):
+        a.path("ckpt-tmp").mkdir()
+        a.path("ckpt-tmp", "shard-a").write_bytes(b"a" * 1000)
+        wait_until(lambda: "ckpt-tmp/shard-a" in s3.objects("failover"), 20, "a's shard published")
+        os.kill(a.pid, signal.SIGSTOP)
+        c.path("ckpt-tmp", "shard-c").write_bytes(big)
+        wait_until(lambda: _xattr(c.path("ckpt-tmp", "shard-c"), "state") == "staged", 20, "c's shard staged")
+        os.rename(b.path("ckpt-tmp"), b.path("ckpt-1"))
+        b.path("ckpt-1", "commit_success.txt").write_bytes(b"ok")
+        a.proc.kill()
+        a.proc.wait()
+        r = run_cli("flush", str(c.mountpoint), "--cluster", "--timeout", "60")
+        assert r.returncode == 0, r.stderr
+        assert s3.objects("failover") == {"ckpt-1/shard-a": b"a" * 1000, "ckpt-1/shard-c": big, "ckpt-1/commit_success.txt": b"ok"}
+        assert s3.uploads("failover") == []
+        assert b.path("ckpt-1", "shard-c").read_bytes() == big
+        for m in (b, c):
+            m.allowed_log_errors += ["the cluster's publishing node a is gone", "node a died"]
             assert m.unexpected_log_errors() == [], m.unexpected_log_errors()
 
 

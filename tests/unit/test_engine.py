@@ -386,11 +386,11 @@ async def test_renamed_after_staging_is_published_under_its_final_name_without_a
     real_stage = backend.stage
     gate = threading.Event()
 
-    def stage(pieces, size, name=None):
+    def stage(pieces, size, name=None, hidden=False):
         staged_count.append(size)
         if size == len(first):
             gate.wait(10)
-        return real_stage(pieces, size, name)
+        return real_stage(pieces, size, name, hidden)
 
     backend.stage = stage
     first, meta = b"1" * backend.stage_ahead_from, b"meta" * backend.stage_ahead_from  # staged ahead, not inline

@@ -416,11 +416,11 @@ async def test_snapshot_memory_is_kept_while_an_abandoned_upload_still_reads_it(
     real = rig.backend.stage
     seen = []
 
-    def stage(pieces, size, name=None):
+    def stage(pieces, size, name=None, hidden=False):
         if not seen:
             seen.append(size)
             release.wait(20)
-        return real(pieces, size, name)
+        return real(pieces, size, name, hidden)
 
     rig.backend.stage = stage
     h = rig.write("f", b"z" * 5000)
