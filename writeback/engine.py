@@ -502,25 +502,8 @@ class Engine:
                 log.error("cannot take over publishing for the cluster yet: %s; trying again in %.0fs", exc, self.retry.max_s)
                 await trio.sleep(self.retry.max_s)
         publisher = Publisher(self, following.markers)
-        for e in scanned.entries:
-            rec = scanned.records.get(e.path)
-            if e.is_dir:
-                publisher.restored(e.path, Dir(0))
-            elif rec is not None and rec.kind == "file":
-                publisher.restored(e.path, File(0, shown=Shown(0, 0, rec.current, rec.meta)))
-            else:
-                publisher.restored(e.path, File(0, shown=Shown(0, 0, None, Meta())))
-        for rec in scanned.records.values():
-            if rec.kind == "symlink":
-                publisher.restored(rec.path, RLink(0, target=rec.target, shown=True, meta=rec.meta))
-            elif rec.kind == "dir":
-                d = publisher.replica.lookup(rec.path)
-                if not isinstance(d, Dir):
-                    d = Dir(0)
-                    publisher.restored(rec.path, d)
-                d.recorded = rec.meta
         ops = list(self.queue)  # everything after `position`
-        takeover.follow(publisher.replica, ops, lambda path: getattr(self.ns.inode_at(path), "ino", None), self.published_gen)
+        takeover.replicate(publisher, scanned, ops, lambda path: getattr(self.ns.inode_at(path), "ino", None), self.published_gen)
         held = [g for g in self.unsettled.values() if g.seq <= position and g.state not in (State.PUBLISHED, State.DROPPED)]
         then = takeover.names_then({g: self.ns.paths_of(g.ino) for g in held}, ops)
         for gen in held:
@@ -531,7 +514,6 @@ class Engine:
             if gen.owner is not None and gen.lost:
                 self.link.lost(gen)  # lost while this node followed: their nodes hear it from the publishing node
         publisher.retry_parked_at = following.retry_parked_at
-        publisher.dirty = {n for _, n in publisher.replica.walk(publisher.replica.root) if isinstance(n, Dir)} | {publisher.replica.root}
         self.queue.extendleft(reversed(held))  # their turn again, first
         log.info("took over publishing for the cluster at position %d: %d entries in the store, %d ops to apply, %d held again",
                  position, len(scanned.entries), len(ops), len(held))

@@ -10,22 +10,29 @@ rebuilds the replica from two things it has:
   are applied again: publication is idempotent);
 - the journal after `P`, still in this node's queue: each name the scan
   finds is followed through its namespace changes to the name it has in the
-  live mount now, and bound to the inode found there (`follow`);
+  live mount now, and bound to the inode found there (`bind_to_live`);
 - generations sealed at or before `P` and not published were *held* by the
   old publisher (renamed or deleted before their turn, a completion marker
   waiting, a parked file). They are held again at the names they had at
   `P`: their names now, followed back through the same changes (`names_then`),
   and take their turn again before everything after `P`.
 
-Pure data, no I/O (the engine scans and swaps publishers).
+Pure data, no I/O (the engine scans the store and swaps publishers).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING
 
-from .journal import Exchange, Link, Op, Remove, Rename
-from .replica import Dir, File, Node, Replica, Shown
+from . import journal
+from .journal import Exchange, Op, Remove, Rename
+from .manifest import Meta
+from .replica import Dir, File, Link, Node, Replica, Shown
+
+if TYPE_CHECKING:
+    from .publisher import Publisher
+    from .storeio import Scanned
 
 
 def _twin(paths: Iterable[tuple[str, object]]) -> tuple[Replica, dict[Node, object]]:
@@ -63,13 +70,39 @@ def _replay(twin: Replica, ops: list[Op], backward: bool = False) -> None:
                 twin.bind(dst, moving)
         elif isinstance(op, Exchange):
             _swap(twin, op.a, op.b)
-        elif (isinstance(op, Remove) and not backward) or (isinstance(op, Link) and backward):
+        elif (isinstance(op, Remove) and not backward) or (isinstance(op, journal.Link) and backward):
             gone = twin.lookup(op.name)
             if gone is not None and not (backward and isinstance(gone, Dir)):
                 twin.detach(gone)
 
 
-def follow(replica: Replica, ops: list[Op], inode_at: Callable[[str], int | None], generation_of: Mapping[int, int]) -> None:
+def replicate(publisher: Publisher, scanned: Scanned, ops: list[Op], inode_at: Callable[[str], int | None],
+              generation_of: Mapping[int, int]) -> None:
+    """Give `publisher` a replica of what the store shows (`scanned`), each
+    name bound to its live inode (`bind_to_live`). Every directory is
+    dirty: its record is compared with the mount at the next idle moment."""
+    for e in scanned.entries:
+        rec = scanned.records.get(e.path)
+        if e.is_dir:
+            publisher.restored(e.path, Dir(0))
+        elif rec is not None and rec.kind == "file":
+            publisher.restored(e.path, File(0, shown=Shown(0, 0, rec.current, rec.meta)))
+        else:
+            publisher.restored(e.path, File(0, shown=Shown(0, 0, None, Meta())))
+    for rec in scanned.records.values():
+        if rec.kind == "symlink":
+            publisher.restored(rec.path, Link(0, target=rec.target, shown=True, meta=rec.meta))
+        elif rec.kind == "dir":
+            d = publisher.replica.lookup(rec.path)
+            if not isinstance(d, Dir):
+                d = Dir(0)
+                publisher.restored(rec.path, d)
+            d.recorded = rec.meta
+    bind_to_live(publisher.replica, ops, inode_at, generation_of)
+    publisher.dirty = {n for _, n in publisher.replica.walk(publisher.replica.root) if isinstance(n, Dir)} | {publisher.replica.root}
+
+
+def bind_to_live(replica: Replica, ops: list[Op], inode_at: Callable[[str], int | None], generation_of: Mapping[int, int]) -> None:
     """Bind every name of `replica` (the store as scanned, inodes unknown)
     to the inode the live mount has there after `ops`; names that `ops`
     remove stay bound to no inode (0)."""

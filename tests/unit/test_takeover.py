@@ -1,5 +1,5 @@
 """How a node taking over publishing maps the store's names to live inodes
-(`takeover.follow`) and live names back to the old publisher's position
+(`takeover.bind_to_live`) and live names back to the old publisher's position
 (`takeover.names_then`), through the namespace changes still queued."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def test_store_names_are_bound_to_the_inodes_found_where_the_queued_changes_move
     ops = [Rename(1, "tmp", "step", 0, True), Remove(2, "gone", 0, False), Exchange(3, "a", "b"),
            Rename(4, "old", "new", 0, False)]
     live = {"step": 10, "step/shard": 11, "new": 12, "a": 13, "b": 14}
-    takeover.follow(replica, ops, live.get, {11: 3})
+    takeover.bind_to_live(replica, ops, live.get, {11: 3})
     ino = {path: node.ino for path, node in replica.walk(replica.root)}
     assert ino["tmp"] == 10 and ino["tmp/shard"] == 11 and ino["old"] == 12 and ino["gone"] == 0
     assert ino["a"] == 14 and ino["b"] == 13  # exchanged since: each is the other's inode now
