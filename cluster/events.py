@@ -65,6 +65,7 @@ class Events:
         # (time.monotonic()), renewed by each heartbeat that keeps its key.
         self.lease_until = time.monotonic() + LEASE_S if publishes else 0.0
         self._lapsed = False  # the lease ran out (logged once)
+        self._took_over_at = 0  # the position of the publishing node this one took over from
 
     # -- ClusterLink ---------------------------------------------------------------
     def staged(self, gen: FileGen) -> None:
@@ -125,6 +126,7 @@ class Events:
         self.renew(since)
         await until_redis_answers(self.caught_up)  # everything the gone node said, its last progress included
         following: Following = self.engine.publisher  # type: ignore[assignment]
+        self._took_over_at = following.leader_position
         self.publishes = True  # what the others stage is this node's to show from now on
         await self.engine.take_over(following.leader_position)
         assert self._nursery is not None
@@ -205,14 +207,17 @@ class Events:
             await trio.sleep(PROGRESS_EVERY_S)
 
     def _position(self) -> int:
-        """Every op up to this sequence number is applied to the store."""
+        """Every op up to this sequence number had its turn at the store
+        (applied; a file published, held or parked). Never less than where
+        the node this one took over from got: the generations it held come
+        first in the queue again, but they had their turn."""
         p = self.engine.publisher
         position = p.position
         if p.deferred:
             position = min(position, p.deferred[0][1].seq - 1)
         if self.engine.queue:
             position = min(position, self.engine.queue[0].seq - 1)
-        return position
+        return max(position, self._took_over_at)
 
     async def _receive(self) -> None:
         waiter = self.shared.waiter(BLOCK_S)
