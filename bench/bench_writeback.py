@@ -28,9 +28,12 @@ def wait_file(path: Path, size: int, timeout: float = 600) -> None:
         time.sleep(0.005)
 
 
-def time_to_durable(rounds: int, disk: Path) -> tuple[list[float], list[float]]:
+def time_to_durable(rounds: int, disk: Path) -> dict[str, list[float]]:
+    """A 2 GiB torch.save into the mount: until it returns and until the
+    store has the file; the references: the same save into /dev/shm, and
+    `cp` + fsync of its bytes to the store's disk."""
     sd = {f"t{i}": torch.randn(25 << 20) for i in range(20)}  # 2 GiB
-    mnt_t, ref_t = [], []
+    t: dict[str, list[float]] = {"save": [], "durable": [], "shm_save": [], "cp_fsync": []}
     base = Path(tempfile.mkdtemp(prefix="wb-", dir=disk))
     try:
         with mounted(base, memory_limit="6G") as (mp, _pid):
@@ -38,26 +41,30 @@ def time_to_durable(rounds: int, disk: Path) -> tuple[list[float], list[float]]:
                 target = base / "store" / f"ckpt{r}.pt"
                 t0 = time.perf_counter()
                 torch.save(sd, mp / f"ckpt{r}.pt")
+                t["save"].append(time.perf_counter() - t0)
                 size = (mp / f"ckpt{r}.pt").stat().st_size
                 wait_file(target, size)
-                mnt_t.append(time.perf_counter() - t0)
+                t["durable"].append(time.perf_counter() - t0)
                 os.unlink(mp / f"ckpt{r}.pt")
 
                 shm = Path("/dev/shm") / f"ref{r}.pt"
                 dst = base / f"ref{r}.pt"
                 t0 = time.perf_counter()
                 torch.save(sd, shm)
+                t1 = time.perf_counter()
                 shutil.copyfile(shm, dst)
                 fd = os.open(dst, os.O_RDONLY)
                 os.fsync(fd)
                 os.close(fd)
-                ref_t.append(time.perf_counter() - t0)
+                t["shm_save"].append(t1 - t0)
+                t["cp_fsync"].append(time.perf_counter() - t1)
                 shm.unlink()
                 dst.unlink()
-                print(f"durable round {r + 1}: mount {mnt_t[-1]:.2f}s, shm+cp+fsync {ref_t[-1]:.2f}s", flush=True)
+                print(f"durable round {r + 1}: mount save {t['save'][-1]:.2f}s, durable {t['durable'][-1]:.2f}s; "
+                      f"shm save {t['shm_save'][-1]:.2f}s, cp+fsync {t['cp_fsync'][-1]:.2f}s", flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    return mnt_t, ref_t
+    return t
 
 
 def wait_object(fs, key: str, size: int, timeout: float = 600.0) -> None:
@@ -114,9 +121,10 @@ def s3_throughput(rounds: int) -> tuple[list[float], list[float], int]:
 
 
 def s3_one_file(rounds: int) -> tuple[list[float], list[float], int]:
-    """One 2 GiB file: ckptfs from its close until it is published, vs s3fs
-    `put_file` of the same bytes from /dev/shm with ckptfs's part size and
-    part concurrency."""
+    """One 2 GiB file: ckptfs from the start of its write until it is
+    published (it is staged while written), vs writing the same bytes to
+    /dev/shm, then s3fs `put_file` with ckptfs's part size and part
+    concurrency."""
     import s3fs
 
     from ckptfs.writeback.backend import PART_CONCURRENCY, PART_SIZE
@@ -132,14 +140,14 @@ def s3_one_file(rounds: int) -> tuple[list[float], list[float], int]:
         for r in range(rounds):
             url = server.bucket(f"one{r}")
             with mounted(root / f"m{r}", memory_limit="6G", extra=("--store", url, *server.cli_options())) as (mp, _pid):
+                t0 = time.perf_counter()
                 with open(mp / "big.bin", "wb") as f:
                     f.write(data)
-                t0 = time.perf_counter()  # closed: write-back starts
                 wait_object(fs, f"one{r}/big.bin", len(data))
                 mnt_t.append(time.perf_counter() - t0)
-            src.write_bytes(data)
             server.bucket(f"oneref{r}")
             t0 = time.perf_counter()
+            src.write_bytes(data)
             fs.put_file(str(src), f"oneref{r}/big.bin", chunksize=PART_SIZE, max_concurrency=PART_CONCURRENCY)
             ref_t.append(time.perf_counter() - t0)
             src.unlink()
@@ -227,10 +235,13 @@ def main() -> None:
     ]
     details = []
     if "durable" in parts:
-        mnt_t, ref_t = time_to_durable(args.rounds, disk)
-        r = median(mnt_t) / median(ref_t)
+        t = time_to_durable(args.rounds, disk)
+        r = median(t["durable"]) / (median(t["shm_save"]) + median(t["cp_fsync"]))
         lines.append(row("2 GiB torch.save until published to file:// on disk, vs /dev/shm save + cp + fsync (time ratio)", r, "<= 1.15x", r <= 1.15))
-        details.append(f"- time to durable, seconds: mount {' '.join(f'{x:.2f}' for x in mnt_t)}; shm+cp+fsync {' '.join(f'{x:.2f}' for x in ref_t)}")
+        r = median(t["durable"]) / max(median(t["save"]), median(t["cp_fsync"]))
+        lines.append(row("the same, vs the longer of: the save into the mount alone, cp + fsync of its bytes to the store's disk (time ratio)",
+                         r, "<= 1.1x", r <= 1.1))
+        details.append("- seconds: " + "; ".join(f"{k.replace('_', ' ')} {' '.join(f'{x:.2f}' for x in v)}" for k, v in t.items()))
     if "s3" in parts:
         s3_mnt, s3_ref, s3_bytes = s3_throughput(args.rounds)
         r = median(s3_ref) / median(s3_mnt)
@@ -242,7 +253,7 @@ def main() -> None:
 
         one_mnt, one_ref, one_bytes = s3_one_file(args.rounds)
         r = median(one_ref) / median(one_mnt)
-        lines.append(row(f"one 2 GiB file to s3:// from its close until published vs s3fs put_file, both {PART_SIZE >> 20} MiB parts, "
+        lines.append(row(f"one 2 GiB file written and published to s3:// vs written to /dev/shm then s3fs put_file, both {PART_SIZE >> 20} MiB parts, "
                          f"{PART_CONCURRENCY} in flight (throughput ratio)", r, ">= 0.9x", r >= 0.9))
         details.append(f"- S3, one {one_bytes >> 20} MiB file: ckptfs {' '.join(f'{one_bytes / x / 1e6:.0f}' for x in one_mnt)} MB/s; "
                        f"s3fs put_file {' '.join(f'{one_bytes / x / 1e6:.0f}' for x in one_ref)} MB/s")

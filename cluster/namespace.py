@@ -185,6 +185,10 @@ class SharedNamespace:
         inode = self.tree.inodes[ino]
         self._queue(self._encode("sealed", (ino, generation, snapshot.size, inode.mtime_ns), {}))
 
+    def grew(self, ino: int, data) -> None:  # this node's bytes, staged by this node: not a shared change
+        if self.engine is not None:
+            self.engine.grew(ino, data)
+
     def changed_attrs(self, ino: int) -> None:
         if self._applying:
             if self.engine is not None:

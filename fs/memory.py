@@ -123,17 +123,31 @@ class Snapshot:
     allocated until `release()` (called on the owning thread).
     """
 
-    def __init__(self, size: int, chunks: dict[int, _Chunk], pool: MemoryPool) -> None:
+    def __init__(self, size: int, chunks: dict[int, _Chunk], pool: MemoryPool, start: int = 0,
+                 stream: object | None = None) -> None:
         self.size = size
+        self.start = start  # a multiple of CHUNK: the bytes before it are not part of this snapshot
+        self.stream = stream  # the stream the file's first bytes were handed to, if they are unchanged since (`FileData.hand_out`)
         self._chunks = {idx: (c, c.hw) for idx, c in chunks.items()}
         self._pool = pool
         for c in chunks.values():
             c.refs += 1
 
+    def tail(self, start: int) -> Snapshot:
+        """The same bytes from `start` (a multiple of CHUNK) on, as a snapshot
+        of its own (released on its own)."""
+        assert start % CHUNK == 0 and start >= self.start
+        tail = Snapshot(self.size, {}, self._pool, start)
+        # This snapshot's `hw`s, not the chunks' own: a truncate may have lowered those since.
+        tail._chunks = {idx: (c, hw) for idx, (c, hw) in self._chunks.items() if idx >= start // CHUNK}
+        for c, _hw in tail._chunks.values():
+            c.refs += 1
+        return tail
+
     def pieces(self) -> Iterator[memoryview]:
-        """The file's bytes in order, as views, no copies; holes (and a
-        chunk's uninitialised tail) as hole pieces."""
-        for idx in range((self.size + CHUNK - 1) // CHUNK):
+        """The file's bytes in order (from `start`), as views, no copies;
+        holes (and a chunk's uninitialised tail) as hole pieces."""
+        for idx in range(self.start // CHUNK, (self.size + CHUNK - 1) // CHUNK):
             length = min(CHUNK, self.size - idx * CHUNK)
             chunk, hw = self._chunks.get(idx, (None, 0))
             valid = min(hw, length)
@@ -196,7 +210,7 @@ class FileData:
     file; a write while one exists first copies it.
     """
 
-    __slots__ = ("_chunks", "_pool", "_spill", "_spill_dir", "allocated", "loading", "resident", "size")
+    __slots__ = ("_chunks", "_pool", "_spill", "_spill_dir", "allocated", "handed", "loading", "resident", "size", "stream")
 
     def __init__(self, pool: MemoryPool) -> None:
         self.size = 0
@@ -207,6 +221,8 @@ class FileData:
         self._pool = pool
         self._spill: _SpillFile | None = None
         self._spill_dir = ""
+        self.stream: object | None = None  # who holds `handed` (see `hand_out`)
+        self.handed = 0
 
     @property
     def spilled(self) -> bool:
@@ -216,7 +232,19 @@ class FileData:
         assert self.resident
         if self._spill is not None:
             return SpillSnapshot(self._spill, self.size)
-        return Snapshot(self.size, dict(self._chunks), self._pool)
+        stream, self.stream = self.stream, None  # what it was handed is this snapshot's: bytes written next are not
+        return Snapshot(self.size, dict(self._chunks), self._pool, stream=stream)
+
+    def hand_out(self, stream: object, end: int) -> Snapshot:
+        """The bytes from what `stream` was handed last up to `end` (both
+        multiples of CHUNK), which are now promised to it: while no write or
+        truncation changes the first `end` bytes, this file's snapshots name
+        `stream` (so that whoever staged them need not read them again)."""
+        assert self._spill is None and self.resident and end % CHUNK == 0 and end <= self.size
+        if self.stream is not stream:
+            self.stream, self.handed = stream, 0
+        start, self.handed = self.handed, end
+        return Snapshot(end, {idx: c for idx, c in self._chunks.items() if start // CHUNK <= idx < end // CHUNK}, self._pool, start)
 
     def spill(self, directory: str) -> None:
         """Move the bytes out of RAM into an unlinked file in `directory`."""
@@ -308,6 +336,8 @@ class FileData:
         if n == 0:
             return 0
         end = off + n
+        if off < self.handed:
+            self.stream = None  # the promise is broken
         if self._spill is not None:
             _pwrite_all(self._thaw().fd, memoryview(data), off)
             self.size = max(self.size, end)
@@ -365,6 +395,8 @@ class FileData:
         return chunk
 
     def truncate(self, size: int) -> None:
+        if size < self.handed:
+            self.stream = None
         if self._spill is not None:
             os.ftruncate(self._thaw().fd, size)
             self.size = size
@@ -386,6 +418,7 @@ class FileData:
         if self._spill is not None:
             self._spill.unref()  # snapshots keep their own reference
             self._spill = None
+        self.stream, self.handed = None, 0
         self.size = 0
         self.resident = True
         self.loading = None  # a load in progress is fenced out

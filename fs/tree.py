@@ -46,6 +46,7 @@ class Journal(Protocol):
     relative to the root, as of the moment of the event."""
 
     def sealed(self, ino: int, generation: int, snapshot: Snapshot) -> None: ...
+    def grew(self, ino: int, data: FileData) -> None: ...  # written at its end while open (the engine may stage it already)
     def renamed(self, src: str, dst: str, ino: int, is_dir: bool, replaced: int | None = None) -> None: ...
     def exchanged(self, a: str, b: str) -> None: ...
     def linked(self, ino: int, path: str) -> None: ...
@@ -511,7 +512,10 @@ class InodeTree:
             raise _err(errno.EBADF)
         if handle.append:
             off = inode.data.size
+        size = inode.data.size
         n = inode.data.write(off, data)
+        if off + n > size and self.journal is not None:
+            self.journal.grew(inode.ino, inode.data)
         inode.mtime_ns = inode.ctime_ns = self.clock()
         inode.version += 1
         self.touched.add(inode.ino)

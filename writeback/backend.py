@@ -852,7 +852,7 @@ class S3Backend(FsspecBackend):
         parts in flight at once; completed (visible) if asked."""
         bucket, key = self._bucket_key(path)
         upload_id = self.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
-        part_size = max(PART_SIZE, -(-size // 9000))
+        part_size = max(PART_SIZE, -(-size // 9000))  # size -1 (not known yet): grown as parts go, below
         parts: list[dict] = []
         inflight: set[concurrent.futures.Future] = set()
 
@@ -877,6 +877,8 @@ class S3Backend(FsspecBackend):
             have = 0
             for piece in pieces:
                 view = memoryview(piece).cast("B")
+                if size < 0:  # S3 takes at most 10,000 parts: 1,000 of each size, growing (880 GiB in all)
+                    part_size = PART_SIZE * (1 + n // 1000)
                 while have + len(view) >= part_size:
                     k = part_size - have
                     views.append(view[:k])

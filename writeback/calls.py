@@ -83,10 +83,12 @@ class StoreCalls:
         self._stragglers: list[threading.Event] = []  # of abandoned calls: set once their thread is done
         self.crash_at: tuple[int, str] | None = None  # fault injection for the crash-point test: (call number, "before"/"after")
 
-    async def run(self, what: str, fn: Callable[..., T], *args, nbytes: int = 0, ended: trio.Event | None = None) -> T:
+    async def run(self, what: str, fn: Callable[..., T], *args, nbytes: int = 0, ended: trio.Event | None = None,
+                  scope: trio.CancelScope | None = None) -> T:
         """`fn(*args)` in a thread, within its deadline. `ended` is set when
         the thread is done, abandoned or not (the publisher fences later
-        store changes on the same paths behind a late one)."""
+        store changes on the same paths behind a late one). `scope`: the
+        caller sets the deadline, later (a call fed while it runs)."""
         if ended is not None:
             fn = _signalling(fn, ended)
         finished = threading.Event()
@@ -96,7 +98,9 @@ class StoreCalls:
         self._maybe_crash(number, "before", what)
         seconds = self.deadlines.for_bytes(nbytes)
         began = trio.current_time()
-        with trio.move_on_after(seconds):
+        if scope is None:
+            scope = trio.move_on_after(seconds)
+        with scope:
             try:
                 result = await trio.to_thread.run_sync(functools.partial(fn, *args), abandon_on_cancel=True, limiter=self._threads)
             except Exception:
@@ -106,6 +110,7 @@ class StoreCalls:
             log.debug("store call %s: %.3fs", what, trio.current_time() - began)
             return result
         self.abandoned += 1
+        seconds = trio.current_time() - began
         self._stragglers.append(finished)
         log.warning("store call %s gave no answer within %.0fs: abandoned, will be retried", what, seconds)
         raise StoreTimeout(what, seconds)

@@ -6,7 +6,8 @@ The engine is a few stages with one owner each, all on the trio thread:
 - the journal intake (the `Journal` methods below, called by the inode tree
   as things happen): each seal and namespace change becomes an op, in order;
 - upload workers: hash and stage sealed generations in parallel, in threads,
-  from immutable snapshots (`_upload`);
+  from immutable snapshots (`_upload`); a file still being written at its
+  end is staged as it grows (`streaming.py`);
 - the publisher (`publisher.py`): applies ops strictly in order (C3);
 - residency (`residency.py`): the RAM budget, eviction and loads.
 
@@ -42,6 +43,7 @@ from .replica import Dir, File, Shown
 from .replica import Link as RLink
 from .residency import Counters, LoadTarget, Residency
 from .state import State
+from .streaming import Growing, Streams
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +147,7 @@ class Engine:
         self.published_gen: dict[int, int] = {}
         self.publisher = Publisher(self, markers)
         self.residency = Residency(self)
+        self.streams = Streams(self)
         self.counters: Counters = self.residency.counters
         self.skipped: list[Op] = []  # namespace changes the store could never take (reported at unmount)
         self.touched: set[int] = set()  # inodes whose generation left the in-flight set (for status)
@@ -185,7 +188,12 @@ class Engine:
         assert meta is not None
         gen = FileGen(self._next(), ino, generation, snapshot, meta, snapshot.size, self.ns.paths_of(ino))
         self._enqueue(gen)
-        self._send.send_nowait(gen)
+        if not self.streams.sealed(gen, snapshot):
+            self._send.send_nowait(gen)
+
+    def grew(self, ino: int, data: Growing) -> None:
+        """A file open for writing grew at its end (staged while written: streaming.py)."""
+        self.streams.grew(ino, data)
 
     def sealed_elsewhere(self, ino: int, generation: int, size: int, owner: str) -> None:
         """Cluster mode: another daemon (`owner`) sealed this generation; its
@@ -343,8 +351,11 @@ class Engine:
     def _gone(self, ino: int, seq: int) -> None:
         """`ino` may have lost its last name at op `seq`: then its unpublished
         generation is never uploaded (C4)."""
+        if self.ns.paths_of(ino):
+            return
+        self.streams.gone(ino)
         gen = self.pending.get(ino)
-        if gen is not None and not self.ns.paths_of(ino):
+        if gen is not None:
             gen.dropped_by = seq
             self._drop(gen, "deleted before it was published")
 
@@ -478,6 +489,7 @@ class Engine:
                 nursery.start_soon(self._heartbeat)
                 task_status.started()
         finally:
+            self.streams.stop_all()
             self._nursery = None  # stopped: background work (a load) runs in its caller instead
 
     async def _publish(self) -> None:
@@ -602,6 +614,10 @@ class Engine:
             with contextlib.suppress(Exception):
                 await self.calls.run(f"discard {gen.path}", self.backend.discard, staged)
             return
+        self.staged(gen, staged, digest)
+
+    def staged(self, gen: FileGen, staged: Staged, digest: Digest) -> None:
+        """This node staged `gen` (its upload worker, or its stream)."""
         gen.staged, gen.digest = staged, digest
         gen.move(State.STAGED)
         if self.link is not None and not self.link.publishes:

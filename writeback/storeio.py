@@ -45,7 +45,8 @@ class NewerInStore(Exception):
 def stage(backend: Backend, pieces: Iterable[memoryview | bytes], size: int,
           cancelled: Callable[[], bool] | None = None, name: str | None = None, hidden: bool = False) -> tuple[Staged, Digest]:
     """Upload `pieces` invisibly, hashing them on the way (`name`: where it
-    will probably be published; `hidden`: by another node; see `Backend.stage`)."""
+    will probably be published; `hidden`: by another node; see `Backend.stage`;
+    `size` -1: not known yet, the caller checks the digest's)."""
     h = manifest.Hashing()
 
     def hashed():
@@ -56,7 +57,7 @@ def stage(backend: Backend, pieces: Iterable[memoryview | bytes], size: int,
             yield piece
 
     staged = backend.stage(hashed(), size, name, hidden)
-    if h.size != size:
+    if size >= 0 and h.size != size:
         backend.discard(staged)
         raise OSError(errno.EIO, f"snapshot yielded {h.size} bytes, expected {size}")
     return staged, h.digest()

@@ -103,10 +103,14 @@ def test_names_and_files_are_shared_and_each_node_reads_the_others_files(tmp_pat
         assert os.readlink(b.path("ckpt", "link")) == "shard-a"
         assert b.path("ckpt", "shard-a").read_bytes() == b"A" * 300_000  # from the store, once a published it, verified
         b.path("ckpt", "shard-b").write_bytes(b"B" * 70_000)
+        big = os.urandom(72 << 20)
+        b.path("ckpt", "optim-b").write_bytes(big)  # staged while written, by b
         wait_until(lambda: a.path("ckpt", "shard-b").exists(), VISIBLE_S, "b's file on a")
         assert a.path("ckpt", "shard-b").read_bytes() == b"B" * 70_000
         assert os.stat(a.path("ckpt", "shard-b")).st_ino == os.stat(b.path("ckpt", "shard-b")).st_ino
-        wait_store_matches(tmp_path / "store", {"ckpt/shard-a": b"A" * 300_000, "ckpt/shard-b": b"B" * 70_000})
+        wait_store_matches(tmp_path / "store", {"ckpt/shard-a": b"A" * 300_000, "ckpt/shard-b": b"B" * 70_000, "ckpt/optim-b": big})
+        assert "ckpt/optim-b: staged while it was written" in b.log_text()
+        assert a.path("ckpt", "optim-b").read_bytes() == big
         assert "loaded ckpt/shard-a from the store (300000 bytes, verified)" in b.log_text()
         assert "loaded ckpt/shard-b from the store (70000 bytes, verified)" in a.log_text()
         for m in (a, b):
@@ -369,10 +373,11 @@ def test_a_cluster_over_s3(tmp_path, redis_db, s3):
     renames and rotation move and delete every node's objects; no upload is
     left open."""
     url = s3.bucket("cluster")
-    big = os.urandom(20 << 20)
+    big, bigger = os.urandom(20 << 20), os.urandom(72 << 20)  # bigger: staged while written, too
     with nodes(tmp_path, redis_db, extra=("--store", url, *s3.cli_options())) as (a, b):
         a.path("ckpt-tmp").mkdir()
         b.path("ckpt-tmp", "shard-b").write_bytes(big)
+        b.path("ckpt-tmp", "optim-b").write_bytes(bigger)
         b.path("ckpt-tmp", "small-b").write_bytes(b"b" * 1000)
         a.path("ckpt-tmp", "shard-a").write_bytes(b"a" * 1000)
         os.rename(a.path("ckpt-tmp"), a.path("ckpt-1"))
@@ -380,7 +385,8 @@ def test_a_cluster_over_s3(tmp_path, redis_db, s3):
         assert run_cli("flush", str(b.mountpoint), "--cluster", "--timeout", "60").returncode == 0
         objects = s3.objects("cluster")
         assert objects == {"ckpt-1/shard-a": b"a" * 1000, "ckpt-1/shard-b": big, "ckpt-1/small-b": b"b" * 1000,
-                           "ckpt-1/commit_success.txt": b"ok"}
+                           "ckpt-1/optim-b": bigger, "ckpt-1/commit_success.txt": b"ok"}
+        assert "ckpt-tmp/optim-b: staged while it was written" in b.log_text()
         assert a.path("ckpt-1", "shard-b").read_bytes() == big  # a loads it from the bucket, verified
         shutil.rmtree(b.path("ckpt-1"))
         assert run_cli("flush", str(a.mountpoint), "--cluster", "--timeout", "60").returncode == 0

@@ -132,3 +132,34 @@ def test_a_node_joining_a_cluster_leaves_open_uploads_at_file_names_alone(s3):
     assert s3.uploads("joining") == ["ckpt/shard-b"]
     open_store(url, s3.options()).prepare("alone", later, sole=True)
     assert s3.uploads("joining") == []
+
+
+def test_a_large_file_is_uploaded_while_it_is_written_and_a_rewrite_below_is_honoured(s3, tmp_path):
+    """A file growing at its end is uploaded before its close (a multipart
+    upload open at its name); one rewritten below what was uploaded is
+    published with its bytes at its close."""
+    import os
+
+    url = s3.bucket("streamed")
+    one, two = os.urandom(96 << 20), bytearray(os.urandom(96 << 20))
+    m = start_mount(tmp_path, extra=("--store", url, *s3.cli_options()))
+    try:
+        m.path("ck").mkdir()
+        for name, data in (("one.bin", one), ("two.bin", two)):
+            fd = os.open(m.path("ck", name), os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                for off in range(0, len(data), 1 << 20):
+                    os.write(fd, data[off : off + (1 << 20)])
+                wait_until(lambda n=name: f"ck/{n}" in s3.uploads("streamed"), 60, f"{name} uploading while open")
+                if name == "two.bin":
+                    os.pwrite(fd, b"header, written last", 0)
+                    two[:20] = b"header, written last"
+            finally:
+                os.close(fd)
+        assert run_cli("umount", str(m.mountpoint)).returncode == 0
+    finally:
+        stop_mount(m)
+    assert objects(s3, "streamed") == {"ck/one.bin": one, "ck/two.bin": bytes(two)}
+    store = open_store(url, s3.options())
+    assert verify(store).clean
+    assert s3.uploads("streamed") == []

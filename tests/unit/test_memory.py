@@ -290,3 +290,60 @@ def test_truncating_an_evicted_file_to_zero_makes_it_resident_and_empty():
     assert f.resident and f.size == 0
     f.write(0, b"new")
     assert f.read(0, 10) == b"new"
+
+
+def _joined(snapshot) -> bytes:
+    return b"".join(bytes(p) for p in snapshot.pieces())
+
+
+def test_bytes_handed_out_stay_promised_while_only_appended_to():
+    pool = MemoryPool(1 << 30)
+    f = FileData(pool)
+    stream = object()
+    payload = os.urandom(3 * CHUNK + 100)
+    f.write(0, payload[: 2 * CHUNK + 5])
+    first = f.hand_out(stream, 2 * CHUNK)
+    assert (first.start, first.size) == (0, 2 * CHUNK) and _joined(first) == payload[: 2 * CHUNK]
+    f.write(2 * CHUNK + 5, payload[2 * CHUNK + 5 :])  # appends keep the promise
+    second = f.hand_out(stream, 3 * CHUNK)
+    assert _joined(second) == payload[2 * CHUNK : 3 * CHUNK]
+    sealed = f.snapshot()
+    assert sealed.stream is stream
+    tail = sealed.tail(3 * CHUNK)
+    sealed.release()  # the tail holds its chunks on its own
+    assert _joined(tail) == payload[3 * CHUNK :]
+    for s in (first, second, tail):
+        s.release()
+    assert pool.used == f.allocated
+
+
+@pytest.mark.parametrize("change", ["write below", "truncate below", "truncate to zero", "spill"])
+def test_a_change_below_what_was_handed_out_breaks_the_promise(change, tmp_path):
+    f = FileData(MemoryPool(1 << 30))
+    stream = object()
+    f.write(0, b"a" * (2 * CHUNK))
+    f.hand_out(stream, 2 * CHUNK).release()
+    if change == "write below":
+        f.write(CHUNK, b"b")
+    elif change == "truncate below":
+        f.truncate(2 * CHUNK - 1)
+    elif change == "truncate to zero":
+        f.clear()
+    else:
+        f.spill(str(tmp_path))
+    f.write(f.size, b"c" * CHUNK)  # appending afterwards does not mend it
+    snap = f.snapshot()
+    assert getattr(snap, "stream", None) is None
+    snap.release()
+
+
+def test_a_write_at_or_after_what_was_handed_out_keeps_the_promise():
+    f = FileData(MemoryPool(1 << 30))
+    stream = object()
+    f.write(0, b"a" * (2 * CHUNK + 10))
+    f.hand_out(stream, 2 * CHUNK).release()
+    f.write(2 * CHUNK, b"b" * 10)  # rewrites bytes not handed out yet
+    f.truncate(2 * CHUNK)
+    snap = f.snapshot()
+    assert snap.stream is stream
+    snap.release()

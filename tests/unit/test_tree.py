@@ -302,6 +302,9 @@ class Recorder:
         self.events.append(("sealed", ino, generation, b"".join(bytes(p) for p in snapshot.pieces())))
         snapshot.release()
 
+    def grew(self, ino, data):
+        pass
+
     def renamed(self, src, dst, ino, is_dir, replaced=None):
         self.events.append(("renamed", src, dst, is_dir))
 
