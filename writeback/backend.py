@@ -27,6 +27,7 @@ import concurrent.futures
 import contextlib
 import ctypes
 import errno
+import fcntl
 import fnmatch
 import itertools
 import json
@@ -412,12 +413,13 @@ class LocalBackend(Backend):
             os.close(fd)
 
     def stage(self, pieces: Iterable[memoryview | bytes], size: int, name: str | None = None, hidden: bool = False) -> Staged:
-        return Staged(size, self._write_staged(pieces, sync=not 0 <= size < SYNCED_AT_PUBLISH))
+        large = not 0 <= size < SYNCED_AT_PUBLISH
+        return Staged(size, self._write_staged(pieces, sync=large, direct=large))
 
-    def _write_staged(self, pieces: Iterable[memoryview | bytes], sync: bool) -> str:
+    def _write_staged(self, pieces: Iterable[memoryview | bytes], sync: bool, direct: bool = False) -> str:
         tmp = self._staging_name()
         with self._at(tmp, create=True) as (d, name):
-            _write_new(d, name, pieces, sync)
+            _write_new(d, name, pieces, sync, direct)
         return tmp
 
     def publish(self, staged: Staged, path: str, pieces: Iterable[memoryview | bytes] = (), mode: int | None = None) -> None:
@@ -648,20 +650,38 @@ class LocalBackend(Backend):
             return False
 
 
-def _write_new(dir_fd: int, name: str, pieces: Iterable[memoryview | bytes], sync: bool) -> None:
+def _write_new(dir_fd: int, name: str, pieces: Iterable[memoryview | bytes], sync: bool, direct: bool = False) -> None:
     """A new file `name` (0600: a published file takes its mount
     counterpart's mode then, never more open) holding `pieces`; holes are
-    kept (the store file stays sparse)."""
-    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    kept (the store file stays sparse).
+
+    `direct`: pieces aligned to pages (whole chunks of a snapshot) are
+    written with O_DIRECT, straight from the daemon's memory to the disk. A
+    buffered write of 2 GiB costs this VM 1-3 s of CPU copying into the page
+    cache, a direct one 0.1 s, and the store's bytes need not fill the page
+    cache of the machine that trains. From the first piece that is not
+    aligned on (or on a file system that refuses O_DIRECT: tmpfs), writes
+    are buffered."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    fd = os.open(name, flags, 0o600, dir_fd=dir_fd)
     try:
+        direct = direct and _set_direct(fd, True)
         off = 0
         for piece in pieces:
             if is_hole(piece):
                 off += len(piece)
                 continue
-            view = memoryview(piece)
+            view = memoryview(piece).cast("B")
+            if direct and not (off % _PAGE == 0 and len(view) % _PAGE == 0 and _address(view) % _PAGE == 0):
+                direct = _set_direct(fd, False)
             while view:
-                n = os.pwrite(fd, view, off)
+                try:
+                    n = os.pwrite(fd, view, off)
+                except OSError as exc:
+                    if not direct or exc.errno != errno.EINVAL:
+                        raise
+                    direct = _set_direct(fd, False)  # alignment the device wants is larger: buffered from here
+                    continue
                 view, off = view[n:], off + n
         os.ftruncate(fd, off)
         if sync:
@@ -672,6 +692,26 @@ def _write_new(dir_fd: int, name: str, pieces: Iterable[memoryview | bytes], syn
             os.unlink(name, dir_fd=dir_fd)
         raise
     os.close(fd)
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _set_direct(fd: int, on: bool) -> bool:
+    """Turn O_DIRECT on or off for `fd`; whether it is on now."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)
+    except OSError:
+        return False
+    return on
+
+
+def _address(view: memoryview) -> int:
+    """Where `view`'s bytes are in memory (-1: unknown, read-only)."""
+    if view.readonly:
+        return -1
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 def _kind(name: str, dir_fd: int) -> int | None:
