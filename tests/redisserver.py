@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import secrets
 import shutil
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.ports import free_port
 from tests.s3server import stop_group
 
 START_TIMEOUT_S = 20.0
@@ -93,12 +93,6 @@ class RedisServer:
     def stop(self) -> None:
         stop_group(self.proc, 10)
         self.proc = None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def have_redis() -> bool:

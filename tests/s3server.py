@@ -8,12 +8,13 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tests.ports import free_port
 
 KEY, SECRET = "CKPTFSTESTACCESSKEY1", "ckptfs-test-secret-key-0123456789abcdef"
 START_TIMEOUT_S = 60.0
@@ -48,8 +49,8 @@ class S3Server:
                 "--store-option", "client_kwargs.region_name=us-east-1"]
 
     def start(self) -> None:
-        if not self.ports:
-            self.ports = {name: free_port() for name in ("master", "volume", "filer", "s3")}
+        while len(set(self.ports.values())) < 4:  # four distinct ones (kept across a stop and start)
+            self.ports = {name: free_port(plus=(10000,)) for name in ("master", "volume", "filer", "s3")}  # weed's gRPC ports: + 10000
         data = self.root / "data"
         data.mkdir(parents=True, exist_ok=True)
         config = self.root / "s3.json"
@@ -117,21 +118,6 @@ def stop_group(proc: subprocess.Popen | None, timeout: float) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-
-
-def free_port() -> int:
-    # weed's gRPC ports are port + 10000: keep both free.
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + 10000 < 65536:
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port + 10000))
-                except OSError:
-                    continue
-            return port
 
 
 def start_s3(root: Path) -> S3Server:

@@ -23,6 +23,7 @@ from ckptfs import runtime
 from ckptfs.client import AccessDenied, Client, DaemonUnavailable, FlushIncomplete, NotMounted
 from tests.integration.test_cli import assert_clean_error
 from tests.mountutil import run_cli, signal_and_wait, start_mount, stop_mount
+from tests.ports import free_port
 from tests.storeutil import begin_outage, end_outage, store_files, store_outage, wait_until
 
 OUTAGE_LOG = ["failed (try", "Errno 20", "Not a directory", "FileExistsError", "NotADirectoryError"]
@@ -39,12 +40,6 @@ def status_json(path: Path | str, *args: str) -> dict:
 def write(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- status ----------------------------------------------------------------------

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.mountutil import Mount, run_cli, start_mount, stop_mount
-from tests.redisserver import free_port
+from tests.ports import free_port
 from tests.storeutil import store_files, wait_store_matches, wait_until
 
 VISIBLE_S = 1.0  # the bound the README states for a change on one node to show on the others
