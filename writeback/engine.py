@@ -618,6 +618,13 @@ class Engine:
 
     def staged(self, gen: FileGen, staged: Staged, digest: Digest) -> None:
         """This node staged `gen` (its upload worker, or its stream)."""
+        if self.link is not None and not self.link.publishes and (staged.token is None or staged.at):
+            # Staged at its name for this node's own publishing, which another node took over meanwhile (`follow`).
+            if staged.token is not None and self._nursery is not None:
+                self._nursery.start_soon(functools.partial(self._discard, staged, gen.path))
+            gen.move(State.FAILED)
+            self.upload_again(gen)
+            return
         gen.staged, gen.digest = staged, digest
         gen.move(State.STAGED)
         if self.link is not None and not self.link.publishes:

@@ -22,8 +22,8 @@ W = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
 
 
 class Node:
-    def __init__(self, redis_db, store, name: str, publishes: bool) -> None:
-        self.backend = open_store(str(store))
+    def __init__(self, redis_db, store, name: str, publishes: bool, options: dict | None = None) -> None:
+        self.backend = open_store(str(store), options)
         self.backend.prepare(f"{name}-{os.getpid()}-{time.time_ns():x}", time.time())
         self.tree = InodeTree(MemoryPool(1 << 28))
         self.engine = Engine(self.backend, self.tree, retry=Retry(first_s=0.01, max_s=0.05))
@@ -175,4 +175,40 @@ async def test_a_seal_applied_after_its_staging_and_its_publication_were_heard_i
         gen = a.engine.pending.get(ino)
         assert gen is None or gen.state is State.PUBLISHED
         assert a.engine.published_gen[ino] == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_node_that_stops_publishing_while_it_uploads_a_file_at_its_name_stages_it_again_hidden(tmp_path, redis_db, s3):
+    """On S3 the publishing node uploads a large file as a multipart upload
+    open at the file's name (completed at its turn). If another node takes
+    over publishing meanwhile, that upload is of no use to it (a rename
+    before its turn would need the bytes again, which only this node has):
+    this node stages the file again under a hidden name, as following nodes
+    do, and aborts the upload at the name. Here the upload is in flight for
+    as long as the file is written (staged while written)."""
+    url = s3.bucket("demoted")
+    a = Node(redis_db, url, "a", publishes=True, options=s3.options())
+    b = Node(redis_db, url, "b", publishes=False, options=s3.options())
+    async with trio.open_nursery() as nursery:
+        await a.start(nursery)
+        await b.start(nursery)
+        h = await a.ns.create(ROOT, b"big", 0o644, W, 0, 0, lambda: True)
+        data = os.urandom(80 << 20)
+        for off in range(0, len(data), 1 << 20):
+            a.tree.write(h.fh, off, data[off : off + (1 << 20)])
+            await trio.sleep(0)
+        with trio.fail_after(30):  # its bytes go to an upload open at its name while it is still open
+            while "big" not in await trio.to_thread.run_sync(s3.uploads, "demoted"):
+                await trio.sleep(0.05)
+        a.events.follow(b.ns.me, 0)  # b took over publishing while a was cut off
+        a.tree.release(h.fh)
+        await a.ns.placed()
+        gen = a.engine.pending[h.inode.ino]
+        with trio.fail_after(30):
+            while gen.state is not State.STAGED:
+                await trio.sleep(0.05)
+        assert gen.staged is not None and gen.staged.at is None and gen.staged.token is not None  # hidden
+        with trio.fail_after(30):
+            while "big" in await trio.to_thread.run_sync(s3.uploads, "demoted"):
+                await trio.sleep(0.05)
         nursery.cancel_scope.cancel()
