@@ -84,7 +84,7 @@ class MemoryPool:
 
 
 def _small_capacity(needed: int) -> int:
-    cap = 4096
+    cap = 64  # a 100-byte file holds 128 bytes, not a page: what 100,000 small files cost is mostly this
     while cap < needed:
         cap <<= 1
     return cap
