@@ -167,7 +167,11 @@ class Streams:
                 token.run_sync_soon(snapshot.release)
 
         def body():
-            return storeio.stage(engine.backend, stream.pieces(release), -1, stream.cancelled, names[0] if names else None, hidden)
+            pieces = stream.pieces(release)
+            try:
+                return storeio.stage(engine.backend, pieces, -1, stream.cancelled, names[0] if names else None, hidden)
+            finally:
+                pieces.close()  # now, not when collected: the snapshot it was in the middle of is released
 
         staged = digest = None
         error: Exception | None = None

@@ -624,3 +624,47 @@ async def test_a_small_file_whose_bytes_cannot_be_read_is_retried_and_the_engine
     gen.snapshot.pieces = pieces
     await run_until_flushed(rig)
     assert rig.files() == {"small": b"bytes"} and len(calls) >= 2
+
+
+# -- staging while written (streaming.py) ----------------------------------------------
+def _staging_files(root) -> list[str]:
+    staging = root / ".ckptfs" / "staging"
+    return [str(p) for p in staging.rglob("*") if p.is_file()] if staging.exists() else []
+
+
+@pytest.mark.parametrize("end", ["closed", "deleted while open", "rewritten below what was staged"])
+async def test_a_file_staged_while_written_holds_no_memory_of_its_own(tmp_path, end):
+    """Whatever becomes of a file staged while written, every chunk handed to
+    its upload thread is given back: the RAM pool ends holding the file's
+    own bytes only (or nothing, once it is deleted), and no staging is left."""
+    rig = Rig(tmp_path / "store")
+    pool = rig.store.pool
+    data = os.urandom(96 << 20)
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        h = rig.store.create(ROOT, b"shard.bin", 0o644, W, 0, 0)
+        for off in range(0, len(data), 1 << 20):
+            rig.store.write(h.fh, off, data[off : off + (1 << 20)])
+            await trio.sleep(0)
+        with trio.fail_after(20):  # handed out, and being staged
+            while sum(os.path.getsize(p) for p in _staging_files(tmp_path / "store")) < 64 << 20:
+                await trio.sleep(0.01)
+        if end == "deleted while open":
+            rig.unlink("shard.bin")
+        elif end == "rewritten below what was staged":
+            rig.store.write(h.fh, 0, b"new header")
+        rig.store.release(h.fh)
+        with trio.fail_after(20):
+            await rig.engine.flush()
+            while _staging_files(tmp_path / "store") or rig.engine.streams.running:
+                await trio.sleep(0.01)
+        await trio.sleep(0.1)  # the last snapshots' releases, asked for by the upload thread
+        n.cancel_scope.cancel()
+    if end == "deleted while open":
+        assert rig.files() == {} and pool.used == 0
+    else:
+        expected = b"new header" + data[10:] if end.startswith("rewritten") else data
+        assert rig.files() == {"shard.bin": expected}
+        inode = rig.store.inode_at("shard.bin")
+        assert pool.used == inode.data.allocated == len(data)
+        assert rig.engine.streams.staged == (1 if end == "closed" else 0)
