@@ -4,13 +4,15 @@ publishes it whole, at its close, with the bytes it has then."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import signal
 from pathlib import Path
 
 import pytest
 
-from tests.mountutil import run_cli
+from tests.mountutil import run_cli, start_mount, stop_mount
 from tests.storeutil import store_files, verify_store, wait_until
 
 MiB = 1 << 20
@@ -97,3 +99,31 @@ def test_a_file_deleted_while_it_is_written_leaves_nothing_in_the_store(m):
     flush(m)
     wait_until(lambda: staged_bytes(m.store) == 0, timeout=30, what="the staging removed")
     assert store_files(m.store) == {"after.bin": b"next"}
+
+
+def test_kill9_while_a_file_is_staged_as_it_is_written_leaves_nothing_half_done(tmp_path):
+    """A daemon killed while it stages a file still being written: the store
+    shows only what was published before, whole and verified, and the next
+    daemon clears the half-staged upload."""
+    m = start_mount(tmp_path)
+    try:
+        m.path("done.bin").write_bytes(b"d" * 100_000)
+        wait_until(lambda: (m.store / "done.bin").exists(), 30, "the first file published")
+        f = open(m.path("open.bin"), "wb")
+        write_sequentially(f, os.urandom(96 * MiB))
+        wait_until(lambda: staged_bytes(m.store) >= 64 * MiB, timeout=60, what="the open file staged")
+        os.kill(m.pid, signal.SIGKILL)
+        m.proc.wait(timeout=30)
+        with contextlib.suppress(OSError):  # the daemon is gone: ENOTCONN
+            f.close()
+    finally:
+        stop_mount(m)
+    assert store_files(m.store) == {"done.bin": b"d" * 100_000}
+    report = verify_store(m.store)
+    assert report.ok == ["done.bin"] and report.clean
+    again = start_mount(tmp_path)
+    try:
+        assert os.listdir(again.mountpoint) == ["done.bin"]
+        wait_until(lambda: staged_bytes(m.store) == 0, 30, "the dead daemon's staging cleared")
+    finally:
+        stop_mount(again)
