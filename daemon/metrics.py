@@ -32,6 +32,7 @@ COUNTERS = {
     "evicted_bytes": ("ckptfs_evicted_bytes", "Bytes of published files dropped from RAM"),
     "loads": ("ckptfs_read_through_files", "Files loaded back from the store (read-through, prefetch)"),
     "loaded_bytes": ("ckptfs_read_through_bytes", "Bytes loaded back from the store"),
+    "staged_while_written": ("ckptfs_staged_while_written_files", "Files staged while still being written (large files growing at their end)"),
 }
 
 

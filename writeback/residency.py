@@ -123,6 +123,7 @@ class Counters:
     evicted_bytes: int = 0
     loads: int = 0  # read-through: files loaded back from the store
     loaded_bytes: int = 0
+    staged_while_written: int = 0  # generations staged by their stream (streaming.py)
 
 
 class Residency:

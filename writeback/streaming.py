@@ -105,7 +105,6 @@ class Streams:
         self.engine = engine
         self._by_ino: dict[int, Stream] = {}
         self.running = 0
-        self.staged = 0  # generations staged while written (for tests and the bench)
 
     def grew(self, ino: int, data: Growing) -> None:
         """A file open for writing grew at its end."""
@@ -215,6 +214,6 @@ class Streams:
                 await engine.calls.run(f"discard inode {stream.ino}", engine.backend.discard, staged)
             return
         staged.size = digest.size  # staged before its size was known
-        self.staged += 1
+        engine.counters.staged_while_written += 1
         log.info("%s: staged while it was written (%d of its %d bytes before its close)", gen.path, stream.handed, gen.size)
         engine.staged(gen, staged, digest)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import signal
 from pathlib import Path
@@ -58,6 +59,8 @@ def test_a_file_is_staged_while_it_is_written_and_published_whole_at_its_close(m
     assert verify_store(m.store).ok == ["shard.bin"]
     assert staged_bytes(m.store) == 0
     assert "staged while it was written" in m.log_text()
+    r = run_cli("status", str(m.mountpoint), "--json")
+    assert json.loads(r.stdout)["totals"]["counters"]["staged_while_written"] == 1
 
 
 @pytest.mark.parametrize("change", ["rewrite the start", "truncate and write again", "truncate and extend"])

@@ -667,4 +667,4 @@ async def test_a_file_staged_while_written_holds_no_memory_of_its_own(tmp_path, 
         assert rig.files() == {"shard.bin": expected}
         inode = rig.store.inode_at("shard.bin")
         assert pool.used == inode.data.allocated == len(data)
-        assert rig.engine.streams.staged == (1 if end == "closed" else 0)
+        assert rig.engine.counters.staged_while_written == (1 if end == "closed" else 0)
