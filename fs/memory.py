@@ -210,7 +210,7 @@ class FileData:
     file; a write while one exists first copies it.
     """
 
-    __slots__ = ("_chunks", "_pool", "_spill", "_spill_dir", "allocated", "handed", "loading", "resident", "size", "stream")
+    __slots__ = ("_chunks", "_pool", "_spill", "_spill_dir", "allocated", "frontier", "handed", "loading", "resident", "size", "stream")
 
     def __init__(self, pool: MemoryPool) -> None:
         self.size = 0
@@ -223,6 +223,11 @@ class FileData:
         self._spill_dir = ""
         self.stream: object | None = None  # who holds `handed` (see `hand_out`)
         self.handed = 0
+        # Where a writer going from the start got to: the end of the last of
+        # writes each starting at or before the end of the ones before. It is
+        # the size for appends, and less for a file sized first (ftruncate)
+        # and then filled in order (safetensors).
+        self.frontier = 0
 
     @property
     def spilled(self) -> bool:
@@ -240,7 +245,7 @@ class FileData:
         multiples of CHUNK), which are now promised to it: while no write or
         truncation changes the first `end` bytes, this file's snapshots name
         `stream` (so that whoever staged them need not read them again)."""
-        assert self._spill is None and self.resident and end % CHUNK == 0 and end <= self.size
+        assert self._spill is None and self.resident and end % CHUNK == 0 and end <= self.frontier <= self.size
         if self.stream is not stream:
             self.stream, self.handed = stream, 0
         start, self.handed = self.handed, end
@@ -338,6 +343,8 @@ class FileData:
         end = off + n
         if off < self.handed:
             self.stream = None  # the promise is broken
+        if off <= self.frontier < end:
+            self.frontier = end
         if self._spill is not None:
             _pwrite_all(self._thaw().fd, memoryview(data), off)
             self.size = max(self.size, end)
@@ -397,6 +404,7 @@ class FileData:
     def truncate(self, size: int) -> None:
         if size < self.handed:
             self.stream = None
+        self.frontier = min(self.frontier, size)
         if self._spill is not None:
             os.ftruncate(self._thaw().fd, size)
             self.size = size
@@ -418,7 +426,7 @@ class FileData:
         if self._spill is not None:
             self._spill.unref()  # snapshots keep their own reference
             self._spill = None
-        self.stream, self.handed = None, 0
+        self.stream, self.handed, self.frontier = None, 0, 0
         self.size = 0
         self.resident = True
         self.loading = None  # a load in progress is fenced out

@@ -46,7 +46,7 @@ class Journal(Protocol):
     relative to the root, as of the moment of the event."""
 
     def sealed(self, ino: int, generation: int, snapshot: Snapshot) -> None: ...
-    def grew(self, ino: int, data: FileData) -> None: ...  # written at its end while open (the engine may stage it already)
+    def grew(self, ino: int, data: FileData) -> None: ...  # written on from where the writer got to (`FileData.frontier`): the engine may stage it already
     def renamed(self, src: str, dst: str, ino: int, is_dir: bool, replaced: int | None = None) -> None: ...
     def exchanged(self, a: str, b: str) -> None: ...
     def linked(self, ino: int, path: str) -> None: ...
@@ -512,9 +512,9 @@ class InodeTree:
             raise _err(errno.EBADF)
         if handle.append:
             off = inode.data.size
-        size = inode.data.size
+        frontier = inode.data.frontier
         n = inode.data.write(off, data)
-        if off + n > size and self.journal is not None:
+        if inode.data.frontier > frontier and self.journal is not None:
             self.journal.grew(inode.ino, inode.data)
         inode.mtime_ns = inode.ctime_ns = self.clock()
         inode.version += 1

@@ -192,7 +192,7 @@ class Engine:
             self._send.send_nowait(gen)
 
     def grew(self, ino: int, data: Growing) -> None:
-        """A file open for writing grew at its end (staged while written: streaming.py)."""
+        """A file open for writing was written on from where its writer got to (staged while written: streaming.py)."""
         self.streams.grew(ino, data)
 
     def sealed_elsewhere(self, ino: int, generation: int, size: int, owner: str) -> None:

@@ -2,8 +2,10 @@
 
 A save writes most files from start to end: torch.save, safetensors, a DCP
 shard. Staged only once sealed, such a file reaches the store a whole upload
-after its close. Instead, once a file open for writing has grown past
-`STREAM_FROM` at its end, its full chunks are handed, as they fill, to one
+after its close. Instead, once the writer of an open file has got past
+`STREAM_FROM` from its start, in order (`FileData.frontier`: the end of the
+file for appends; less for a file sized first with ftruncate and then
+filled, as safetensors does), its full chunks are handed, as they fill, to one
 upload thread (a *stream*) that hashes and stages them with the same
 `storeio.stage` as any upload, fed from a queue. At the seal the rest
 follows, and the generation is staged soon after its close.
@@ -39,7 +41,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-STREAM_FROM = 64 << 20  # a file still growing at its end is staged while written from this size on
+STREAM_FROM = 64 << 20  # a file written in order from its start is staged while written once its writer got this far
 STEP = 16 << 20  # handed out at least this much at a time (CHUNK multiples: full chunks only)
 STREAMS_MAX = 8  # at most this many files staged while written at once; others are staged at their seal
 
@@ -48,6 +50,7 @@ class Growing(Protocol):
     """A file's bytes as the engine sees them while they are written (fs.memory.FileData)."""
 
     size: int
+    frontier: int  # the writer got this far from the start, in order
     resident: bool
     spilled: bool
     stream: object | None
@@ -107,10 +110,10 @@ class Streams:
         self.running = 0
 
     def grew(self, ino: int, data: Growing) -> None:
-        """A file open for writing grew at its end."""
+        """A file open for writing was written on from where its writer got to."""
         stream = self._by_ino.get(ino)
         if stream is None:
-            if (data.size < STREAM_FROM or data.spilled or not data.resident or self.running >= STREAMS_MAX
+            if (data.frontier < STREAM_FROM or data.spilled or not data.resident or self.running >= STREAMS_MAX
                     or self.engine._nursery is None or not self.engine.ns.paths_of(ino)):
                 return
             stream = self._by_ino[ino] = Stream(ino)
@@ -122,7 +125,7 @@ class Streams:
             log.debug("inode %d was rewritten below the %d bytes staged while it was written", ino, stream.handed)
             stream.stop()
             return
-        end = data.size // STEP * STEP
+        end = data.frontier // STEP * STEP
         if end > stream.handed:
             stream.feed.put((data.hand_out(stream, end), False))
             stream.handed = end

@@ -130,3 +130,21 @@ def test_kill9_while_a_file_is_staged_as_it_is_written_leaves_nothing_half_done(
         wait_until(lambda: staged_bytes(m.store) == 0, 30, "the dead daemon's staging cleared")
     finally:
         stop_mount(again)
+
+
+def test_a_file_sized_first_then_filled_in_order_is_staged_while_it_is_written(m):
+    """safetensors sizes a temporary file with ftruncate, fills it in order,
+    then renames it into place."""
+    data = os.urandom(128 * MiB)
+    fd = os.open(m.path(".tmpXq3"), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, len(data))
+        with os.fdopen(os.dup(fd), "wb", buffering=0) as f:
+            write_sequentially(f, data)
+        wait_until(lambda: staged_bytes(m.store) >= 96 * MiB, timeout=60, what="the open file staged")
+    finally:
+        os.close(fd)
+    os.rename(m.path(".tmpXq3"), m.path("model.safetensors"))
+    flush(m)
+    assert digest((m.store / "model.safetensors").read_bytes()) == digest(data)
+    assert ".tmpXq3: staged while it was written" in m.log_text()

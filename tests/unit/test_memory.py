@@ -347,3 +347,23 @@ def test_a_write_at_or_after_what_was_handed_out_keeps_the_promise():
     snap = f.snapshot()
     assert snap.stream is stream
     snap.release()
+
+
+def test_the_frontier_follows_a_writer_going_in_order_from_the_start():
+    f = FileData(MemoryPool(1 << 30))
+    f.write(0, b"a" * 100)
+    f.write(100, b"b" * 100)
+    assert f.frontier == f.size == 200  # appends
+    g = FileData(MemoryPool(1 << 30))
+    g.truncate(3 * CHUNK)  # sized first, then filled in order (safetensors)
+    g.write(0, b"h" * 152)
+    g.write(152, b"x" * CHUNK)
+    assert g.frontier == 152 + CHUNK and g.size == 3 * CHUNK
+    g.write(2 * CHUNK, b"y")  # ahead of the writer: not in order
+    assert g.frontier == 152 + CHUNK
+    g.write(10, b"z")  # behind it
+    assert g.frontier == 152 + CHUNK
+    g.truncate(100)
+    assert g.frontier == 100
+    g.clear()
+    assert g.frontier == 0
