@@ -6,8 +6,8 @@ The engine is a few stages with one owner each, all on the trio thread:
 - the journal intake (the `Journal` methods below, called by the inode tree
   as things happen): each seal and namespace change becomes an op, in order;
 - upload workers: hash and stage sealed generations in parallel, in threads,
-  from immutable snapshots (`_upload`); a file still being written at its
-  end is staged as it grows (`streaming.py`);
+  from immutable snapshots (`_upload`); a large file written in order is
+  staged while it is still being written (`streaming.py`);
 - the publisher (`publisher.py`): applies ops strictly in order (C3);
 - residency (`residency.py`): the RAM budget, eviction and loads.
 

@@ -49,7 +49,6 @@ STREAMS_MAX = 8  # at most this many files staged while written at once; others 
 class Growing(Protocol):
     """A file's bytes as the engine sees them while they are written (fs.memory.FileData)."""
 
-    size: int
     frontier: int  # the writer got this far from the start, in order
     resident: bool
     spilled: bool
