@@ -57,3 +57,4 @@ class MountConfig:
     cluster: str | None = None  # cluster mode: the Redis URL of the shared namespace
     cluster_password_file: str | None = None  # its password (else $CKPTFS_REDIS_PASSWORD)
     node: str | None = None  # this node's name in the cluster (default: the host name)
+    cluster_snapshot_every: int = 10_000  # log entries between snapshots of the namespace (cluster.snapshot)

@@ -15,6 +15,12 @@ One node's publisher applies the cluster's journal to the store (see
 Events go through one Redis stream, each node reading all of it from the
 moment it joined. They carry no file data: bytes go from a node's RAM to
 the store only.
+
+Beside the stream, the publishing node keeps, in the same transaction as
+the events before them: its `progress`, and the generations it had the turn
+of and did not publish (`held`: a completion marker waiting, a parked or
+lost file). A node joining reads both, so that it neither takes such a
+file for published nor waits for one that was.
 """
 
 from __future__ import annotations
@@ -52,11 +58,16 @@ class Events:
         self.shared = shared
         self.key = shared.prefix + "events"
         self.progress_key = shared.prefix + "progress"
+        self.held_key = shared.prefix + "held"
         self.engine = engine
         self.me = me
         self.publishes = publishes
         self.leader = leader  # whose progress counts (None: anyone's)
         self._out: list[bytes] = []
+        # The publishing node's generations whose turn passed unpublished: (ino, generation) -> its row for joiners
+        self._held: dict[tuple[int, int], list] = {}
+        self._held_changed = False
+        self._snapshot: tuple[int, bytes, float] | None = None  # to save (`save_snapshot`)
         self._wake = trio.Event()
         self._last = "$"  # the stream id read up to (set at `start`)
         self._unreachable = False  # an outage of Redis was logged (once)
@@ -84,6 +95,24 @@ class Events:
 
     def lost(self, gen: FileGen) -> None:
         self._post({"e": "lost", "ino": gen.ino, "gen": gen.generation, "to": gen.owner, "why": gen.error.removeprefix(LOST)})
+
+    def held(self, gen: FileGen) -> None:
+        if gen.state is State.PARKED or (gen.ino, gen.generation) not in self._held:
+            self._held[(gen.ino, gen.generation)] = [gen.seq, gen.ino, gen.generation, gen.owner or self.me,
+                                                     gen.error if gen.state is State.PARKED else ""]
+            self._held_changed = True
+            self._wake.set()
+
+    def released(self, gen: FileGen) -> None:
+        if self._held.pop((gen.ino, gen.generation), None) is not None:
+            self._held_changed = True
+            self._wake.set()
+
+    def save_snapshot(self, position: int, blob: bytes, grace_s: float) -> None:
+        """Keep `blob` as the namespace's snapshot at log `position` and trim
+        the log (`SharedLog.save_snapshot`), with the events before it."""
+        self._snapshot = (position, blob, grace_s)
+        self._wake.set()
 
     async def leased(self) -> None:
         """Until this node may change the store: while its lease holds. The
@@ -129,6 +158,7 @@ class Events:
         self._took_over_at = following.leader_position
         self.publishes = True  # what the others stage is this node's to show from now on
         await self.engine.take_over(following.leader_position)
+        self._held_changed = True  # what the gone node held is held again at its turn: the list starts anew
         assert self._nursery is not None
         self._nursery.start_soon(self._report_progress)
         self._post({"e": "leader"})
@@ -159,7 +189,8 @@ class Events:
         self._last = last[0][0].decode() if last else "0-0"
         if not self.publishes:
             following: Following = self.engine.publisher  # type: ignore[assignment]
-            following.joined(self.leader_progress())
+            progress, held = r.mget([self.progress_key, self.held_key])  # written together: they agree
+            following.joined(int(progress or 0), json.loads(held) if held else [])
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -172,27 +203,40 @@ class Events:
 
     async def _send(self) -> None:
         while True:
-            if not self._out:
+            if not (self._out or self._held_changed or self._snapshot):
                 await self._wake.wait()
                 self._wake = trio.Event()
                 continue
             batch, self._out = self._out, []
+            # Where the publishing node got and what it holds, taken at one
+            # moment, for nodes that join later (`start`)
+            position = self._position() if self.publishes else None
+            held = None
+            if self.publishes and self._held_changed:
+                held, self._held_changed = json.dumps(list(self._held.values())).encode(), False
+            snapshot, self._snapshot = self._snapshot, None
             try:
-                await trio.to_thread.run_sync(self._xadd, batch)
+                await trio.to_thread.run_sync(self._xadd, batch, position, held, snapshot)
                 self._unreachable = False
             except redis.RedisError as exc:
                 if not self._unreachable:  # once per outage
                     log.warning("cannot reach the cluster's Redis (%s): telling the other nodes again shortly", exc)
                     self._unreachable = True
                 self._out[:0] = batch
+                self._held_changed = self._held_changed or held is not None
+                self._snapshot = self._snapshot or snapshot
                 await trio.sleep(0.5)
 
-    def _xadd(self, batch: list[bytes]) -> None:
-        pipe = self.shared.redis.pipeline(transaction=False)
+    def _xadd(self, batch: list[bytes], position: int | None, held: bytes | None, snapshot: tuple[int, bytes, float] | None) -> None:
+        pipe = self.shared.redis.pipeline(transaction=True)  # a node joining sees all of it or none
         for raw in batch:
             pipe.xadd(self.key, {"e": raw}, maxlen=KEPT, approximate=True)
-        if self.publishes:  # where the publishing node got, for nodes that join later (`start`)
-            pipe.set(self.progress_key, self._position())
+        if position is not None:
+            pipe.set(self.progress_key, position)
+        if held is not None:
+            pipe.set(self.held_key, held)
+        if snapshot is not None:
+            self.shared.save_snapshot(pipe, *snapshot)
         pipe.execute()
 
     async def _report_progress(self) -> None:

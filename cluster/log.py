@@ -11,7 +11,8 @@ the change's sequence number in the cluster.
 
 Keys, under one prefix per cluster: `head` (the last position), `log` (the
 stream; entry ids are `<position>-1`), `store` (the store URL the cluster
-was created for: one cluster, one store).
+was created for: one cluster, one store), `snapshot` (the namespace at one
+position, `cluster.snapshot`: the log before it is trimmed away).
 """
 
 from __future__ import annotations
@@ -43,6 +44,29 @@ _CLAIM_STORE = """
 local there = redis.call('GET', KEYS[1])
 if not there then redis.call('SET', KEYS[1], ARGV[1]); return ARGV[1] end
 return there
+"""
+
+
+# KEYS: snapshot, log, members. ARGV: its position, the snapshot, the
+# seconds after which a silent member no longer counts. Saves the snapshot
+# unless one as recent is there, and trims the log to the entries after
+# it that a member beating still needs (its heartbeat says how far it
+# applied the log; one joining says 0 until it has loaded the snapshot).
+# Returns the first position kept, or 0 if not saved.
+_SAVE_SNAPSHOT = """
+local position = tonumber(ARGV[1])
+if position <= tonumber(redis.call('HGET', KEYS[1], 'position') or '-1') then return 0 end
+redis.call('HSET', KEYS[1], 'position', ARGV[1], 'blob', ARGV[2])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local keep = position
+local members = redis.call('HGETALL', KEYS[3])
+for i = 2, #members, 2 do
+  local m = cjson.decode(members[i])
+  if now - m['beat'] < tonumber(ARGV[3]) then keep = math.min(keep, tonumber(m['position'] or 0)) end
+end
+redis.call('XTRIM', KEYS[2], 'MINID', string.format('%d-0', keep + 1))
+return keep + 1
 """
 
 
@@ -91,9 +115,11 @@ class SharedLog:
         self.where = where
         self.prefix = prefix
         self.head_key, self.log_key, self.store_key = prefix + "head", prefix + "log", prefix + "store"
+        self.snapshot_key = prefix + "snapshot"
         self._r = _client(where, CALL_TIMEOUT_S)
         self._append = self._r.register_script(_APPEND)
         self._claim_store = self._r.register_script(_CLAIM_STORE)
+        self._save_snapshot = self._r.register_script(_SAVE_SNAPSHOT)
         self._waiter: redis.Redis | None = None  # its own connection: a blocking read holds it
 
     def open(self, store_url: str) -> None:
@@ -128,6 +154,18 @@ class SharedLog:
             self._waiter = _client(self.where, block_s + CALL_TIMEOUT_S)
         got = self._waiter.xread({self.log_key: f"{after}-1"}, count=READ_BATCH, block=max(1, int(block_s * 1000)))
         return _entries(got[0][1]) if got else []
+
+    def snapshot(self) -> tuple[int, bytes] | None:
+        """The newest snapshot of the namespace: its position and its bytes."""
+        position, blob = self._r.hmget(self.snapshot_key, ["position", "blob"])
+        return None if position is None or blob is None else (int(position), blob)
+
+    def save_snapshot(self, pipe: redis.client.Pipeline, position: int, blob: bytes, grace_s: float) -> None:
+        """In `pipe`: keep `blob` as the snapshot at `position` (unless one
+        as recent is kept), and trim the log before it, keeping what the
+        members that beat within `grace_s` have not applied yet."""
+        self._save_snapshot(keys=[self.snapshot_key, self.log_key, self.prefix + "members"], args=[position, blob, grace_s],
+                            client=pipe)
 
     @property
     def redis(self) -> redis.Redis:

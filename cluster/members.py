@@ -30,11 +30,12 @@ LEASE_S = 0.7 * LEADER_TTL_S  # it stops changing the store this long after its 
 GONE_AFTER_S = 5.0  # any other node silent this long is gone
 READY_TIMEOUT_S = 120.0
 
-# KEYS: leader, head, log, ready, events, members, progress. ARGV: me, ttl ms.
-# 1 if this daemon now publishes (the cluster was started afresh), else 0.
+# KEYS: leader, head, log, ready, events, members, progress, held, snapshot.
+# ARGV: me, ttl ms. 1 if this daemon now publishes (the cluster was started
+# afresh), else 0.
 _JOIN = """
 if redis.call('GET', KEYS[1]) then return 0 end
-redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7])
+redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9])
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
@@ -114,7 +115,8 @@ class Membership:
                                    f"({', '.join(sorted(live))}) took over: unmount every node of the cluster, then mount again")
             time.sleep(0.2)  # one of them is taking over
         self.publishes = bool(self._join(keys=[self.leader_key, s.head_key, s.log_key, self.ready_key, s.prefix + "events",
-                                               self.members_key, s.prefix + "progress"], args=[self.me, int(LEADER_TTL_S * 1000)]))
+                                               self.members_key, s.prefix + "progress", s.prefix + "held", s.snapshot_key],
+                                         args=[self.me, int(LEADER_TTL_S * 1000)]))
         self.beat()
         return self.publishes
 
@@ -135,11 +137,13 @@ class Membership:
                                    f"restoring the store within {timeout_s:.0f}s")
             time.sleep(0.05)
 
-    def beat(self) -> bool:
-        """This daemon's heartbeat; False if it was the publishing node and no longer is."""
+    def beat(self, position: int = 0) -> bool:
+        """This daemon's heartbeat, with how far it applied the cluster's
+        log (`position`: the log is not trimmed past it); False if it was
+        the publishing node and no longer is."""
         r = self.shared.redis
         r.hset(self.members_key, self.me, json.dumps({"node": self.node, "host": socket.gethostname(), "pid": os.getpid(),
-                                                       "beat": _now(r), "publishes": self.publishes}))
+                                                       "beat": _now(r), "publishes": self.publishes, "position": position}))
         if self.publishes:
             return bool(self._keep(keys=[self.leader_key], args=[self.me, int(LEADER_TTL_S * 1000)]))
         return True

@@ -40,6 +40,7 @@ import redis
 import trio
 from ckptfs.fs.tree import Handle, InodeTree, Journal
 
+from . import snapshot
 from .log import READ_BATCH, SharedLog
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,8 @@ class SharedNamespace:
         self._to_place: list[tuple[int, bytes]] = []  # entries for seals (and the attributes a write changed) made here
         self._placing = trio.Event()  # set when an entry is queued
         self._shrunk = trio.Event()  # set (and replaced) when one has its place
+        self._sealed: snapshot.Sealed = {}  # what each file was last sealed as in the log (for snapshots)
+        self.behind = ""  # why this replica can apply the log no more (it was trimmed past it), or ""
         # Told of every entry another node made, once applied: (op, args), to
         # drop what the kernel caches of the names and files it changed.
         self.elsewhere: Callable[[str, list], None] | None = None
@@ -102,6 +105,8 @@ class SharedNamespace:
         on the log's end, so trying again never appends twice: an append
         whose answer was lost is found applied when catching up."""
         n, raw = entry
+        if self.behind:
+            raise OSError(errno.EIO, self.behind)
         deadline = trio.current_time() + patience_s
         warned = False
         async with self._appending:
@@ -109,6 +114,8 @@ class SharedNamespace:
                 try:
                     appended = await trio.to_thread.run_sync(self.log.append, self.position, raw)
                     await self.catch_up()  # another node appended first (None): apply that, then try again after it
+                    if self.behind:
+                        raise OSError(errno.EIO, self.behind)
                     assert appended is None or n in self._outcomes
                 except redis.RedisError as exc:
                     if trio.current_time() > deadline:
@@ -246,7 +253,7 @@ class SharedNamespace:
         while True:
             got = await trio.to_thread.run_sync(self.log.read, self.position)
             n += self._apply_all(got)
-            if len(got) < READ_BATCH:
+            if len(got) < READ_BATCH or self.behind:
                 return n
 
     async def refresh(self) -> None:
@@ -262,6 +269,9 @@ class SharedNamespace:
         await self.catch_up()
         task_status.started()
         while True:
+            if self.behind:  # nothing more to apply, ever: the daemon serves what it has until unmounted
+                await trio.sleep(FOLLOW_BLOCK_S)
+                continue
             try:
                 got = await trio.to_thread.run_sync(self.log.wait, self.position, FOLLOW_BLOCK_S, abandon_on_cancel=True)
             except redis.RedisError as exc:
@@ -278,8 +288,12 @@ class SharedNamespace:
         for pos, raw in entries:
             if pos <= self.position:  # applied already, by another task reading the same entries
                 continue
-            if pos != self.position + 1:
-                raise RuntimeError(f"the cluster log skips from {self.position} to {pos}")
+            if pos != self.position + 1:  # trimmed: this node was away longer than the log is kept for it
+                self.behind = (f"this node fell behind the cluster's log (it applied up to {self.position}, the log now "
+                               f"starts at {pos}: it was frozen or cut off from Redis for over {snapshot.TRIM_GRACE_S:.0f}s); "
+                               "unmount it and mount it again")
+                log.error("%s", self.behind)
+                break
             self._apply(pos, raw)
             n += 1
         if n:
@@ -301,9 +315,11 @@ class SharedNamespace:
                 outcome = self._apply_seal(author, node, *args)
             elif op == "restore":
                 outcome = None
-                if author != self.me:  # the first node restored them before it appended this
-                    for entry in kwargs["entries"]:
-                        tree.restore(*entry)
+                for entry in kwargs["entries"]:
+                    inode = tree.restore(*entry) if author != self.me else None  # the first node restored them before it appended this
+                    path, mode, size = entry[:3]
+                    if stat.S_ISREG(mode) and (inode := inode or tree.inode_at(path)) is not None:
+                        self._sealed[inode.ino] = (inode.generation, size, inode.mtime_ns)
             else:
                 outcome = OSError(errno.EINVAL, f"unknown change {op}")
         except OSError as exc:
@@ -325,6 +341,8 @@ class SharedNamespace:
 
     def _apply_seal(self, author: str, node: str, ino: int, generation: int, size: int, mtime_ns: int) -> None:
         tree = self.tree
+        if tree.paths_of(ino):
+            self._sealed[ino] = (generation, size, mtime_ns)
         if author == self.me:
             snapshot = self._unplaced.pop((ino, generation), None)
             if snapshot is None:
@@ -337,6 +355,25 @@ class SharedNamespace:
         keep = any(i == ino for i, _ in self._unplaced)  # sealed here since: that later seal wins
         if tree.sealed_elsewhere(ino, generation, size, mtime_ns, keep) is not None and tree.paths_of(ino) and self.engine is not None:
             self.engine.sealed_elsewhere(ino, generation, size, author)
+
+    # -- snapshots (cluster.snapshot) -------------------------------------------------
+    def take_snapshot(self) -> dict:
+        """The namespace at this replica's position (on the trio thread: as one moment)."""
+        self._sealed = {ino: s for ino, s in self._sealed.items() if ino in self.tree.inodes}
+        return snapshot.take(self.tree, self._sealed)
+
+    def load_snapshot(self) -> snapshot.Sealed | None:
+        """A node joining a running cluster (before it serves): its replica
+        becomes the newest snapshot's namespace, if there is one, and it
+        replays only the log after it. The files sealed in it (a blocking call)."""
+        got = self.log.snapshot()
+        if got is None:
+            return None
+        position, state = snapshot.decode(got[1])
+        self._sealed = snapshot.load(self.tree, state)
+        self.position = position
+        log.info("loaded the cluster's namespace at log position %d: %d inodes", position, len(state["inodes"]))
+        return self._sealed
 
     def _encode(self, op: str, args: tuple, kwargs: dict) -> tuple[int, bytes]:
         """A new entry of ours: its number and its bytes."""

@@ -4,9 +4,12 @@ namespace and its heartbeat, and ties its write-back engine to the others.
     join (before the mount)    Redis reached, the cluster's store checked;
                                the first node publishes and starts afresh,
                                the others wait until it has restored the store
+                               and load the namespace's snapshot, if any
     start (in the daemon)      the publishing node restores the store and puts
                                the result in the log; every node replays the
-                               log, then follows it, places its seals, beats
+                               log (after the snapshot), then follows it,
+                               places its seals, beats; the publishing node
+                               takes snapshots and trims the log (`snapshot`)
     take over                  the publishing node is gone: one of the others
                                takes its key and publishes from where it stopped
 """
@@ -24,6 +27,7 @@ from ckptfs.writeback.engine import Engine
 from ckptfs.writeback.following import Following
 from ckptfs.writeback.journal import FileGen
 
+from . import snapshot
 from .events import Events, until_redis_answers
 from .log import ClusterError, SharedLog, Where
 from .members import BEAT_S, GONE_AFTER_S, Membership, dead_here
@@ -33,7 +37,8 @@ log = logging.getLogger(__name__)
 
 
 class ClusterNode:
-    def __init__(self, where: Where, store_url: str, tree: InodeTree, engine: Engine, node: str | None = None) -> None:
+    def __init__(self, where: Where, store_url: str, tree: InodeTree, engine: Engine, node: str | None = None,
+                 snapshot_every: int = snapshot.EVERY) -> None:
         self.name = node or socket.gethostname()
         self.shared = SharedLog(where)
         self.shared.open(store_url)  # ClusterError: unreachable, refused, another store
@@ -47,6 +52,8 @@ class ClusterNode:
         self.taking_over = False
         self._nursery: trio.Nursery | None = None
         self._names: dict[str, str] = {}  # node id -> its name, as heartbeats said (a node that left has none)
+        self.snapshot_every = snapshot_every  # log entries between snapshots (this node publishes)
+        self.snapshot_at = 0  # the log position of the last snapshot this node took or loaded
 
     @property
     def publishes(self) -> bool:
@@ -56,18 +63,23 @@ class ClusterNode:
         """Join the cluster (a blocking call, before the mount serves)."""
         try:
             publishes = self.members.join()
+            sealed = None
             if not publishes:
                 leader = self.members.wait_ready()
                 log.info("joined the cluster as node %s; node %s publishes for it", self.name,
                          self.members.members().get(leader, {}).get("node", leader[:8]))
+                sealed = self.namespace.load_snapshot()
+                self.snapshot_at = self.namespace.position
             else:
                 leader = self.namespace.me
                 log.info("started the cluster as node %s: this node publishes for it", self.name)
+            self.events = Events(self.shared, self.engine, self.namespace.me, publishes, leader)
+            self.engine.cluster(self.events, self.engine.publisher if publishes else Following(self.engine, self.engine.publisher.markers))
+            self.events.start()  # after the snapshot: what the publishing node says is held is as recent as it
         except redis.RedisError as exc:
             raise ClusterError(f"cannot join the cluster: {exc}") from None
-        self.events = Events(self.shared, self.engine, self.namespace.me, publishes, leader)
-        self.engine.cluster(self.events, self.engine.publisher if publishes else Following(self.engine, self.engine.publisher.markers))
-        self.events.start()
+        if sealed is not None:
+            self.engine.adopt(sealed, self.namespace.position)
 
     async def start(self, nursery: trio.Nursery) -> int:
         """Show the namespace (the publishing node restores it from the store
@@ -98,7 +110,7 @@ class ClusterNode:
             await trio.sleep(BEAT_S)
             try:
                 sent = time.monotonic()
-                still = await trio.to_thread.run_sync(self.members.beat)
+                still = await trio.to_thread.run_sync(self.members.beat, self.namespace.position)
                 leader = await trio.to_thread.run_sync(self.members.leader) if not (self.publishes and still) else self.namespace.me
                 members = await trio.to_thread.run_sync(self.members.members)
                 if self.publishes and not still:  # another node took the key: this node follows it
@@ -117,7 +129,23 @@ class ClusterNode:
             self._find_gone(members, trusted)
             if self.publishes:
                 self.events.renew(sent)
+                await self._snapshot()
             self._watch_leader(leader, members, trusted)
+
+    async def _snapshot(self) -> None:
+        """Take a snapshot of the namespace every `snapshot_every` log
+        entries, when every entry up to this replica's position has had its
+        turn at the store (this node publishes), and trim the log to it."""
+        assert self.events is not None
+        position = self.namespace.position
+        if position - self.snapshot_at < self.snapshot_every or self.engine.queue or self.engine.publisher.deferred or self.taking_over:
+            return
+        state = self.namespace.take_snapshot()  # one moment of the replica
+        blob = await trio.to_thread.run_sync(snapshot.encode, position, state)
+        self.events.save_snapshot(position, blob, snapshot.TRIM_GRACE_S)
+        self.snapshot_at = position
+        log.info("took a snapshot of the cluster's namespace at log position %d (%d inodes, %d bytes)", position,
+                 len(state["inodes"]), len(blob))
 
     def _follow(self, leader: str | None, position: int, members: dict[str, dict]) -> None:
         """This node published for the cluster and another node took over

@@ -671,6 +671,39 @@ class InodeTree:
         finally:
             self.journal = journal
 
+    @property
+    def next_ino(self) -> int:
+        """The number the next new inode takes."""
+        return self._next_ino
+
+    def load(self, inodes: list[Inode], next_ino: int) -> None:
+        """Take a whole namespace at once, as a cluster node that joins late
+        takes another replica's (`cluster.snapshot`): `inodes` are every
+        inode with a name, the root among them, each with its `links`; the
+        directory entries, link counts and parents follow from those. Only
+        into a tree that holds nothing but its root. Nothing is journaled."""
+        if len(self.inodes) != 1 or self.handles:
+            raise RuntimeError("a namespace is loaded only into an empty tree")
+        refs = self.inodes[ROOT].refs
+        self.inodes = {inode.ino: inode for inode in inodes}
+        self.inodes[ROOT].refs = refs
+        for inode in inodes:
+            if inode.is_dir:
+                inode.children, inode.cookies, inode.nlink = {}, {}, 2
+            else:
+                inode.nlink = len(inode.links)
+        for inode in inodes:
+            for parent, name in sorted(inode.links):
+                d = self.inodes[parent]
+                d.children[name] = inode.ino  # type: ignore[index]
+                d.cookies[name] = d.next_cookie  # type: ignore[index]
+                d.next_cookie += 1
+                if inode.is_dir:
+                    inode.parent = parent
+                    d.nlink += 1
+        self._next_ino = next_ino
+        self.touched.update(self.inodes)
+
     # -- directories ---------------------------------------------------------
     def readdir(self, ino: int, offset: int) -> Iterator[tuple[bytes, Inode, int]]:
         """Entries after `offset`, each with the offset to resume after it.

@@ -98,11 +98,14 @@ def main() -> None:
                    "$CKPTFS_REDIS_PASSWORD or --cluster-password-file, never the URL on a shared machine.")
 @click.option("--cluster-password-file", type=click.Path(dir_okay=False), metavar="FILE", help="A file holding the Redis password.")
 @click.option("--node", metavar="NAME", help="This node's name in the cluster (status and logs) [default: the host name].")
+@click.option("--cluster-snapshot-every", default=10_000, show_default=True, type=click.IntRange(1), metavar="N",
+              help="Cluster mode, on the node that publishes: keep a snapshot of the namespace in Redis every N changes, "
+                   "and trim the log of changes before it (nodes that join later load the snapshot).")
 @click.option("--ready-fd", type=int, hidden=True)
 def mount(mountpoint: str, store_url: str, memory_limit: str, reuse_ram: str, foreground: bool, log_file: str | None, log_level: str,
           fsync_mode: str, drain_timeout: float, store_timeout: float, store_options: tuple[str, ...], spill_dir: str | None,
           metrics_port: int | None, metrics_host: str, cluster: str | None, cluster_password_file: str | None, node: str | None,
-          ready_fd: int | None) -> None:
+          cluster_snapshot_every: int, ready_fd: int | None) -> None:
     """Mount a ckptfs file system at MOUNTPOINT, backed by the store at URL.
 
     Returns once the mount is live; the daemon keeps running in the background
@@ -145,7 +148,8 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, reuse_ram: str, fo
             check_port(metrics_host, metrics_port)
     except (PreflightError, StoreError, runtime.RuntimeDirError) as exc:
         _fail(str(exc), 2)
-    cluster_args = [*(["--cluster", cluster] if cluster else []), *(["--node", node] if node else []),
+    cluster_args = [*(["--cluster", cluster, "--cluster-snapshot-every", str(cluster_snapshot_every)] if cluster else []),
+                    *(["--node", node] if node else []),
                     *(["--cluster-password-file", os.path.abspath(cluster_password_file)] if cluster_password_file else [])]
 
     if not foreground:
@@ -161,7 +165,7 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, reuse_ram: str, fo
                          fsync=fsync_mode, drain_timeout=drain_timeout, store_timeout=store_timeout, storage_options=options,
                          spill_dir=os.path.abspath(spill_dir) if spill_dir else None, metrics_port=metrics_port, metrics_host=metrics_host,
                          cluster=cluster, cluster_password_file=os.path.abspath(cluster_password_file) if cluster_password_file else None,
-                         node=node)
+                         node=node, cluster_snapshot_every=cluster_snapshot_every)
     _setup_logging(config)
     from ckptfs.daemon.mount import serve
 

@@ -64,6 +64,8 @@ class ClusterLink(Protocol):
     def published(self, gen: FileGen, path: str) -> None: ...  # the publishing node showed a generation
     def lost(self, gen: FileGen) -> None: ...  # the publishing node lost another node's generation with that node
     def restage(self, gen: FileGen) -> None: ...  # the staged data of another node's generation is gone: stage it again
+    def held(self, gen: FileGen) -> None: ...  # the publishing node had a generation's turn and did not publish it (held, parked)
+    def released(self, gen: FileGen) -> None: ...  # a generation is published or dropped
     async def leased(self) -> None: ...  # until this node may change the store (its lease to publish holds)
 
 
@@ -211,12 +213,49 @@ class Engine:
             if gen.state is State.UPLOADING:
                 gen.move(State.STAGED)
             self._settle(gen, gen.path)
-        elif self.publisher.settled_before_join(gen.seq):  # replayed from before this node joined: long published
+        elif self.publisher.settled_before_join(gen.seq):  # replayed from before this node joined: long published...
+            held = self.publisher.held_at_join(ino, generation)
+            if held is not None:  # ...unless the publishing node holds or parked it: then it is unpublished here too
+                self._held_there(gen, held)
+                return
             gen.move(State.STAGED)
             gen.move(State.PUBLISHED)
             del self.pending[ino]
             self.published_gen[ino] = max(generation, self.published_gen.get(ino, 0))
             self.touched.add(ino)
+
+    def adopt(self, sealed: dict[int, tuple[int, int, int]], position: int) -> None:
+        """Cluster mode, a node joining late: its namespace is a snapshot at
+        log `position` (`cluster.snapshot`), in which every op had its turn
+        at the store: each file's last seal there (`sealed`: inode ->
+        generation, size, mtime) is published, unless the publishing node
+        holds or parked it (`held_at_join`)."""
+        self.place(position)
+        for ino, (generation, size, _) in sealed.items():
+            held = self.publisher.held_at_join(ino, generation)
+            if held is None:
+                self.published_gen[ino] = generation
+                continue
+            seq = held[0]
+            gen = FileGen(seq, ino, generation, None, self.meta_of(ino) or Meta(0o644), size, self.ns.paths_of(ino), owner=held[1])
+            gen.move(State.UPLOADING)
+            self.pending[ino] = gen
+            self._sealed_elsewhere[ino] = generation
+            self._held_there(gen, held)
+        self.unsettled = collections.OrderedDict(sorted(self.unsettled.items()))
+
+    def _held_there(self, gen: FileGen, held: tuple[int, str, str]) -> None:
+        """`gen` had its turn at the publishing node before this node joined,
+        which did not publish it: held (a completion marker waiting, a file
+        renamed away) or parked (its error: lost with its node, or failed for
+        good). It stays so here until that node says otherwise."""
+        self.unsettled[gen.seq] = gen
+        error = held[2]
+        if error:
+            gen.error, gen.error_at = error, time.time()
+            gen.move(State.PARKED)
+            self.publisher.park(gen)
+        self.touched.add(gen.ino)  # else uploading, as any generation another node holds looks here
 
     def _enqueue(self, gen: FileGen) -> None:
         older = self.pending.get(gen.ino)
@@ -309,7 +348,7 @@ class Engine:
         self.publisher.showed(ino, generation, path, digest)
         gen = self.pending.get(ino)
         if gen is not None and gen.generation == generation:
-            if gen.lost:
+            if gen.state is State.PARKED:
                 gen.move(State.FAILED)
                 self.publisher.parked.discard(gen)
             if gen.state in (State.UPLOADING, State.FAILED):
@@ -740,6 +779,8 @@ class Engine:
         if self.pending.get(gen.ino) is gen:
             del self.pending[gen.ino]
         self.published_gen[gen.ino] = max(gen.generation, self.published_gen.get(gen.ino, 0))
+        if self.link is not None:
+            self.link.released(gen)
         self._release(gen)
         self.residency.published(gen.ino)
         self.counters.uploaded_bytes += gen.size
@@ -771,6 +812,8 @@ class Engine:
         if self.pending.get(gen.ino) is gen:
             del self.pending[gen.ino]
         self.publisher.parked.discard(gen)
+        if self.link is not None:
+            self.link.released(gen)
         reported = self.link is not None and not self.link.publishes and gen.owner is None  # staged here: reported as soon as staged
         if gen.staged is not None and self._nursery is not None and not reported:  # reported: the publishing node's to discard
             staged, gen.staged = gen.staged, None

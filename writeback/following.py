@@ -23,6 +23,7 @@ class Following(Publisher):
         super().__init__(engine, markers)
         self.leader_position = 0  # the publishing node applied every op up to this sequence number
         self.joined_at = 0  # where it was when this node joined
+        self._held: dict[tuple[int, int], tuple[int, str, str]] = {}  # what it held or parked then: (ino, generation) -> (seq, owner, error)
         self._digests: dict[int, tuple[int, Digest | None]] = {}  # inode -> (generation, digest) the publishing node showed
 
     async def run(self) -> None:
@@ -38,16 +39,20 @@ class Following(Publisher):
         a file that is not published stays unsettled here as there."""
         return op.seq <= self.leader_position
 
-    def joined(self, position: int) -> None:
+    def joined(self, position: int, held: list[list]) -> None:
         """This node joined a running cluster whose publishing node had
-        applied every op up to `position`: the generations up to there that
-        this node's replay of the log makes were published (or, rarely,
-        held or parked there) long ago."""
+        applied every op up to `position`: the generations up to there were
+        published long ago, but for those it `held` or parked then (rows of
+        seq, inode, generation, owner, error)."""
         self.joined_at = position
+        self._held = {(ino, generation): (seq, owner, error) for seq, ino, generation, owner, error in held}
         self.progress(position)
 
     def settled_before_join(self, seq: int) -> bool:
         return seq <= self.joined_at
+
+    def held_at_join(self, ino: int, generation: int) -> tuple[int, str, str] | None:
+        return self._held.get((ino, generation))
 
     def progress(self, position: int) -> None:
         """The publishing node applied every op up to `position`."""

@@ -278,6 +278,9 @@ class Publisher:
                     await self.call(f"record {path}", manifest.write, self.e.backend, Record.of(path, "symlink", op.meta, target=node.target), at=(path,))
 
     def _complete(self, op: Op) -> None:
+        link = self.e.link
+        if link is not None and link.publishes and isinstance(op, FileGen) and op.state not in (State.PUBLISHED, State.DROPPED):
+            link.held(op)  # nodes joining later hear it is not published (`Following.held_at_join`)
         if self.e.queue[0] is op:
             self.e.queue.popleft()
             self.position = op.seq
@@ -877,6 +880,11 @@ class Publisher:
         """Cluster mode: the op `seq` was applied to the store before this
         node joined (only a `Following` publisher joins a running cluster)."""
         return False
+
+    def held_at_join(self, ino: int, generation: int) -> tuple[int, str, str] | None:
+        """Cluster mode: (seq, owner, error) of a generation the publishing
+        node had held or parked (error) when this node joined; None if not."""
+        return None
 
     def showed(self, ino: int, generation: int, path: str, digest) -> None:
         """Cluster mode: the publishing node showed `generation` of `ino` at

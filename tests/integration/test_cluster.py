@@ -614,24 +614,37 @@ def test_when_the_publishing_node_unmounts_first_another_takes_over(tmp_path, re
         assert b.unexpected_log_errors() == [], b.unexpected_log_errors()  # a planned hand-over: nothing to warn of
 
 
-def test_a_node_joining_a_running_cluster_does_not_wait_for_files_published_before_it_joined(tmp_path, redis_db):
-    """A late node replays the whole log, seals of files published long ago
-    included: they count as published (the publishing node's progress when
-    the node joined), so its flush, status and unmount do not wait for them."""
+def test_a_node_joining_a_running_cluster_loads_a_snapshot_and_does_not_wait_for_files_published_before(tmp_path, redis_db):
+    """The publishing node keeps a snapshot of the namespace every few
+    changes (here 5) and trims the log. A late node loads the snapshot and
+    replays the rest: files published before it joined count as published
+    (the publishing node's progress when it joined), so its flush, status
+    and unmount do not wait for them, and it reads them from the store."""
     store = tmp_path / "store"
-    with nodes(tmp_path, redis_db) as (_a, b):
-        for i in range(3):
+    every = ("--cluster-snapshot-every", "5")
+    with nodes(tmp_path, redis_db, extra=every) as (a, b):
+        for i in range(12):
             b.path(f"f{i}").write_bytes(b"b" * (1000 + i))
         assert run_cli("flush", str(b.mountpoint), "--cluster", "--timeout", "30").returncode == 0
+        wait_until(lambda: "took a snapshot of the cluster's namespace" in a.log_text(), 10, "a snapshot")
+        r = redis_db.client()
+        for i in range(10):  # more changes, more snapshots: the log is trimmed to each (as far as b applied it)
+            (b.mountpoint / f"d{i}").mkdir()
+            time.sleep(0.3)
+        wait_until(lambda: r.xlen("ckptfs:log") < int(r.get("ckptfs:head")) - 20, 10, "the log trimmed")
+        (b.mountpoint / "after").mkdir()  # a change after the snapshot: replayed from the log
         stop_mount(b)
         late = start_mount(tmp_path / "late", store=store,
-                           extra=("--cluster", redis_db.url, "--cluster-password-file", str(redis_db.password_file), "--node", "late"))
+                           extra=("--cluster", redis_db.url, "--cluster-password-file", str(redis_db.password_file), "--node", "late",
+                                  *every))
         try:
+            assert "loaded the cluster's namespace at log position" in late.log_text()
+            assert (late.mountpoint / "after").is_dir()
             r = run_cli("flush", str(late.mountpoint), "--cluster", "--timeout", "10")
             assert r.returncode == 0, r.stderr
             totals = json.loads(run_cli("status", str(late.mountpoint), "--json").stdout)["totals"]
-            assert totals["queue"] == 0 and totals["by_state"]["published"]["files"] == 3, totals
-            assert late.path("f2").read_bytes() == b"b" * 1002
+            assert totals["queue"] == 0 and totals["by_state"]["published"]["files"] == 12, totals
+            assert late.path("f11").read_bytes() == b"b" * 1011
         finally:
             stop_mount(late)
         assert late.proc.returncode == 0 and "everything published" in late.log_text(), late.log_text()[-2000:]

@@ -8,6 +8,7 @@ import os
 import time
 
 import trio
+from ckptfs.cluster import snapshot
 from ckptfs.cluster.events import Events
 from ckptfs.cluster.log import SharedLog, Where
 from ckptfs.cluster.namespace import SharedNamespace
@@ -22,7 +23,7 @@ W = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
 
 
 class Node:
-    def __init__(self, redis_db, store, name: str, publishes: bool, options: dict | None = None) -> None:
+    def __init__(self, redis_db, store, name: str, publishes: bool, options: dict | None = None, late: bool = False) -> None:
         self.backend = open_store(str(store), options)
         self.backend.prepare(f"{name}-{os.getpid()}-{time.time_ns():x}", time.time())
         self.tree = InodeTree(MemoryPool(1 << 28))
@@ -30,12 +31,16 @@ class Node:
         shared = SharedLog(Where(redis_db.url, str(redis_db.password_file)))
         shared.open(str(store))
         self.ns = SharedNamespace(self.tree, shared, name, self.engine)
+        sealed = self.ns.load_snapshot() if late else None  # as `ClusterNode.join` does
         self.events = Events(shared, self.engine, self.ns.me, publishes)
         self.engine.cluster(self.events, self.engine.publisher if publishes else Following(self.engine, self.engine.publisher.markers))
         self.events.start()
+        if sealed is not None:
+            self.engine.adopt(sealed, self.ns.position)
 
-    async def start(self, nursery: trio.Nursery, follow: bool = True) -> None:
-        await nursery.start(self.engine.run)
+    async def start(self, nursery: trio.Nursery, follow: bool = True, engine: bool = True) -> None:
+        if engine:
+            await nursery.start(self.engine.run)
         await nursery.start(self.events.run)
         await nursery.start(self.ns.place_seals)
         if follow:
@@ -211,4 +216,60 @@ async def test_a_node_that_stops_publishing_while_it_uploads_a_file_at_its_name_
         with trio.fail_after(30):
             while "big" in await trio.to_thread.run_sync(s3.uploads, "demoted"):
                 await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_node_joining_after_a_snapshot_knows_what_is_published_and_what_was_lost(tmp_path, redis_db):
+    """The publishing node a keeps a snapshot of the namespace and trims the
+    log. Node c sealed two files and died before staging them (one before
+    the snapshot, one after): a lost them. A node d joining later loads the
+    snapshot and replays the rest of the log: b's files are published for d
+    (nothing to wait for), and c's are lost, as on a; before, d took every
+    file sealed before it joined for published."""
+    store = tmp_path / "store"
+    a = Node(redis_db, store, "a", publishes=True)
+    b = Node(redis_db, store, "b", publishes=False)
+    c = Node(redis_db, store, "c", publishes=False)
+
+    async def lose_c(ino: int) -> None:
+        with trio.fail_after(10):
+            while a.engine.pending.get(ino) is None:
+                await a.ns.applied.wait()
+        a.engine.lost(c.ns.me, "node c is gone (no heartbeat for 5s)")
+        with trio.fail_after(10):
+            await a.engine.flush()
+
+    async with trio.open_nursery() as nursery:
+        await a.start(nursery)
+        await b.start(nursery)
+        await c.start(nursery, engine=False)  # c never stages what it seals
+        before = [await b.write(f"b{i}".encode(), b"b" * (1000 + i)) for i in range(3)]
+        lost_before = await c.write(b"c-before", b"c" * 100)
+        await lose_c(lost_before)
+        position = a.ns.position
+        a.events.save_snapshot(position, snapshot.encode(position, a.ns.take_snapshot()), snapshot.TRIM_GRACE_S)
+        with trio.fail_after(10):
+            while a.ns.log.snapshot() is None:
+                await trio.sleep(0.01)
+        assert a.ns.log.read(0) == []  # trimmed: no node beats behind it
+        after = await b.write(b"b-after", b"B" * 500)
+        lost_after = await c.write(b"c-after", b"C" * 100)
+        await lose_c(lost_after)
+        with trio.fail_after(10):
+            while b.engine.pending.get(after) is not None:
+                await trio.sleep(0.01)
+        await trio.sleep(0.1)  # a's progress and what it holds are in Redis
+
+        d = Node(redis_db, store, "d", publishes=False, late=True)
+        assert d.ns.position == position
+        await d.start(nursery)
+        assert d.ns.position == a.ns.position
+        for ino in (*before, after):
+            assert d.engine.pending.get(ino) is None and d.engine.published_gen[ino] == 1
+        for ino, name in ((lost_before, "c-before"), (lost_after, "c-after")):
+            gen = d.engine.pending[ino]
+            assert gen.lost and gen.owner == c.ns.me and gen.path == name, (gen.state, gen.error)
+        with trio.fail_after(10):
+            await d.engine.flush()  # nothing but the lost files, which wait for nobody
+        assert d.tree.inode_at("b2").size == 1002 and d.tree.inode_at("b-after").size == 500
         nursery.cancel_scope.cancel()

@@ -11,7 +11,9 @@ import stat
 
 import pytest
 import trio
+from ckptfs.cluster import snapshot
 from ckptfs.cluster.log import PASSWORD_ENV, ClusterError, SharedLog, Where
+from ckptfs.cluster.members import Membership
 from ckptfs.cluster.namespace import SharedNamespace
 from ckptfs.fs.memory import MemoryPool
 from ckptfs.fs.tree import ROOT, InodeTree
@@ -107,42 +109,47 @@ async def test_an_error_is_decided_at_the_change_s_place_in_the_log_alike_everyw
     assert a.tree.inode_at("old/late-shard") is not None
 
 
+NAMES = [b"a", b"b", b"c", b"\xff\xfename", b"d"]
+
+
+async def _churn(r: SharedNamespace, seed: int, n: int = 60) -> None:
+    """`n` random namespace changes made on replica `r` (many refused, alike everywhere)."""
+    rng = random.Random(seed)
+    for _ in range(n):
+        dirs = [i.ino for i in r.tree.inodes.values() if i.is_dir and i.nlink]
+        parent, name = rng.choice(dirs), rng.choice(NAMES)
+        op = rng.choice(["mknod", "mkdir", "symlink", "unlink", "rmdir", "rename", "setattr", "link", "setxattr"])
+        try:
+            if op == "mknod":
+                await r.change("mknod", parent, name, stat.S_IFREG | 0o644, 0, 0)
+            elif op == "mkdir":
+                await r.change("mkdir", parent, name, 0o755, 0, 0)
+            elif op == "symlink":
+                await r.change("symlink", parent, name, b"../" + name, 0, 0)
+            elif op in ("unlink", "rmdir"):
+                await r.change(op, parent, name)
+            elif op == "rename":
+                await r.change("rename", parent, name, rng.choice(dirs), rng.choice(NAMES), rng.choice([0, 0, 1, 2]))
+            elif op == "link":
+                files = [i.ino for i in r.tree.inodes.values() if i.is_reg and i.nlink]
+                if files:
+                    await r.change("link", rng.choice(files), parent, name)
+            elif op == "setxattr":
+                await r.change("setxattr", parent, b"user.\xfe" + name, bytes([rng.randrange(256)]) * 3)
+            else:
+                await r.change("setattr", parent, mode=rng.choice([0o700, 0o755]), mtime_ns=rng.randrange(1 << 40))
+        except OSError:
+            pass
+        if rng.random() < 0.3:
+            await trio.sleep(0)
+
+
 async def test_replicas_agree_after_many_concurrent_changes_and_a_late_joiner_catches_up(redis_db):
     replicas = [_replica(redis_db, n) for n in "abc"]
     rng = random.Random(7)
-    names = [b"a", b"b", b"c", b"\xff\xfename", b"d"]
-
-    async def churn(r: SharedNamespace, seed: int) -> None:
-        rng = random.Random(seed)
-        for _ in range(60):
-            dirs = [i.ino for i in r.tree.inodes.values() if i.is_dir and i.nlink]
-            parent, name = rng.choice(dirs), rng.choice(names)
-            op = rng.choice(["mknod", "mkdir", "symlink", "unlink", "rmdir", "rename", "setattr", "link"])
-            try:
-                if op == "mknod":
-                    await r.change("mknod", parent, name, stat.S_IFREG | 0o644, 0, 0)
-                elif op == "mkdir":
-                    await r.change("mkdir", parent, name, 0o755, 0, 0)
-                elif op == "symlink":
-                    await r.change("symlink", parent, name, b"../" + name, 0, 0)
-                elif op in ("unlink", "rmdir"):
-                    await r.change(op, parent, name)
-                elif op == "rename":
-                    await r.change("rename", parent, name, rng.choice(dirs), rng.choice(names), rng.choice([0, 0, 1, 2]))
-                elif op == "link":
-                    files = [i.ino for i in r.tree.inodes.values() if i.is_reg and i.nlink]
-                    if files:
-                        await r.change("link", rng.choice(files), parent, name)
-                else:
-                    await r.change("setattr", parent, mode=rng.choice([0o700, 0o755]), mtime_ns=rng.randrange(1 << 40))
-            except OSError:
-                pass  # many of these are refused: alike on every replica
-            if rng.random() < 0.3:
-                await trio.sleep(0)
-
     async with trio.open_nursery() as nursery:
         for i, r in enumerate(replicas):
-            nursery.start_soon(churn, r, rng.randrange(1 << 30) + i)
+            nursery.start_soon(_churn, r, rng.randrange(1 << 30) + i)
     await _settled(*replicas)
     first = picture(replicas[0].tree)
     assert len(first) > 3
@@ -152,6 +159,56 @@ async def test_replicas_agree_after_many_concurrent_changes_and_a_late_joiner_ca
     await late.catch_up()
     assert picture(late.tree) == first
     assert late.position == replicas[0].position == late.log.head()
+
+
+def _save_snapshot(r: SharedNamespace) -> int:
+    """Replica `r` keeps a snapshot of its namespace and trims the log; the first position kept."""
+    pipe = r.log.redis.pipeline(transaction=True)
+    r.log.save_snapshot(pipe, r.position, snapshot.encode(r.position, r.take_snapshot()), snapshot.TRIM_GRACE_S)
+    return pipe.execute()[0]
+
+
+async def test_the_log_is_trimmed_to_a_snapshot_that_late_joiners_load_but_never_past_a_beating_node(redis_db):
+    a, b, c = (_replica(redis_db, n) for n in "abc")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_churn, a, 1, 150)
+        nursery.start_soon(_churn, b, 2, 150)
+    await _settled(a, b, c)
+    a.tree.ref(await a.change("mknod", ROOT, b"kept", stat.S_IFREG | 0o644, 0, 0))
+    await a.change("unlink", ROOT, b"kept")  # alive on a for the kernel's reference only: in no namespace
+    await _settled(a, b, c)
+    at = a.position
+    assert at > 100
+    # c beats, but has applied the log only up to `at - 30`: it keeps what c needs
+    Membership(c.log, c.me, "c").beat(at - 30)
+    assert _save_snapshot(a) == at - 30 + 1
+    assert c.log.read(0)[0][0] == at - 30 + 1
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_churn, a, 3, 40)
+        nursery.start_soon(_churn, b, 4, 40)
+    await _settled(a, b, c)
+    Membership(c.log, c.me, "c").beat(c.position)  # c applied everything: the next snapshot trims the log to it
+    at = b.position
+    assert _save_snapshot(b) == c.position + 1 == at + 1
+    assert c.log.read(0) == []
+    await _churn(a, 5, 30)  # changes after the snapshot
+    await _settled(a, b, c)
+    late = _replica(redis_db, "late")
+    assert late.load_snapshot() is not None and late.position == at
+    await late.catch_up()
+    assert late.position == a.position
+    assert picture(late.tree) == picture(a.tree) == picture(b.tree)
+    assert late.tree.next_ino == a.tree.next_ino  # the next inode made is numbered alike everywhere
+    await _churn(late, 6, 30)
+    await _settled(a, b, late)
+    assert picture(late.tree) == picture(a.tree)
+    # A replica that misses entries the log no longer has cannot go on: it says so, it does not diverge
+    stale = _replica(redis_db, "stale")
+    await stale.catch_up()
+    assert stale.position == 0 and "fell behind the cluster's log" in stale.behind
+    with pytest.raises(OSError) as got:
+        await stale.change("mkdir", ROOT, b"x", 0o755, 0, 0)
+    assert got.value.errno == errno.EIO and "unmount it and mount it again" in str(got.value)
 
 
 async def test_redis_errors_are_one_line(redis_db, tmp_path, monkeypatch):
