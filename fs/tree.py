@@ -22,6 +22,7 @@ import errno
 import logging
 import os
 import stat
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 LISTINGS_KEPT = 64  # directories whose listing in progress is kept for resuming
 RESERVED = b".ckptfs"  # the store's hidden prefix: not a name at the root
+_FS_ENCODING, _FS_ERRORS = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
 
 
 class Journal(Protocol):
@@ -640,7 +642,7 @@ class InodeTree:
             owner = (root.uid if uid is None else uid, root.gid if gid is None else gid)
             parent, inode = root, root
             if path:
-                parts = [os.fsencode(p) for p in path.split("/")]
+                parts = path.encode(_FS_ENCODING, _FS_ERRORS).split(b"/")  # os.fsencode, once per path, not per part
                 for part in parts[:-1]:
                     child = parent.children.get(part)  # type: ignore[union-attr]
                     parent = self.inodes[child] if child is not None else self.mkdir(parent.ino, part, 0o755, root.uid, root.gid)

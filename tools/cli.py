@@ -130,7 +130,7 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, reuse_ram: str, fo
         _fail(str(exc), 2)
     store_url = absolute_url(store_url)  # recorded for tools run from anywhere
     try:
-        check_fuse()
+        check_fuse(load=foreground)  # the daemon imports pyfuse3 in the foreground: a mount that spawns it need not
         mp = check_mountpoint(mountpoint)
         check_places(mp, store_url, spill_dir)
         runtime.private_dir(mp)  # the daemon's details and default log go there: the user's own, or refused

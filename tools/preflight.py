@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import stat
@@ -14,7 +15,9 @@ class PreflightError(Exception):
     pass
 
 
-def check_fuse() -> None:
+def check_fuse(load: bool = True) -> None:
+    """FUSE is usable here; `load`: pyfuse3 is imported (else only found: the
+    daemon that imports it checks again)."""
     if not os.path.exists("/dev/fuse"):
         raise PreflightError("/dev/fuse is missing: load the fuse module (modprobe fuse) or, in a container, pass --device /dev/fuse")
     if not os.access("/dev/fuse", os.R_OK | os.W_OK):
@@ -27,6 +30,10 @@ def check_fuse() -> None:
         raise PreflightError(f"{fusermount} is not setuid root, so uid {os.getuid()} cannot mount: "
                              f"ask an administrator (chmod u+s {fusermount}), or mount as root")
     try:
+        if not load:
+            if importlib.util.find_spec("pyfuse3") is None:
+                raise ImportError("No module named 'pyfuse3'")
+            return
         import pyfuse3  # noqa: F401
     except ImportError as exc:
         raise PreflightError(f"pyfuse3 cannot be imported ({exc}): pip install pyfuse3 (it builds against libfuse3-dev)") from None

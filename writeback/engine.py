@@ -866,11 +866,13 @@ class Engine:
                 self.publisher.restored(e.path, Dir(node.ino))
                 continue
             rec = records.get(e.path)
-            recorded = rec.meta if rec is not None and rec.kind == "file" else Meta()
+            if rec is not None and rec.kind != "file":
+                rec = None
+            recorded = rec.meta if rec is not None else Meta()
             meta = _restorable(recorded)
             node = restore(e.path, stat.S_IFREG | meta.mode, e.size, meta.mtime_ns, "", meta.uid, meta.gid)
-            digest = rec.current if rec is not None and rec.kind == "file" else None
-            if rec is not None and rec.kind == "file":
+            digest = rec.current if rec is not None else None
+            if rec is not None:
                 self.residency.expect(node.ino, rec)
             elif record_path(e.path) in bad:
                 self.residency.unverifiable(node.ino, e.path)
