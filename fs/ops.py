@@ -282,8 +282,14 @@ class Operations(pyfuse3.Operations):
 
     @_errors
     async def flush(self, fh: int) -> None:
+        if self.shared is None:
+            # One node: nothing to do at close(2) (a file is sealed at its
+            # release). ENOSYS tells the kernel so, once: it sends no FLUSH
+            # again, and every close saves a round trip to this daemon (it
+            # still writes cached pages back before close returns).
+            raise pyfuse3.FUSEError(errno.ENOSYS)
         handle = self.tree.handle(fh)
-        if self.shared is not None and handle.writable and handle.inode.writers == 1:
+        if handle.writable and handle.inode.writers == 1:
             # Cluster mode: close(2) waits for FLUSH, not for RELEASE; the seal
             # must have its place in the cluster's log before close returns
             # (a marker another node writes next comes after it).
