@@ -160,6 +160,10 @@ class SharedLog:
         position, blob = self._r.hmget(self.snapshot_key, ["position", "blob"])
         return None if position is None or blob is None else (int(position), blob)
 
+    def snapshot_position(self) -> int:
+        """The log position of the newest snapshot (0: none yet)."""
+        return int(self._r.hget(self.snapshot_key, "position") or 0)
+
     def save_snapshot(self, pipe: redis.client.Pipeline, position: int, blob: bytes, grace_s: float) -> None:
         """In `pipe`: keep `blob` as the snapshot at `position` (unless one
         as recent is kept), and trim the log before it, keeping what the

@@ -246,6 +246,7 @@ class ClusterNode:
         what was lost with it; which node publishes; the log position."""
         members = await trio.to_thread.run_sync(self.members.members)
         leader = await trio.to_thread.run_sync(self.members.leader)
+        kept = await trio.to_thread.run_sync(self.shared.snapshot_position)
         per: dict[str, dict] = {}
         for op in self.engine.unpublished():
             if isinstance(op, FileGen):
@@ -262,7 +263,8 @@ class ClusterNode:
                           "heartbeat_age_s": info.get("age"), "publishes": me == leader, "this": me == self.namespace.me,
                           "gone": me in self.engine.gone or me not in members,
                           **per.get(me, {"unpublished_files": 0, "unpublished_bytes": 0, "lost_files": 0})})
-        return {"nodes": nodes, "log_position": self.namespace.position, "publishing_node_gone": leader is None}
+        return {"nodes": nodes, "log_position": self.namespace.position, "snapshot_position": kept,
+                "publishing_node_gone": leader is None, "behind": self.namespace.behind}
 
     def leave(self) -> None:
         try:

@@ -177,7 +177,10 @@ def _print_cluster(console, c: dict) -> None:
 
     if c["publishing_node_gone"]:
         console.print(Text("the cluster's publishing node is gone: nothing more is published", style="red"))
-    table = Table(title=f"cluster (log position {c['log_position']})", show_edge=False, pad_edge=False, title_justify="left")
+    if c.get("behind"):
+        console.print(Text(printable(c["behind"]), style="red"))
+    kept = f", snapshot at {c['snapshot_position']}" if c.get("snapshot_position") else ""
+    table = Table(title=f"cluster (log position {c['log_position']}{kept})", show_edge=False, pad_edge=False, title_justify="left")
     for col, justify in (("node", "left"), ("host", "left"), ("pid", "right"), ("heartbeat", "right"), ("role", "left"),
                          ("unpublished", "right"), ("size", "right"), ("lost", "right")):
         table.add_column(col, justify=justify)

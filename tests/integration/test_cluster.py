@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -632,6 +633,9 @@ def test_a_node_joining_a_running_cluster_loads_a_snapshot_and_does_not_wait_for
             (b.mountpoint / f"d{i}").mkdir()
             time.sleep(0.3)
         wait_until(lambda: r.xlen("ckptfs:log") < int(r.get("ckptfs:head")) - 20, 10, "the log trimmed")
+        shown = json.loads(run_cli("status", str(a.mountpoint), "--cluster", "--json").stdout)["cluster"]
+        assert shown["snapshot_position"] > 20 and shown["behind"] == "", shown
+        assert re.search(r"log position \d+, snapshot at \d+", run_cli("status", str(a.mountpoint), "--cluster").stdout)
         (b.mountpoint / "after").mkdir()  # a change after the snapshot: replayed from the log
         stop_mount(b)
         late = start_mount(tmp_path / "late", store=store,
