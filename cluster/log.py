@@ -51,7 +51,8 @@ return there
 # seconds after which a silent member no longer counts. Saves the snapshot
 # unless one as recent is there, and trims the log to the entries after
 # it that a member beating still needs (its heartbeat says how far it
-# applied the log; one joining says 0 until it has loaded the snapshot).
+# applied the log; one joining says 0 until it has loaded the snapshot; one
+# that fell behind the log for good says so, and needs none of it).
 # Returns the first position kept, or 0 if not saved.
 _SAVE_SNAPSHOT = """
 local position = tonumber(ARGV[1])
@@ -63,7 +64,7 @@ local keep = position
 local members = redis.call('HGETALL', KEYS[3])
 for i = 2, #members, 2 do
   local m = cjson.decode(members[i])
-  if now - m['beat'] < tonumber(ARGV[3]) then keep = math.min(keep, tonumber(m['position'] or 0)) end
+  if now - m['beat'] < tonumber(ARGV[3]) and not m['behind'] then keep = math.min(keep, tonumber(m['position'] or 0)) end
 end
 redis.call('XTRIM', KEYS[2], 'MINID', string.format('%d-0', keep + 1))
 return keep + 1

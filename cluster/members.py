@@ -137,13 +137,15 @@ class Membership:
                                    f"restoring the store within {timeout_s:.0f}s")
             time.sleep(0.05)
 
-    def beat(self, position: int = 0) -> bool:
+    def beat(self, position: int = 0, behind: bool = False) -> bool:
         """This daemon's heartbeat, with how far it applied the cluster's
-        log (`position`: the log is not trimmed past it); False if it was
-        the publishing node and no longer is."""
+        log (`position`: the log is not trimmed past it, unless `behind`:
+        this node fell behind it for good); False if it was the publishing
+        node and no longer is."""
         r = self.shared.redis
         r.hset(self.members_key, self.me, json.dumps({"node": self.node, "host": socket.gethostname(), "pid": os.getpid(),
-                                                       "beat": _now(r), "publishes": self.publishes, "position": position}))
+                                                       "beat": _now(r), "publishes": self.publishes, "position": position,
+                                                       "behind": behind}))
         if self.publishes:
             return bool(self._keep(keys=[self.leader_key], args=[self.me, int(LEADER_TTL_S * 1000)]))
         return True

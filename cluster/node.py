@@ -110,7 +110,7 @@ class ClusterNode:
             await trio.sleep(BEAT_S)
             try:
                 sent = time.monotonic()
-                still = await trio.to_thread.run_sync(self.members.beat, self.namespace.position)
+                still = await trio.to_thread.run_sync(self.members.beat, self.namespace.position, bool(self.namespace.behind))
                 leader = await trio.to_thread.run_sync(self.members.leader) if not (self.publishes and still) else self.namespace.me
                 members = await trio.to_thread.run_sync(self.members.members)
                 if self.publishes and not still:  # another node took the key: this node follows it

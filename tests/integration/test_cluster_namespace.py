@@ -209,6 +209,14 @@ async def test_the_log_is_trimmed_to_a_snapshot_that_late_joiners_load_but_never
     with pytest.raises(OSError) as got:
         await stale.change("mkdir", ROOT, b"x", 0o755, 0, 0)
     assert got.value.errno == errno.EIO and "unmount it and mount it again" in str(got.value)
+    # ...and, beating on, it does not hold back trimming (it needs none of the log any more)
+    Membership(stale.log, stale.me, "stale").beat(stale.position, behind=True)
+    await _churn(a, 7, 20)
+    await _settled(a, b, c, late)
+    for r in (a, b, c, late):
+        Membership(r.log, r.me, r.node).beat(r.position)
+    assert _save_snapshot(a) == a.position + 1
+    assert a.log.read(0) == []
 
 
 async def test_redis_errors_are_one_line(redis_db, tmp_path, monkeypatch):
