@@ -27,6 +27,7 @@ attributes and seals are shared.
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import logging
 import os
@@ -48,6 +49,8 @@ log = logging.getLogger(__name__)
 FOLLOW_BLOCK_S = 1.0
 REDIS_PATIENCE_S = 10.0  # a namespace change waits this long for an unreachable Redis, then fails with EIO
 APPEND_RETRY_S = 0.2
+SNAPSHOT_SLICE = 5000  # inodes a snapshot takes between two turns of the event loop
+SNAPSHOT_PAUSE_S = 0.0  # and the pause it makes there
 # The tree's methods a log entry may name: every change of names, links and attributes.
 CHANGES = frozenset({"mknod", "mkdir", "symlink", "link", "unlink", "rmdir", "rename", "setattr", "setxattr", "removexattr"})
 
@@ -79,6 +82,7 @@ class SharedNamespace:
         self._shrunk = trio.Event()  # set (and replaced) when one has its place
         self._sealed: snapshot.Sealed = {}  # what each file was last sealed as in the log (for snapshots)
         self.behind = ""  # why this replica can apply the log no more (it was trimmed past it), or ""
+        self._snapshotting: trio.Event | None = None  # set when a snapshot being taken is done: applying the log waits
         # Told of every entry another node made, once applied: (op, args), to
         # drop what the kernel caches of the names and files it changed.
         self.elsewhere: Callable[[str, list], None] | None = None
@@ -252,6 +256,7 @@ class SharedNamespace:
         n = 0
         while True:
             got = await trio.to_thread.run_sync(self.log.read, self.position)
+            await self._not_snapshotting()
             n += self._apply_all(got)
             if len(got) < READ_BATCH or self.behind:
                 return n
@@ -281,6 +286,7 @@ class SharedNamespace:
             if self._warned:
                 log.info("the cluster's Redis answers again")
                 self._warned.clear()
+            await self._not_snapshotting()
             self._apply_all(got)
 
     def _apply_all(self, entries: list[tuple[int, bytes]]) -> int:
@@ -357,10 +363,27 @@ class SharedNamespace:
             self.engine.sealed_elsewhere(ino, generation, size, author)
 
     # -- snapshots (cluster.snapshot) -------------------------------------------------
-    def take_snapshot(self) -> dict:
-        """The namespace at this replica's position (on the trio thread: as one moment)."""
-        self._sealed = {ino: s for ino, s in self._sealed.items() if ino in self.tree.inodes}
-        return snapshot.take(self.tree, self._sealed)
+    async def take_snapshot(self) -> tuple[int, dict]:
+        """The namespace at this replica's position, and that position. It is
+        taken a slice of inodes at a time: the log waits to be applied
+        meanwhile (a namespace change waits), reads and writes go on."""
+        done = self._snapshotting = trio.Event()
+        try:
+            position = self.position
+            self._sealed = {ino: s for ino, s in self._sealed.items() if ino in self.tree.inodes}
+            inodes = list(self.tree.inodes.values())
+            rows: list[tuple] = []
+            for i in range(0, len(inodes), SNAPSHOT_SLICE):
+                rows += snapshot.rows(inodes[i : i + SNAPSHOT_SLICE], self._sealed)
+                await trio.sleep(SNAPSHOT_PAUSE_S)
+            return position, {"next_ino": self.tree.next_ino, "inodes": rows}
+        finally:
+            self._snapshotting = None
+            done.set()
+
+    async def _not_snapshotting(self) -> None:
+        while self._snapshotting is not None:
+            await self._snapshotting.wait()
 
     def load_snapshot(self) -> snapshot.Sealed | None:
         """A node joining a running cluster (before it serves): its replica
@@ -369,8 +392,14 @@ class SharedNamespace:
         got = self.log.snapshot()
         if got is None:
             return None
-        position, state = snapshot.decode(got[1])
-        self._sealed = snapshot.load(self.tree, state)
+        collecting = gc.isenabled()
+        gc.disable()  # a few objects per inode, kept as long as the mount: the cyclic collector would walk them again and again
+        try:
+            position, state = snapshot.decode(got[1])
+            self._sealed = snapshot.load(self.tree, state)
+        finally:
+            if collecting:
+                gc.enable()
         self.position = position
         log.info("loaded the cluster's namespace at log position %d: %d inodes", position, len(state["inodes"]))
         return self._sealed

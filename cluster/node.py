@@ -140,7 +140,7 @@ class ClusterNode:
         position = self.namespace.position
         if position - self.snapshot_at < self.snapshot_every or self.engine.queue or self.engine.publisher.deferred or self.taking_over:
             return
-        state = self.namespace.take_snapshot()  # one moment of the replica
+        position, state = await self.namespace.take_snapshot()
         blob = await trio.to_thread.run_sync(snapshot.encode, position, state)
         self.events.save_snapshot(position, blob, snapshot.TRIM_GRACE_S)
         self.snapshot_at = position

@@ -23,9 +23,10 @@ to each node and not in it.
 from __future__ import annotations
 
 import json
-import os
 import stat
+import sys
 import zlib
+from collections.abc import Iterable
 
 from ckptfs.fs.memory import FileData
 from ckptfs.fs.tree import ROOT, Inode, InodeTree
@@ -36,37 +37,47 @@ TRIM_GRACE_S = 300.0  # a node silent longer no longer holds back trimming (it c
 Sealed = dict[int, tuple[int, int, int]]  # inode -> (generation, size, mtime_ns) of its last seal in the log
 
 
-def take(tree: InodeTree, sealed: Sealed) -> dict:
-    """The namespace of `tree` (a replica at one log position), as JSON-able data."""
-    rows = []
-    for inode in tree.inodes.values():
-        if inode.ino != ROOT and not inode.links:
+_ENC, _ERR = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()  # os.fsdecode / os.fsencode, without a call each
+
+
+def rows(inodes: Iterable[Inode], sealed: Sealed) -> list[tuple]:
+    """The rows of a snapshot for `inodes` of a replica at one log position
+    (JSON-able; plain tuples, as this is most of what taking one costs)."""
+    out: list[tuple] = []
+    append = out.append
+    for inode in inodes:
+        links = inode.links
+        if not links and inode.ino != ROOT:
             continue
-        generation, size, mtime_ns = inode.generation, inode.size, inode.mtime_ns
         if inode.data is not None:  # as the log has it: a seal made here and not in the log yet is not
-            generation, size, mtime_ns = sealed.get(inode.ino) or (0, 0, mtime_ns)
-        rows.append([inode.ino, inode.mode, inode.uid, inode.gid, inode.rdev, inode.atime_ns, mtime_ns, inode.ctime_ns,
-                     generation, size, os.fsdecode(inode.target),
-                     {os.fsdecode(k): os.fsdecode(v) for k, v in inode.xattrs.items()} if inode.xattrs else None,
-                     [[parent, os.fsdecode(name)] for parent, name in sorted(inode.links)]])
-    return {"next_ino": tree.next_ino, "inodes": rows}
+            generation, size, mtime_ns = sealed.get(inode.ino) or (0, 0, inode.mtime_ns)
+        else:
+            generation, size, mtime_ns = inode.generation, 0, inode.mtime_ns
+        append((inode.ino, inode.mode, inode.uid, inode.gid, inode.rdev, inode.atime_ns, mtime_ns, inode.ctime_ns,
+                generation, size, inode.target.decode(_ENC, _ERR) if inode.target else "",
+                {k.decode(_ENC, _ERR): v.decode(_ENC, _ERR) for k, v in inode.xattrs.items()} if inode.xattrs else None,
+                [(parent, name.decode(_ENC, _ERR)) for parent, name in links]))
+    return out
 
 
 def load(tree: InodeTree, state: dict) -> Sealed:
     """Make `tree` (empty) the snapshot's namespace. Files sealed in the log
     come evicted (they load from the store); what they were sealed as."""
     inodes, sealed = [], {}
+    pool = tree.pool
     for ino, mode, uid, gid, rdev, atime_ns, mtime_ns, ctime_ns, generation, size, target, xattrs, links in state["inodes"]:
-        inode = Inode(ino, mode, uid, gid, rdev=rdev, atime_ns=atime_ns, mtime_ns=mtime_ns, ctime_ns=ctime_ns,
-                      target=os.fsencode(target), generation=generation,
-                      links={(parent, os.fsencode(name)) for parent, name in links})
+        inode = Inode(ino, mode, uid, gid, rdev=rdev, atime_ns=atime_ns, mtime_ns=mtime_ns, ctime_ns=ctime_ns)
+        inode.links = {(parent, name.encode(_ENC, _ERR)) for parent, name in links}
+        if target:
+            inode.target = target.encode(_ENC, _ERR)
         if xattrs:
-            inode.xattrs = {os.fsencode(k): os.fsencode(v) for k, v in xattrs.items()}
-        if stat.S_ISREG(mode):
-            inode.data = FileData(tree.pool)
+            inode.xattrs = {k.encode(_ENC, _ERR): v.encode(_ENC, _ERR) for k, v in xattrs.items()}
+        inode.generation = generation
+        if mode & 0o170000 == stat.S_IFREG:
+            inode.data = data = FileData(pool)
             if generation:  # never sealed: empty, as its mknod left it
-                inode.data.size = size
-                inode.data.resident = False
+                data.size = size
+                data.resident = False
                 inode.sealed_version = inode.version
                 sealed[ino] = (generation, size, mtime_ns)
         inodes.append(inode)

@@ -246,8 +246,8 @@ async def test_a_node_joining_after_a_snapshot_knows_what_is_published_and_what_
         before = [await b.write(f"b{i}".encode(), b"b" * (1000 + i)) for i in range(3)]
         lost_before = await c.write(b"c-before", b"c" * 100)
         await lose_c(lost_before)
-        position = a.ns.position
-        a.events.save_snapshot(position, snapshot.encode(position, a.ns.take_snapshot()), snapshot.TRIM_GRACE_S)
+        position, state = await a.ns.take_snapshot()
+        a.events.save_snapshot(position, snapshot.encode(position, state), snapshot.TRIM_GRACE_S)
         with trio.fail_after(10):
             while a.ns.log.snapshot() is None:
                 await trio.sleep(0.01)

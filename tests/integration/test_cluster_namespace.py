@@ -161,10 +161,11 @@ async def test_replicas_agree_after_many_concurrent_changes_and_a_late_joiner_ca
     assert late.position == replicas[0].position == late.log.head()
 
 
-def _save_snapshot(r: SharedNamespace) -> int:
+async def _save_snapshot(r: SharedNamespace) -> int:
     """Replica `r` keeps a snapshot of its namespace and trims the log; the first position kept."""
+    position, state = await r.take_snapshot()
     pipe = r.log.redis.pipeline(transaction=True)
-    r.log.save_snapshot(pipe, r.position, snapshot.encode(r.position, r.take_snapshot()), snapshot.TRIM_GRACE_S)
+    r.log.save_snapshot(pipe, position, snapshot.encode(position, state), snapshot.TRIM_GRACE_S)
     return pipe.execute()[0]
 
 
@@ -181,7 +182,7 @@ async def test_the_log_is_trimmed_to_a_snapshot_that_late_joiners_load_but_never
     assert at > 100
     # c beats, but has applied the log only up to `at - 30`: it keeps what c needs
     Membership(c.log, c.me, "c").beat(at - 30)
-    assert _save_snapshot(a) == at - 30 + 1
+    assert await _save_snapshot(a) == at - 30 + 1
     assert c.log.read(0)[0][0] == at - 30 + 1
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_churn, a, 3, 40)
@@ -189,7 +190,7 @@ async def test_the_log_is_trimmed_to_a_snapshot_that_late_joiners_load_but_never
     await _settled(a, b, c)
     Membership(c.log, c.me, "c").beat(c.position)  # c applied everything: the next snapshot trims the log to it
     at = b.position
-    assert _save_snapshot(b) == c.position + 1 == at + 1
+    assert await _save_snapshot(b) == c.position + 1 == at + 1
     assert c.log.read(0) == []
     await _churn(a, 5, 30)  # changes after the snapshot
     await _settled(a, b, c)
@@ -215,7 +216,7 @@ async def test_the_log_is_trimmed_to_a_snapshot_that_late_joiners_load_but_never
     await _settled(a, b, c, late)
     for r in (a, b, c, late):
         Membership(r.log, r.me, r.node).beat(r.position)
-    assert _save_snapshot(a) == a.position + 1
+    assert await _save_snapshot(a) == a.position + 1
     assert a.log.read(0) == []
 
 
@@ -239,3 +240,26 @@ async def test_redis_errors_are_one_line(redis_db, tmp_path, monkeypatch):
         SharedLog(Where("http://127.0.0.1:6379"))
     with pytest.raises(ClusterError, match="cannot read the Redis password file"):
         SharedLog(Where(redis_db.url, str(tmp_path / "missing"))).open(STORE)
+
+
+async def test_a_snapshot_is_the_namespace_at_one_position_while_changes_go_on(redis_db, monkeypatch):
+    """A snapshot is taken a slice of inodes at a time (reads and writes go
+    on meanwhile); the log waits to be applied, so it is still the namespace
+    at one position: exactly what replaying the log up to there makes."""
+    monkeypatch.setattr("ckptfs.cluster.namespace.SNAPSHOT_SLICE", 3)
+    monkeypatch.setattr("ckptfs.cluster.namespace.SNAPSHOT_PAUSE_S", 0.01)  # time for b's changes to reach a meanwhile
+    a, b = _replica(redis_db, "a"), _replica(redis_db, "b")
+    await _churn(a, 11, 80)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(a.follow)  # a applies b's changes as they come...
+        nursery.start_soon(_churn, b, 12, 80)
+        while b.position < 30:
+            await trio.sleep(0.001)
+        position, state = await a.take_snapshot()  # ...except while it takes the snapshot
+        nursery.cancel_scope.cancel()
+    loaded = InodeTree(MemoryPool(1 << 20))
+    snapshot.load(loaded, state)
+    there = _replica(redis_db, "there")
+    there._apply_all([e for e in there.log.read(0) if e[0] <= position])
+    assert there.position == position
+    assert picture(loaded) == picture(there.tree)
