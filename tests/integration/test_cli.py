@@ -105,6 +105,14 @@ def test_bad_memory_limit(dirs, size):
     assert_clean_error(run_cli("mount", str(mp), "--store", str(store), "--memory-limit", size), "--memory-limit")
 
 
+@pytest.mark.parametrize("every", ["0", "-5", "many"])
+def test_bad_cluster_snapshot_every(dirs, every):
+    mp, store = dirs
+    r = run_cli("mount", str(mp), "--store", str(store), "--cluster", "redis://127.0.0.1:1/0", "--cluster-snapshot-every", every)
+    assert_clean_error(r, "--cluster-snapshot-every")
+    assert r.returncode == 2
+
+
 def test_unknown_store_protocol(dirs):
     mp, _ = dirs
     assert_clean_error(run_cli("mount", str(mp), "--store", "nosuch://bucket/x"), "unknown store protocol", "nosuch")
