@@ -73,9 +73,9 @@ def load(tree: InodeTree, state: dict) -> Sealed:
         if xattrs:
             inode.xattrs = {k.encode(_ENC, _ERR): v.encode(_ENC, _ERR) for k, v in xattrs.items()}
         inode.generation = generation
-        if mode & 0o170000 == stat.S_IFREG:
+        if stat.S_ISREG(mode):
             inode.data = data = FileData(pool)
-            if generation:  # never sealed: empty, as its mknod left it
+            if generation:  # sealed (else never sealed: empty and resident, as its mknod left it)
                 data.size = size
                 data.resident = False
                 inode.sealed_version = inode.version

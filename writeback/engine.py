@@ -236,8 +236,9 @@ class Engine:
             if held is None:
                 self.published_gen[ino] = generation
                 continue
-            seq = held[0]
-            gen = FileGen(seq, ino, generation, None, self.meta_of(ino) or Meta(0o644), size, self.ns.paths_of(ino), owner=held[1])
+            meta = self.meta_of(ino)
+            assert meta is not None  # in the snapshot: in the tree
+            gen = FileGen(held[0], ino, generation, None, meta, size, self.ns.paths_of(ino), owner=held[1])
             gen.move(State.UPLOADING)
             self.pending[ino] = gen
             self._sealed_elsewhere[ino] = generation

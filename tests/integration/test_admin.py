@@ -442,6 +442,24 @@ def test_metrics_agree_with_status(tmp_path):
         stop_mount(m)
 
 
+def test_one_node_closes_without_a_flush_round_trip_each(tmp_path):
+    """On one node a close needs nothing of the daemon (a file is sealed at
+    its release): the daemon tells the kernel so at the first FLUSH, which
+    then sends none; files closed are still sealed and published."""
+    port = free_port()
+    m = start_mount(tmp_path, extra=("--metrics-port", str(port), "--metrics-host", "127.0.0.1"))
+    try:
+        for i in range(10):
+            write(m.path(f"f{i}"), b"x" * (100 + i))
+        assert run_cli("flush", str(m.mountpoint)).returncode == 0
+        got = _scrape(port)
+        assert got["ckptfs_fuse_request_seconds_count{op=release}"] >= 10
+        assert got.get("ckptfs_fuse_request_seconds_count{op=flush}", 0) <= 1, got
+        assert store_files(m.store) == {f"f{i}": b"x" * (100 + i) for i in range(10)}
+    finally:
+        stop_mount(m)
+
+
 def test_metrics_port_in_use_is_a_clean_error(tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
