@@ -4,7 +4,8 @@ One node's publisher applies the cluster's journal to the store (see
 `writeback.following`); the others stage their own files and follow it:
 
 - `staged`    a node staged a generation it holds: the publishing node shows it at its turn;
-- `restage`   the publishing node found that staged data gone: its node stages it again;
+- `restage`   the publishing node cannot show that staged data (gone, or an upload open at a name
+              the file has left): its node stages it again, under a hidden key;
 - `published` the publishing node showed a generation at a path (its digest with it);
 - `progress`  the publishing node applied every op of the journal up to a sequence number;
 - `leader`    a node took over publishing (the one that published is gone):

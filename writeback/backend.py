@@ -236,14 +236,15 @@ class Backend:
         (`named`: those at files' names too, begun before `started`)."""
 
     # -- data --------------------------------------------------------------------
-    def stage(self, pieces: Iterable[memoryview | bytes], size: int, name: str | None = None, hidden: bool = False) -> Staged:
+    def stage(self, pieces: Iterable[memoryview | bytes], size: int, name: str | None = None, elsewhere: bool = False) -> Staged:
         """Upload `pieces` (`size` bytes), invisible: under a hidden name of
         its own. `name`: where it will probably be published (a store that
-        can stage there invisibly, S3, does; publishing elsewhere still works).
-        `hidden`: another node publishes it (cluster mode), without the bytes
-        and perhaps under another name: every byte is staged now, under a
-        hidden name, whatever the size (no PUT at publication, no upload left
-        open at a name)."""
+        can stage there invisibly, S3, does; publishing elsewhere still works,
+        from the bytes again). `elsewhere`: another node publishes it (cluster
+        mode), without the bytes: every byte is staged now, whatever the size
+        (no PUT at publication). What is staged at `name` (`Staged.at`) can
+        then be published there only; under another name, its node stages it
+        again with no `name`."""
         raise NotImplementedError
 
     def staged_exists(self, token: str) -> bool:
@@ -412,7 +413,7 @@ class LocalBackend(Backend):
         finally:
             os.close(fd)
 
-    def stage(self, pieces: Iterable[memoryview | bytes], size: int, name: str | None = None, hidden: bool = False) -> Staged:
+    def stage(self, pieces: Iterable[memoryview | bytes], size: int, name: str | None = None, elsewhere: bool = False) -> Staged:
         large = not 0 <= size < SYNCED_AT_PUBLISH
         return Staged(size, self._write_staged(pieces, sync=large, direct=large))
 
@@ -772,7 +773,7 @@ class FsspecBackend(Backend):
     def _abs(self, path: str) -> str:
         return f"{self.root}/{path}" if path else self.root
 
-    def stage(self, pieces: Iterable[memoryview | bytes], size: int, name: str | None = None, hidden: bool = False) -> Staged:
+    def stage(self, pieces: Iterable[memoryview | bytes], size: int, name: str | None = None, elsewhere: bool = False) -> Staged:
         tmp = self._staging_name()
         with self.fs.open(self._abs(tmp), "wb") as f:
             for piece in pieces:
@@ -865,14 +866,20 @@ class S3Backend(FsspecBackend):
     from the snapshot. A file whose name looks temporary (`TEMPORARY`: Orbax's
     `*.orbax-checkpoint-tmp-*` directories, `*.tmp`) is likely to be renamed,
     so it is uploaded whole to a hidden staging key instead and published by a
-    server-side copy, which is cheaper than uploading again."""
+    server-side copy, which is cheaper than uploading again.
+
+    Cluster mode: a following node stages its large files at their names
+    too, and the publishing node completes the upload at their turn. One
+    renamed before its turn can be uploaded again only by its node, which
+    holds the bytes: the publishing node aborts the upload and asks that
+    node to stage the file again, under a hidden key (`Publisher._staged_again`)."""
 
     def _bucket_key(self, path: str) -> tuple[str, str]:
         bucket, _, key = self._abs(path).partition("/")
         return bucket, key
 
-    def stage(self, pieces: Iterable[memoryview | bytes], size: int, name: str | None = None, hidden: bool = False) -> Staged:
-        if hidden and 0 <= size <= SMALL_PUT:
+    def stage(self, pieces: Iterable[memoryview | bytes], size: int, name: str | None = None, elsewhere: bool = False) -> Staged:
+        if elsewhere and 0 <= size <= SMALL_PUT:
             tmp = self._staging_name()
             self.fs.pipe_file(self._abs(tmp), b"".join(bytes(p) for p in pieces))
             return Staged(size, tmp)
@@ -880,7 +887,7 @@ class S3Backend(FsspecBackend):
             for _ in pieces:  # hashed on the way by the caller; published from the snapshot
                 pass
             return Staged(size, None)
-        if name is not None and not temporary(name) and not hidden:
+        if name is not None and not temporary(name):
             upload_id, parts = self._upload(name, pieces, size, complete=False)
             return Staged(size, f"{MPU}{upload_id}", parts, at=name)
         tmp = self._staging_name()

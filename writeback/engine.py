@@ -335,10 +335,12 @@ class Engine:
                   "directory wait until it is rewritten or deleted", gen.path, gen.generation, gen.size, why)
 
     def restage(self, ino: int, generation: int) -> None:
-        """Cluster mode: the publishing node found the staged data of this
-        node's generation gone: stage it again."""
+        """Cluster mode: the publishing node cannot show this node's
+        generation from what it staged (gone, or an upload open at a name
+        the file has left): stage it again, under a hidden key."""
         gen = self.pending.get(ino)
         if gen is not None and gen.generation == generation and gen.owner is None and gen.state is State.STAGED:
+            gen.hidden = True  # publishable under any name: asked again perhaps because it moved from the one staged at
             gen.move(State.FAILED)
             self.upload_again(gen)
 
@@ -578,14 +580,13 @@ class Engine:
         (frozen or cut off from Redis past its lease): `following` follows
         it from now on. This node's replica of the store goes: the other
         node rebuilt its own. Small files this node would have written
-        whole at their turn, or at their names, are staged again, hidden, as
-        every following node stages."""
+        whole at their turn are staged now, as every following node stages
+        them; what is staged already, at a name or not, the other node
+        publishes (`Events.follow` reports it)."""
         self.publisher = following
         self._publishing.cancel()
-        for gen in list(self.pending.values()):  # staged for this node's own publisher: whole at publication, or at its name
-            if gen.owner is None and gen.state is State.STAGED and gen.staged is not None and (gen.staged.token is None or gen.staged.at):
-                if gen.staged.token is not None and self._nursery is not None:
-                    self._nursery.start_soon(functools.partial(self._discard, gen.staged, gen.path))
+        for gen in list(self.pending.values()):  # left for this node's own publisher to write whole
+            if gen.owner is None and gen.state is State.STAGED and gen.staged is not None and gen.staged.token is None:
                 gen.move(State.FAILED)
                 self.upload_again(gen)
         self.notify()
@@ -639,7 +640,7 @@ class Engine:
             return gen.state is State.DROPPED or gen.attempt != attempt
 
         try:
-            names = self.ns.paths_of(gen.ino)  # where it will probably be published (the store may stage there)
+            names = [] if gen.hidden else self.ns.paths_of(gen.ino)  # where it will probably be published (the store may stage there)
             elsewhere = self.link is not None and not self.link.publishes  # by the cluster's publishing node, without the bytes
             staged, digest = await self.read_snapshot(gen, f"upload {gen.path}", storeio.stage, self.backend, gen.pieces(), gen.size,
                                                       cancelled, names[0] if names else None, elsewhere, nbytes=gen.size)
@@ -658,8 +659,8 @@ class Engine:
 
     def staged(self, gen: FileGen, staged: Staged, digest: Digest) -> None:
         """This node staged `gen` (its upload worker, or its stream)."""
-        if self.link is not None and not self.link.publishes and (staged.token is None or staged.at):
-            # Staged at its name for this node's own publishing, which another node took over meanwhile (`follow`).
+        if self.link is not None and not self.link.publishes and staged.token is None:
+            # Left for this node's own publishing to write whole, which another node took over meanwhile (`follow`).
             if staged.token is not None and self._nursery is not None:
                 self._nursery.start_soon(functools.partial(self._discard, staged, gen.path))
             gen.move(State.FAILED)

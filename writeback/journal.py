@@ -64,6 +64,7 @@ class FileGen(Op):
     superseded_by: FileGen | None = None
     retry_at: float = 0.0  # trio time before which a failed step is not retried
     owner: str | None = None  # cluster mode: the node whose RAM holds it (None: this one), which stages it
+    hidden: bool = False  # cluster mode: staged again under a hidden key, never at a name (`Publisher._staged_again`)
 
     @property
     def path(self) -> str:

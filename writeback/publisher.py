@@ -344,7 +344,7 @@ class Publisher:
                      and len(op.names) == 1)
             name = op.names[0] if ready else ""
             if (not ready or name in names or self._is_marker(name) or not self._plain_spot(name, op.ino)
-                    or not self.live_at(name, op.ino)):
+                    or not self.live_at(name, op.ino) or (op.owner is not None and op.staged.at not in (None, name))):
                 if not around:
                     break
                 waiting_nodes.add(op.owner)
@@ -451,6 +451,10 @@ class Publisher:
             self.waiting_markers.add(node)
             return False
         at = into or path
+        if (gen.owner is not None and gen.state is not State.PUBLISHED and self._shown_source(gen, exclude=node) is None
+                and (gen.staged is None or gen.staged.at not in (None, at))):
+            # another node's, and what it staged cannot be shown here: it stages the file again
+            return await self._staged_again(gen, path) and await self._materialize(path, node, into)
         # The record names where the bytes land; none inside a hidden assembly
         # directory (the directory move writes the records for the final paths).
         rec = None if at.startswith(META + "/") else self._record(at, gen, node)
@@ -498,6 +502,29 @@ class Publisher:
             self._made_parents(at)  # where the bytes landed: their directories exist in the store now
         self.e.published(gen, path)
         return True
+
+    async def _staged_again(self, gen: FileGen, path: str) -> bool:
+        """Cluster mode: another node's generation that cannot be shown at
+        `path` from what it staged: an upload left open at another name (S3:
+        the file was renamed before its turn), or nothing (its node is staging
+        it again). Only its node holds the bytes: the open upload is aborted,
+        that node stages the file again under a hidden key (`Engine.restage`),
+        and this turn waits for it, as a turn waits for any staging. Rare: a
+        name likely to be renamed is staged hidden from the start
+        (`TEMPORARY`). False if the generation is dropped or lost, or leaves
+        `path`, first (it is held there, and shown where it goes once staged)."""
+        if gen.staged is not None:
+            staged = gen.staged
+            log.info("%s was staged by node %s at %s, renamed before its turn: that node stages it again", path, gen.owner, staged.at)
+            self.e.upload_again(gen)  # asks its node (or loses it, if its node is gone)
+            await self.call(f"abort the upload of {path} at {staged.at}", self.e.backend.discard, staged)
+        while True:
+            change = self.e.next_change()
+            if gen.state in (State.DROPPED, State.PARKED) or not self.live_at(path, gen.ino):
+                return False
+            if gen.staged is not None:
+                return True
+            await change.wait()
 
     def _shown_source(self, gen: FileGen, exclude: Node) -> str | None:
         for path, other in self.replica.nodes_of(gen.ino):

@@ -43,9 +43,9 @@ class NewerInStore(Exception):
 
 
 def stage(backend: Backend, pieces: Iterable[memoryview | bytes], size: int,
-          cancelled: Callable[[], bool] | None = None, name: str | None = None, hidden: bool = False) -> tuple[Staged, Digest]:
+          cancelled: Callable[[], bool] | None = None, name: str | None = None, elsewhere: bool = False) -> tuple[Staged, Digest]:
     """Upload `pieces` invisibly, hashing them on the way (`name`: where it
-    will probably be published; `hidden`: by another node; see `Backend.stage`;
+    will probably be published; `elsewhere`: by another node; see `Backend.stage`;
     `size` -1: not known yet, the caller checks the digest's)."""
     h = manifest.Hashing()
 
@@ -56,7 +56,7 @@ def stage(backend: Backend, pieces: Iterable[memoryview | bytes], size: int,
             h.update(piece)
             yield piece
 
-    staged = backend.stage(hashed(), size, name, hidden)
+    staged = backend.stage(hashed(), size, name, elsewhere)
     if size >= 0 and h.size != size:
         backend.discard(staged)
         raise OSError(errno.EIO, f"snapshot yielded {h.size} bytes, expected {size}")

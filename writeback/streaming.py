@@ -161,7 +161,7 @@ class Streams:
         engine = self.engine
         token = trio.lowlevel.current_trio_token()
         names = engine.ns.paths_of(stream.ino)
-        hidden = engine.link is not None and not engine.link.publishes  # by the cluster's publishing node, without the bytes
+        elsewhere = engine.link is not None and not engine.link.publishes  # by the cluster's publishing node, without the bytes
 
         def release(snapshot: Snapshot) -> None:  # upload thread
             with contextlib.suppress(trio.RunFinishedError):
@@ -170,7 +170,7 @@ class Streams:
         def body():
             pieces = stream.pieces(release)
             try:
-                return storeio.stage(engine.backend, pieces, -1, stream.cancelled, names[0] if names else None, hidden)
+                return storeio.stage(engine.backend, pieces, -1, stream.cancelled, names[0] if names else None, elsewhere)
             finally:
                 pieces.close()  # now, not when collected: the snapshot it was in the middle of is released
 

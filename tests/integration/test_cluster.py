@@ -372,7 +372,9 @@ def test_a_cluster_over_s3(tmp_path, redis_db, s3):
     publishing node has not their bytes, and they are renamed before their
     turn) and shown by the publishing node; the marker comes after them;
     renames and rotation move and delete every node's objects; no upload is
-    left open."""
+    left open. A large file at a plain name is staged at it (an upload the
+    publishing node completes), and so is one renamed right after its close
+    (staged again by its node if the rename came before its turn)."""
     url = s3.bucket("cluster")
     big, bigger = os.urandom(20 << 20), os.urandom(72 << 20)  # bigger: staged while written, too
     with nodes(tmp_path, redis_db, extra=("--store", url, *s3.cli_options())) as (a, b):
@@ -383,10 +385,15 @@ def test_a_cluster_over_s3(tmp_path, redis_db, s3):
         a.path("ckpt-tmp", "shard-a").write_bytes(b"a" * 1000)
         os.rename(a.path("ckpt-tmp"), a.path("ckpt-1"))
         a.path("ckpt-1", "commit_success.txt").write_bytes(b"ok")
+        b.path("ckpt-1", "extra-b").write_bytes(big[::-1])
+        b.path("ckpt-1", "first-name").write_bytes(big[1:])
+        os.rename(b.path("ckpt-1", "first-name"), b.path("ckpt-1", "renamed-b"))
         assert run_cli("flush", str(b.mountpoint), "--cluster", "--timeout", "60").returncode == 0
         objects = s3.objects("cluster")
         assert objects == {"ckpt-1/shard-a": b"a" * 1000, "ckpt-1/shard-b": big, "ckpt-1/small-b": b"b" * 1000,
-                           "ckpt-1/optim-b": bigger, "ckpt-1/commit_success.txt": b"ok"}
+                           "ckpt-1/optim-b": bigger, "ckpt-1/commit_success.txt": b"ok", "ckpt-1/extra-b": big[::-1],
+                           "ckpt-1/renamed-b": big[1:]}
+        assert s3.uploads("cluster") == []
         assert "ckpt-tmp/optim-b: staged while it was written" in b.log_text()
         assert a.path("ckpt-1", "shard-b").read_bytes() == big  # a loads it from the bucket, verified
         shutil.rmtree(b.path("ckpt-1"))

@@ -183,13 +183,12 @@ async def test_a_seal_applied_after_its_staging_and_its_publication_were_heard_i
         nursery.cancel_scope.cancel()
 
 
-async def test_a_node_that_stops_publishing_while_it_uploads_a_file_at_its_name_stages_it_again_hidden(tmp_path, redis_db, s3):
-    """On S3 the publishing node uploads a large file as a multipart upload
-    open at the file's name (completed at its turn). If another node takes
-    over publishing meanwhile, that upload is of no use to it (a rename
-    before its turn would need the bytes again, which only this node has):
-    this node stages the file again under a hidden name, as following nodes
-    do, and aborts the upload at the name. Here the upload is in flight for
+async def test_a_node_that_stops_publishing_while_it_uploads_a_file_at_its_name_keeps_that_upload_for_the_next(tmp_path, redis_db, s3):
+    """On S3 a large file is a multipart upload open at the file's name,
+    completed at its turn, on a following node as on the publishing node.
+    If another node takes over publishing while the upload is in flight,
+    the upload is kept: this node reports it, and the node that publishes
+    now completes it (no second upload). Here the upload is in flight for
     as long as the file is written (staged while written)."""
     url = s3.bucket("demoted")
     a = Node(redis_db, url, "a", publishes=True, options=s3.options())
@@ -206,16 +205,79 @@ async def test_a_node_that_stops_publishing_while_it_uploads_a_file_at_its_name_
             while "big" not in await trio.to_thread.run_sync(s3.uploads, "demoted"):
                 await trio.sleep(0.05)
         a.events.follow(b.ns.me, 0)  # b took over publishing while a was cut off
+        await b.events.take_over(time.monotonic())
         a.tree.release(h.fh)
         await a.ns.placed()
         gen = a.engine.pending[h.inode.ino]
+        attempt = gen.attempt  # its stream's
+        with trio.fail_after(60):
+            await b.engine.flush()
+        assert (await trio.to_thread.run_sync(s3.objects, "demoted")) == {"big": data}
+        assert not await trio.to_thread.run_sync(s3.uploads, "demoted")
+        with trio.fail_after(10):  # a hears it was published
+            while gen.state is not State.PUBLISHED:
+                await trio.sleep(0.01)
+        assert gen.attempt == attempt and not gen.hidden  # the upload at its name was kept, not staged again
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_following_node_stages_a_large_file_at_its_name_and_the_publishing_node_completes_it(tmp_path, redis_db, s3):
+    """On S3 a following node's large file is a multipart upload open at
+    its name, which the publishing node completes at the file's turn: its
+    bytes are uploaded once, with no server-side copy from a hidden key."""
+    url = s3.bucket("atname")
+    a = Node(redis_db, url, "a", publishes=True, options=s3.options())
+    b = Node(redis_db, url, "b", publishes=False, options=s3.options())
+    data = os.urandom(20 << 20)  # above the size put whole at publication
+    async with trio.open_nursery() as nursery:
+        await a.start(nursery, follow=False)  # a applies the log only when told (`catch_up`)
+        await b.start(nursery)
+        ino = await b.write(b"shard", data)
+        gen = b.engine.pending[ino]
         with trio.fail_after(30):
             while gen.state is not State.STAGED:
-                await trio.sleep(0.05)
-        assert gen.staged is not None and gen.staged.at is None and gen.staged.token is not None  # hidden
+                await trio.sleep(0.01)
+        assert gen.staged is not None and gen.staged.at == "shard" and gen.staged.token.startswith("mpu:")
+        assert await trio.to_thread.run_sync(s3.uploads, "atname") == ["shard"]
+        await a.ns.catch_up()
         with trio.fail_after(30):
-            while "big" in await trio.to_thread.run_sync(s3.uploads, "demoted"):
-                await trio.sleep(0.05)
+            await a.engine.flush()
+        assert (await trio.to_thread.run_sync(s3.objects, "atname")) == {"shard": data}
+        assert not await trio.to_thread.run_sync(s3.uploads, "atname")
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_large_file_renamed_before_its_turn_is_staged_again_by_its_node_and_published_at_its_new_name(tmp_path, redis_db, s3):
+    """Node b's large file is staged at its name, `big`, then renamed to
+    `moved` before its turn. Only b holds the bytes: the publishing node a
+    aborts the upload at `big`, b stages the file again under a hidden key,
+    and the rename's turn waits for it, then shows the file at `moved`.
+    (Completing the upload at `big` would show the file where the mount
+    no longer has it; a could not upload it again itself.)"""
+    url = s3.bucket("renamed")
+    a = Node(redis_db, url, "a", publishes=True, options=s3.options())
+    b = Node(redis_db, url, "b", publishes=False, options=s3.options())
+    data = os.urandom(20 << 20)
+    async with trio.open_nursery() as nursery:
+        await a.start(nursery, follow=False)  # a applies the log only when told (`catch_up`)
+        await b.start(nursery)
+        ino = await b.write(b"big", data)
+        gen = b.engine.pending[ino]
+        with trio.fail_after(30):
+            while gen.state is not State.STAGED:
+                await trio.sleep(0.01)
+        assert gen.staged is not None and gen.staged.at == "big"
+        await b.ns.change("rename", 1, b"big", 1, b"moved", 0)
+        await a.ns.catch_up()
+        with trio.fail_after(60):
+            await a.engine.flush()
+        assert (await trio.to_thread.run_sync(s3.objects, "renamed")) == {"moved": data}
+        assert not await trio.to_thread.run_sync(s3.uploads, "renamed")
+        assert gen.hidden  # staged again, hidden
+        with trio.fail_after(10):  # and b hears it was published
+            while b.engine.pending.get(ino) is not None:
+                await trio.sleep(0.01)
+        assert b.engine.published_gen[ino] == 1
         nursery.cancel_scope.cancel()
 
 
