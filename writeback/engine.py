@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
-import functools
 import logging
 import math
 import stat
@@ -282,8 +281,8 @@ class Engine:
             return
         gen = self.pending.get(ino)
         if gen is None or gen.generation != generation or gen.owner is None or gen.state not in (State.UPLOADING, State.FAILED):
-            if self._nursery is not None and (gen is None or gen.generation <= generation):  # dropped here (superseded, deleted)
-                self._nursery.start_soon(functools.partial(self._discard, staged, f"inode {ino} generation {generation}"))
+            if gen is None or gen.generation <= generation:  # dropped here (superseded, deleted)
+                self.discard_soon(staged, f"inode {ino} generation {generation}")
             return
         gen.staged, gen.digest = staged, digest
         gen.move(State.STAGED)
@@ -317,9 +316,9 @@ class Engine:
         gen = self.pending.get(ino)
         if gen is None or gen.generation != generation or gen.owner is not None or gen.state in (State.PUBLISHED, State.DROPPED, State.PARKED):
             return
-        if gen.staged is not None and self._nursery is not None:
+        if gen.staged is not None:
             staged, gen.staged = gen.staged, None
-            self._nursery.start_soon(functools.partial(self._discard, staged, gen.path))
+            self.discard_soon(staged, gen.path)
         self._lose(gen, why)
         self.notify()
 
@@ -661,8 +660,6 @@ class Engine:
         """This node staged `gen` (its upload worker, or its stream)."""
         if self.link is not None and not self.link.publishes and staged.token is None:
             # Left for this node's own publishing to write whole, which another node took over meanwhile (`follow`).
-            if staged.token is not None and self._nursery is not None:
-                self._nursery.start_soon(functools.partial(self._discard, staged, gen.path))
             gen.move(State.FAILED)
             self.upload_again(gen)
             return
@@ -817,13 +814,20 @@ class Engine:
         if self.link is not None:
             self.link.released(gen)
         reported = self.link is not None and not self.link.publishes and gen.owner is None  # staged here: reported as soon as staged
-        if gen.staged is not None and self._nursery is not None and not reported:  # reported: the publishing node's to discard
+        if gen.staged is not None and not reported:  # reported: the publishing node's to discard
             staged, gen.staged = gen.staged, None
-            self._nursery.start_soon(functools.partial(self._discard, staged, gen.path))
+            self.discard_soon(staged, gen.path)
         self._release(gen)
         self.notify()
 
-    async def _discard(self, staged, path: str) -> None:
+    def discard_soon(self, staged: Staged, path: str) -> None:
+        """Delete staged data (or abort its upload) in the background: it
+        shows nothing, so there is no order to keep. Best effort: what a
+        failure leaves is removed at a later start (`Backend.prepare`)."""
+        if self._nursery is not None:
+            self._nursery.start_soon(self._discard, staged, path)
+
+    async def _discard(self, staged: Staged, path: str) -> None:
         with contextlib.suppress(Exception):
             await self.calls.run(f"discard {path}", self.backend.discard, staged)
 

@@ -526,6 +526,19 @@ class Publisher:
                 return True
             await change.wait()
 
+    def _restage_moving(self, show: list[tuple[str, File]]) -> None:
+        """Cluster mode: of the held files a directory move is about to
+        show, those of other nodes staged as uploads open at the names they
+        leave are staged again by their nodes now, all at once, so that each
+        member's wait (`_staged_again`) overlaps the others'."""
+        for path, f in show:
+            gen = f.held
+            if gen is not None and gen.owner is not None and gen.staged is not None and gen.staged.at not in (None, path):
+                log.info("%s was staged by node %s at %s, moved before its turn: that node stages it again", path, gen.owner, gen.staged.at)
+                staged = gen.staged
+                self.e.upload_again(gen)
+                self.e.discard_soon(staged, path)
+
     def _shown_source(self, gen: FileGen, exclude: Node) -> str | None:
         for path, other in self.replica.nodes_of(gen.ino):
             if (other is not exclude and isinstance(other, File) and other.shown and other.shown.ino == gen.ino
@@ -737,6 +750,7 @@ class Publisher:
             node.made = True
         else:
             # Object stores: members first, completion markers last.
+            self._restage_moving([(f"{op.dst}/{rel}", f) for rel, f in show])
             for rel, f in sorted(members, key=lambda rf: self._is_marker(rf[0])):
                 src, dst = f"{op.src}/{rel}", f"{op.dst}/{rel}"
                 if isinstance(f, File) and any(f is g for _, g in show):

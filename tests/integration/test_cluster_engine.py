@@ -281,6 +281,43 @@ async def test_a_large_file_renamed_before_its_turn_is_staged_again_by_its_node_
         nursery.cancel_scope.cancel()
 
 
+async def test_a_directory_of_large_files_moved_before_their_turn_is_staged_again_all_at_once(tmp_path, redis_db, s3):
+    """Node b's large files in `step`, staged at their names, are moved with
+    their directory to `ckpt` before their turn. The publishing node a asks
+    b to stage all of them again at the move's turn, before it waits for
+    the first, so the uploads run together instead of one member at a time."""
+    url = s3.bucket("movedir")
+    a = Node(redis_db, url, "a", publishes=True, options=s3.options())
+    b = Node(redis_db, url, "b", publishes=False, options=s3.options())
+    data = [os.urandom(12 << 20) for _ in range(3)]
+    async with trio.open_nursery() as nursery:
+        await a.start(nursery, follow=False)  # a applies the log only when told (`catch_up`)
+        await b.start(nursery)
+        step = await b.ns.change("mkdir", ROOT, b"step", 0o755, 0, 0)
+        gens = []
+        for i, d in enumerate(data):
+            h = await b.ns.create(step.ino, f"f{i}".encode(), 0o644, W, 0, 0, lambda: True)
+            b.tree.write(h.fh, 0, d)
+            b.tree.release(h.fh)
+            await b.ns.placed()
+            gens.append(b.engine.pending[h.inode.ino])
+        with trio.fail_after(30):
+            while any(g.state is not State.STAGED for g in gens):
+                await trio.sleep(0.01)
+        assert [g.staged.at for g in gens] == ["step/f0", "step/f1", "step/f2"]
+        await b.ns.change("rename", 1, b"step", 1, b"ckpt", 0)
+        await a.ns.catch_up()
+        with trio.fail_after(60):  # when the first is shown at its new name, b was asked for all three
+            while not any(a.engine.published_gen.get(g.ino) for g in gens):
+                await trio.sleep(0.001)
+        assert all(g.hidden for g in gens)
+        with trio.fail_after(60):
+            await a.engine.flush()
+        assert (await trio.to_thread.run_sync(s3.objects, "movedir")) == {f"ckpt/f{i}": d for i, d in enumerate(data)}
+        assert not await trio.to_thread.run_sync(s3.uploads, "movedir")
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_node_joining_after_a_snapshot_knows_what_is_published_and_what_was_lost(tmp_path, redis_db):
     """The publishing node a keeps a snapshot of the namespace and trims the
     log. Node c sealed two files and died before staging them (one before
