@@ -281,6 +281,45 @@ async def test_a_large_file_renamed_before_its_turn_is_staged_again_by_its_node_
         nursery.cancel_scope.cancel()
 
 
+async def test_a_large_file_staged_at_its_name_by_a_dead_node_and_renamed_before_its_turn_is_lost_not_shown_there(tmp_path, redis_db, s3):
+    """Node b stages a large file at its name `big`, renames it to `moved`
+    and dies before the file's turn. Only b could stage it again, so it is
+    reported lost, never shown at `big` (C4) nor waited for in silence, and
+    the upload left open at `big` is aborted."""
+    url = s3.bucket("deadmove")
+    a = Node(redis_db, url, "a", publishes=True, options=s3.options())
+    b = Node(redis_db, url, "b", publishes=False, options=s3.options())
+    async with trio.open_nursery() as nursery:
+        b_alive = trio.CancelScope()
+
+        async def run_b(task_status=trio.TASK_STATUS_IGNORED) -> None:
+            with b_alive:
+                async with trio.open_nursery() as inner:
+                    await b.start(inner)
+                    task_status.started()
+                    await trio.sleep_forever()
+
+        await a.start(nursery, follow=False)  # a applies the log only when told (`catch_up`)
+        await nursery.start(run_b)
+        ino = await b.write(b"big", os.urandom(12 << 20))
+        with trio.fail_after(30):
+            while b.engine.pending[ino].state is not State.STAGED:
+                await trio.sleep(0.01)
+        await b.ns.change("rename", 1, b"big", 1, b"moved", 0)
+        b_alive.cancel()  # b is gone: nothing of it aborts its upload
+        await a.ns.catch_up()
+        a.engine.lost(b.ns.me, "node b died")  # after its staging: what it staged is still published where it can be
+        with trio.fail_after(30):
+            while not (ino in a.engine.pending and a.engine.pending[ino].lost):
+                await trio.sleep(0.01)
+        assert a.engine.pending[ino].path == "big"  # the name it was sealed under
+        with trio.fail_after(30):
+            while await trio.to_thread.run_sync(s3.uploads, "deadmove"):
+                await trio.sleep(0.05)
+        assert await trio.to_thread.run_sync(s3.objects, "deadmove") == {}
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_directory_of_large_files_moved_before_their_turn_is_staged_again_all_at_once(tmp_path, redis_db, s3):
     """Node b's large files in `step`, staged at their names, are moved with
     their directory to `ckpt` before their turn. The publishing node a asks
