@@ -709,6 +709,8 @@ class Engine:
                 self._lose(gen)
             elif self.link is not None:
                 self.link.restage(gen)
+                if gen.state is State.FAILED:
+                    gen.move(State.UPLOADING)  # by its node, again: shown as such, not as a failure
             return
         if delay <= 0 or self._nursery is None:
             self._send.send_nowait(gen)

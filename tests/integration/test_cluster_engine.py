@@ -269,6 +269,12 @@ async def test_a_large_file_renamed_before_its_turn_is_staged_again_by_its_node_
         assert gen.staged is not None and gen.staged.at == "big"
         await b.ns.change("rename", 1, b"big", 1, b"moved", 0)
         await a.ns.catch_up()
+        states = set()
+        with trio.fail_after(60):  # a waits for b to stage it again: uploading (by b), never failed
+            while (there := a.engine.pending.get(ino)) is not None and there.state is not State.PUBLISHED:
+                states.add(there.state)
+                await trio.sleep(0.001)
+        assert State.UPLOADING in states and State.FAILED not in states
         with trio.fail_after(60):
             await a.engine.flush()
         assert (await trio.to_thread.run_sync(s3.objects, "renamed")) == {"moved": data}
