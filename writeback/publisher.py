@@ -514,10 +514,7 @@ class Publisher:
         (`TEMPORARY`). False if the generation is dropped or lost, or leaves
         `path`, first (it is held there, and shown where it goes once staged)."""
         if gen.staged is not None:
-            staged = gen.staged
-            log.info("%s was staged by node %s at %s, renamed before its turn: that node stages it again", path, gen.owner, staged.at)
-            self.e.upload_again(gen)  # asks its node (or loses it, if its node is gone)
-            await self.call(f"abort the upload of {path} at {staged.at}", self.e.backend.discard, staged)
+            self._restage(gen, path)
         while True:
             change = self.e.next_change()
             if gen.state in (State.DROPPED, State.PARKED) or not self.live_at(path, gen.ino):
@@ -534,10 +531,17 @@ class Publisher:
         for path, f in show:
             gen = f.held
             if gen is not None and gen.owner is not None and gen.staged is not None and gen.staged.at not in (None, path):
-                log.info("%s was staged by node %s at %s, moved before its turn: that node stages it again", path, gen.owner, gen.staged.at)
-                staged = gen.staged
-                self.e.upload_again(gen)
-                self.e.discard_soon(staged, path)
+                self._restage(gen, path)
+
+    def _restage(self, gen: FileGen, path: str) -> None:
+        """Ask the node of `gen` to stage it again (or lose it, if that node
+        is gone), and abort its upload open at a name it left (invisible:
+        no order to keep)."""
+        staged = gen.staged
+        assert staged is not None
+        log.info("%s was staged by node %s at %s, which it left before its turn: that node stages it again", path, gen.owner, staged.at)
+        self.e.upload_again(gen)
+        self.e.discard_soon(staged, path)
 
     def _shown_source(self, gen: FileGen, exclude: Node) -> str | None:
         for path, other in self.replica.nodes_of(gen.ino):
