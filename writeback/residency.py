@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 
 from . import manifest, storeio
+from .journal import Exchange, Rename
 from .manifest import BLOCK, Digest, Record, hasher
 from .state import State
 
@@ -61,6 +62,7 @@ class _Load:
     def __init__(self, ino: int, path: str, target: LoadTarget, wanted: list[Digest]) -> None:
         self.ino, self.path, self.target, self.wanted = ino, path, target, wanted
         self.error: OSError | None = None
+        self.again = False  # the store moved the file while it loaded (a rename's turn): load it from where it is now
         self.finished = False  # the load's task is over: counted, logged, evictable again
         self.changed = trio.Event()
         self.ranged = all(d.size <= BLOCK or len(d.blocks) == -(-d.size // BLOCK) for d in wanted)
@@ -226,8 +228,10 @@ class Residency:
                 return
         load.ask(off, end)
         # a caller of the whole file (a writer, prefetch) also waits for the load to be over
-        while load.error is None and not (load.target.covers(off, end) and (end is not None or load.finished)):
+        while load.error is None and not load.again and not (load.target.covers(off, end) and (end is not None or load.finished)):
             await load.changed.wait()
+        if load.again:
+            return await self.load(ino, off, end)
         if load.error is not None and not load.target.covers(off, end) and not self.e.ns.resident(ino):
             raise load.error  # not when a truncate meanwhile dropped the load: the file is in RAM, as it is now
 
@@ -290,6 +294,9 @@ class Residency:
             if isinstance(exc, storeio.Cancelled):  # truncated, replaced or deleted meanwhile: nothing to load
                 log.info("stopped loading %s: the file changed meanwhile", load.path)
                 load.error = OSError(errno.EIO, "the file changed while it was loading")
+            elif isinstance(exc, FileNotFoundError) and await self._moved(load):
+                log.info("%s moved in the store while it loaded: loading it from its new name", load.path)
+                load.again = True
             elif isinstance(exc, FileNotFoundError):
                 load.error = self._failed(load.path, "missing from the store")
             elif isinstance(exc, storeio.IntegrityError):
@@ -347,6 +354,18 @@ class Residency:
         if whole is not None and wanted and not any(d.xxh3 == whole.hexdigest() for d in wanted):
             raise storeio.IntegrityError(f"checksum mismatch: the store has {size} bytes with xxh3 {whole.hexdigest()}, "
                                          f"the manifest says {' or '.join(str(d) for d in load.wanted)}")
+
+    async def _moved(self, load: _Load) -> bool:
+        """After the store had no file at `load.path`: whether the publisher
+        moved it meanwhile (a rename's turn does not wait for loads). A move
+        of that path still under way or waiting is waited for first; then
+        the file was moved if the store shows it under another name now."""
+        path = load.path
+        for op in [op for op in self.e.queue if isinstance(op, Rename | Exchange)]:
+            if any(path == p or path.startswith(p + "/") for p in ((op.src,) if isinstance(op, Rename) else (op.a, op.b))):
+                await op.done.wait()
+        found = self.e.publisher_shown(load.ino)
+        return found is not None and found[0] != path
 
     def _failed(self, path: str, why: str) -> OSError:
         self.verify_failures[path] = why
