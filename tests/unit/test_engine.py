@@ -566,7 +566,7 @@ async def test_a_corrupt_block_is_never_served(tmp_path):
 async def test_a_reader_waiting_on_a_load_dropped_by_a_truncate_gets_the_file_as_it_is_now(tmp_path):
     import threading
 
-    rig, data = _evicted_big_file(tmp_path, 2 * manifest.BLOCK)
+    rig, _ = _evicted_big_file(tmp_path, 2 * manifest.BLOCK)
     await run_until_flushed(rig)
     node = rig.store.inode_at("big")
     rig.engine.evict(1 << 40)
@@ -668,3 +668,47 @@ async def test_a_file_staged_while_written_holds_no_memory_of_its_own(tmp_path, 
         inode = rig.store.inode_at("shard.bin")
         assert pool.used == inode.data.allocated == len(data)
         assert rig.engine.counters.staged_while_written == (1 if end == "closed" else 0)
+
+
+async def test_a_load_whose_file_the_publisher_moves_meanwhile_loads_it_from_its_new_name(tmp_path):
+    """A rename's turn does not wait for loads: a load that opens the old
+    name after the store moved the file finds nothing there. It must load
+    the file from its new name, not fail with EIO 'missing from the store'."""
+    import threading
+
+    rig, data = _evicted_big_file(tmp_path, manifest.BLOCK + 1000)
+    await run_until_flushed(rig)
+    node = rig.store.inode_at("big")
+    rig.engine.evict(1 << 40)
+    assert not node.data.resident
+    go, opened_at = threading.Event(), []
+    opened = rig.backend.open_source
+
+    def open_source(path):
+        opened_at.append(path)
+        go.wait(30)  # the load opens the file only after the store moved it
+        return opened(path)
+
+    rig.backend.open_source = open_source
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        got = []
+
+        async def reader():
+            await rig.engine.load(node.ino)
+            got.append(node.data.read(0, len(data)))
+
+        n.start_soon(reader)
+        with trio.fail_after(20):
+            while not opened_at:
+                await trio.sleep(0.01)
+            rig.rename("big", "moved")
+            await rig.engine.flush()  # the rename's turn: the store has the file at its new name only
+        assert sorted(os.listdir(tmp_path / "store")) == [".ckptfs", "moved"]
+        go.set()
+        with trio.fail_after(20):
+            while not got:
+                await trio.sleep(0.01)
+        assert got == [data] and opened_at == ["big", "moved"]
+        assert "big" not in rig.engine.verify_failures
+        n.cancel_scope.cancel()
