@@ -29,3 +29,8 @@ python -m pip install -q --upgrade pip wheel setuptools
 # torch first and pinned: the local CPU build is served for this exact version.
 python -c 'import torch' 2>/dev/null || python -m pip install -q torch==2.13.0
 python -m pip install -q -e '.[test]'
+# The project's own bytecode, as pip compiles an installed package's: an
+# editable install leaves it to the first import, and with
+# PYTHONDONTWRITEBYTECODE set every `ckptfs` command and daemon would compile
+# every module again (about 0.1 s each).
+python -m compileall -q ckptfs fs writeback daemon tools cluster >/dev/null
