@@ -210,6 +210,9 @@ async def test_a_node_that_stops_publishing_while_it_uploads_a_file_at_its_name_
         await a.ns.placed()
         gen = a.engine.pending[h.inode.ino]
         attempt = gen.attempt  # its stream's
+        with trio.fail_after(30):  # b took in the seal (the log reaches each node in its own time): its flush waits for it
+            while h.inode.ino not in b.engine.pending and b.engine.published_gen.get(h.inode.ino, 0) < gen.generation:
+                await trio.sleep(0.01)
         with trio.fail_after(60):
             await b.engine.flush()
         assert (await trio.to_thread.run_sync(s3.objects, "demoted")) == {"big": data}
