@@ -148,6 +148,7 @@ class ControlServer:
                                                       "bytes": total_bytes, "failed": _failed(ops)}})
                 with trio.move_on_at(reported + PROGRESS_EVERY_S):
                     await self.engine.wait_change()
+            await self.engine.sync_dirs()  # and the directories' attributes as they are now
         left = [self._describe(op) for op in waiting.now()]
         return {"published": not left, "files": total_files, "bytes": total_bytes, "left": left}
 

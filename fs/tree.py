@@ -562,6 +562,17 @@ class InodeTree:
             self.journal.sealed(inode.ino, inode.generation, inode.data.snapshot())
         return True
 
+    def reseal(self, ino: int) -> bool:
+        """Seal the file's bytes again, unchanged: the store lost the only
+        copy of a published generation while the mount still has the file
+        under a name the store does not show yet. False if it is not in RAM
+        or is open for writing (its close seals it)."""
+        inode = self.inodes.get(ino)
+        if inode is None or inode.data is None or inode.writers or not inode.data.resident:
+            return False
+        inode.version += 1
+        return self.seal(inode)
+
     def sealed_elsewhere(self, ino: int, generation: int, size: int, mtime_ns: int, keep: bool = False) -> Inode | None:
         """Another node sealed `generation` of this file (cluster mode): its
         bytes are there, and then in the store; here the file comes back

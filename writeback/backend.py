@@ -306,6 +306,16 @@ class Backend:
     def chmod(self, path: str, mode: int) -> None:
         """Give `path` these permission bits, where the store keeps them (local stores; object stores have none)."""
 
+    def identity(self, path: str) -> object | None:
+        """What tells the entry at `path` from any other (local stores: its
+        inode), None if there is none or the store cannot tell."""
+        return None
+
+    def hidden_name(self) -> str:
+        """A new name under this daemon's staging prefix, to park bytes on
+        their way between two names."""
+        return self._staging_name()
+
     def exchange(self, a: str, b: str) -> None:
         """Swap two files (atomically where the store can)."""
         tmp = self._staging_name()
@@ -569,7 +579,16 @@ class LocalBackend(Backend):
             if _kind(name, d) in (stat.S_IFREG, stat.S_IFDIR):  # never through a symlink
                 os.chmod(name, mode, dir_fd=d)
 
+    def identity(self, path: str) -> object | None:
+        try:
+            with self._at(path) as (d, name):
+                st = os.stat(name, dir_fd=d, follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError, SymlinkInStore):
+            return None
+        return st.st_dev, st.st_ino
+
     def exchange(self, a: str, b: str) -> None:
+        """Files or directories, in one rename(2)."""
         with self._at(a) as (da, na), self._at(b) as (db, nb):
             _renameat2(da, na, db, nb, RENAME_EXCHANGE)
             os.fsync(da)

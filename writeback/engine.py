@@ -78,6 +78,7 @@ class Namespace(Protocol):
     def begin_load(self, ino: int, spill: bool) -> LoadTarget | None: ...
     def free_bytes(self) -> int: ...
     def resident(self, ino: int) -> bool: ...
+    def reseal(self, ino: int) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -450,9 +451,13 @@ class Engine:
         return out
 
     def waiting(self, op: Op) -> bool:
-        """Not applied yet (a dropped generation needs nothing more)."""
+        """Not applied yet (a dropped generation needs nothing more; a
+        published one whose turn still shows it under its other names, its
+        hard links, is not applied yet)."""
         if isinstance(op, FileGen):
-            return not self.publisher.settled(op) and op.state is not State.DROPPED
+            if op.state is State.DROPPED:
+                return False
+            return not self.publisher.settled(op) or (self.publisher.current is op and bool(self.queue) and self.queue[0] is op)
         return not op.done.is_set()
 
     def stuck(self, op: Op) -> bool:
@@ -488,16 +493,26 @@ class Engine:
 
     async def flush(self) -> None:
         """A barrier: until everything queued before the call is applied
-        (or stuck behind a parked file)."""
+        (or stuck behind a parked file), directories' attributes included."""
         left = Left(self, self.barrier())
         while not left.settled():
             await self.wait_change()
+        await self.sync_dirs()
+
+    async def sync_dirs(self) -> None:
+        """Record the directories' attributes as they are now (the publisher
+        does it by itself only once the queue is quiet: a flush, and an
+        unmount, must not leave them behind). Failures are tried again, as
+        a file's are, until the caller's deadline."""
+        tries = 0
+        while not await self.publisher.sync_dirs():
+            tries += 1
+            await trio.sleep(self.retry.delay(tries))
 
     async def drain(self, timeout: float) -> list[Op]:
         """Publish everything queued within `timeout`; returns what is left."""
         with trio.move_on_after(timeout):
-            await self.flush()
-            await self.publisher.sync_dirs()  # the directories' final mtimes, as they are at unmount
+            await self.flush()  # the directories' final mtimes too, as they are at unmount
         return self.unpublished()
 
     async def wait_change(self) -> None:
@@ -798,9 +813,15 @@ class Engine:
 
     def publication_ended(self, gen: FileGen) -> None:
         """A publication under way ended without showing `gen` (its file
-        left that name meanwhile, or its group's call failed): a deletion
-        that `_drop` left alone while it was under way takes effect now."""
-        if gen.dropped_by and not gen.publishing and not self.ns.paths_of(gen.ino):
+        left that name meanwhile, or its group's call failed): a deletion,
+        or a newer generation, that `_drop` left alone while it was under way
+        takes effect now (else it would stay unsettled for ever, and every
+        removal and flush after it would wait)."""
+        if gen.publishing:
+            return
+        if gen.superseded_by is not None:
+            self._drop(gen, "superseded while its publication was under way")
+        elif gen.dropped_by and not self.ns.paths_of(gen.ino):
             self._drop(gen, "deleted while its publication was under way")
 
     def _drop(self, gen: FileGen, why: str) -> None:

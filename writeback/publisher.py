@@ -243,10 +243,11 @@ class Publisher:
                 self.dirty.add(moved)
                 self.dirty.update(n for _, n in self.replica.walk(moved) if isinstance(n, Dir))
 
-    async def sync_dirs(self) -> None:
+    async def sync_dirs(self) -> bool:
         """Write the record of every dirty directory whose attributes in the
         mount differ from it (and, on a local store, give the store's
-        directory the mount's mode). A failure leaves it dirty, for later."""
+        directory the mount's mode). A failure leaves it dirty, for later
+        (False)."""
         async with self.syncing:
             for d in sorted(self.dirty, key=lambda n: -len(self.replica.path_of(n) or "")):
                 self.dirty.discard(d)
@@ -261,11 +262,15 @@ class Publisher:
                 except Exception as exc:
                     log.warning("cannot record the attributes of directory %s yet: %s", path or "/", exc)
                     self.dirty.add(d)
-                    return
+                    return False
                 d.recorded = meta
+        return True
 
     async def _attrs(self, op: Attrs) -> None:
         for path, node in self.replica.nodes_of(op.ino):
+            if isinstance(node, File) and node.held is not None and node.held.ino == op.ino:
+                # Its turn passed unshown (renamed away): shown later, so as the file is by then
+                node.held.meta = op.meta
             if isinstance(node, File) and node.shown is not None and node.shown.meta != op.meta:
                 rec = Record.of(path, "file", op.meta, current=node.shown.digest)
                 await self.call(f"record {path}", manifest.write, self.e.backend, rec, at=(path,))
@@ -439,8 +444,8 @@ class Publisher:
         """Show `node`'s held generation at `path` if the live mount has it
         there (at `into` instead: assembling a directory). True if shown."""
         gen = node.held
-        if gen is None:
-            return False
+        if gen is None:  # nothing to publish; a hard link whose Link's turn found it elsewhere is copied now
+            return into is None and await self._show_copy(path, node)
         if gen.state is State.DROPPED or gen.ino != node.ino:
             node.held = None
             return False
@@ -466,9 +471,13 @@ class Publisher:
                 # The bytes again: for stores that PUT small files at publication, or upload again
                 # what was staged at another name (S3).
                 await self.call(f"publish {at}", storeio.publish, self.e.backend, rec, staged, at, gen.digest,
-                                gen.pieces, nbytes=gen.size, reading=gen, at=(at,), still=lambda: self.live_at(path, gen.ino))
+                                gen.pieces, gen.meta.mode, nbytes=gen.size, reading=gen, at=(at,), still=lambda: self.live_at(path, gen.ino))
             except Stale:
                 gen.publishing = False
+                if rec is not None and node.shown is None:
+                    # A failed try may have left its record with no file under it (with one, the
+                    # record names the file's bytes as its previous digest: still true)
+                    await self.call(f"record {at}", manifest.delete, self.e.backend, at, at=(at,))
                 if gen.state is State.FAILED:
                     gen.move(State.STAGED)  # held under the name it left, shown at its rename's turn
                 self.e.publication_ended(gen)
@@ -542,6 +551,39 @@ class Publisher:
         log.info("%s was staged by node %s at %s, which it left before its turn: that node stages it again", path, gen.owner, staged.at)
         self.e.upload_again(gen)
         self.e.discard_soon(staged, path)
+
+    async def _show_copy(self, path: str, node: File) -> bool:
+        """Show `node` at `path` as another name of its inode shows it (a
+        hard link), if the mount has it there. True if shown."""
+        if node.shown is not None or not self.live_at(path, node.ino):
+            return False
+        source = next((p for p, n in self.replica.nodes_of(node.ino) if isinstance(n, File) and n is not node and n.shown is not None), None)
+        if source is None:
+            return False
+        src = self.replica.lookup(source)
+        assert isinstance(src, File) and src.shown is not None
+        shown = src.shown
+        rec = Record.of(path, "file", shown.meta, current=shown.digest)
+        await self.call(f"copy {source} to {path}", storeio.show, self.e.backend, rec, source, path, False, at=(path,))
+        node.shown = Shown(shown.ino, shown.generation, shown.digest, shown.meta)
+        return True
+
+    async def _keep_copies(self, node: File) -> None:
+        """Before `node`'s bytes go from the store (deleted, replaced): every
+        other name the mount has for its inode that the store does not show
+        yet takes a copy, or the bytes, evicted from RAM once published,
+        would be nowhere."""
+        orphans = [(path, n) for path, n in self.replica.nodes_of(node.ino) if n is not node and isinstance(n, File) and n.shown is None]
+        for path, n in orphans:
+            await self._show_copy(path, n)
+        if (self.e.link is None and any(n.shown is None and n.held is None for _, n in orphans) and node.ino not in self.e.pending
+                and self.e.ns.paths_of(node.ino)):
+            # A name the mount has moved on from, its turn to come: the bytes
+            # come back to RAM while the store still has them, and go again as
+            # a new generation under the names the file has when its turn comes.
+            await self.e.load(node.ino)
+            if self.e.ns.reseal(node.ino):
+                log.info("%s: sealed again from the store's last copy, which goes now, for its other names", self.replica.path_of(node))
 
     def _shown_source(self, gen: FileGen, exclude: Node) -> str | None:
         for path, other in self.replica.nodes_of(gen.ino):
@@ -650,7 +692,7 @@ class Publisher:
                 node.made = True
                 self._made_parents(op.name)
         elif isinstance(op, Symlink):
-            node = RLink(op.ino, target=op.target)
+            node = RLink(op.ino, target=op.target, meta=op.meta)
             self.replica.bind(op.name, node)
             if self.live_at(op.name, op.ino):
                 await self.call(f"record {op.name}", manifest.write, self.e.backend, Record.of(op.name, "symlink", op.meta, target=op.target), at=(op.name,))
@@ -658,15 +700,7 @@ class Publisher:
         elif isinstance(op, Link):
             node = File(op.ino)
             self.replica.bind(op.name, node)
-            source = next((p for p, n in self.replica.nodes_of(op.ino) if isinstance(n, File) and n is not node and n.shown), None)
-            if source is not None and self.live_at(op.name, op.ino):
-                src = self.replica.lookup(source)
-                assert isinstance(src, File) and src.shown is not None
-                shown = src.shown
-                rec = Record.of(op.name, "file", shown.meta, current=shown.digest)
-                await self.call(f"copy {source} to {op.name}", storeio.show, self.e.backend, rec, source, op.name, False, at=(op.name,))
-                node.shown = Shown(shown.ino, shown.generation, shown.digest, shown.meta)
-            else:
+            if not await self._show_copy(op.name, node):
                 held = next((n.held for _, n in self.replica.nodes_of(op.ino) if isinstance(n, File) and n.held is not None), None)
                 node.held = held
                 await self._materialize(op.name, node)
@@ -677,11 +711,18 @@ class Publisher:
 
     async def _rename(self, op: Rename) -> None:
         node = self.replica.lookup(op.src)
+        target = self.replica.lookup(op.dst)
+        if isinstance(target, RLink) and target.shown and not (isinstance(node, File) and node.shown is not None) and not isinstance(node, RLink):
+            # A symlink replaced by a file the store cannot show yet: its record goes (a shown
+            # file's record replaces it below; a symlink's, in its branch)
+            await self.call(f"record {op.dst}", manifest.delete, self.e.backend, op.dst, at=(op.dst,))
+            target.shown = False
+        if isinstance(target, File) and target.shown is not None and target.ino != op.ino:
+            await self._keep_copies(target)  # its bytes at dst are about to be replaced
         if node is None:
             # Never sealed under that name (a rename before the release that
             # seals it): the store keeps what it shows at dst until the new
             # file's generation replaces it, so there is no window without it.
-            target = self.replica.lookup(op.dst)
             if isinstance(target, File):
                 self.replica.rebind_ino(target, op.ino)
             elif not op.is_dir:
@@ -690,7 +731,6 @@ class Publisher:
         if isinstance(node, Dir):
             await self._rename_dir(op, node)
             return
-        target = self.replica.lookup(op.dst)
         backend = self.e.backend
         if isinstance(node, File):
             if node.shown is not None:
@@ -698,9 +738,18 @@ class Publisher:
                 await self.call(f"move {op.src} to {op.dst}", storeio.show, backend, rec, op.src, op.dst, True, nbytes=self._size(node), at=(op.src, op.dst))
             elif isinstance(target, File) and target.shown is not None:
                 node.shown = target.shown  # the old bytes stay until the new ones are sealed
-        elif isinstance(node, RLink) and node.shown:
-            await self.call(f"record {op.dst}", manifest.write, backend, Record.of(op.dst, "symlink", node.meta, target=node.target), at=(op.dst,))
-            await self.call(f"record {op.src}", manifest.delete, backend, op.src, at=(op.src,))
+        elif isinstance(node, RLink):
+            # A symlink is a record only: the file it replaces must go from the store itself
+            if isinstance(target, File) and target.shown is not None:
+                await self.call(f"delete {op.dst}", storeio.delete, backend, op.dst, at=(op.dst,))
+            was = node.shown
+            if self.live_at(op.dst, node.ino):  # shown now even if its own turn found it gone from its first name
+                await self.call(f"record {op.dst}", manifest.write, backend, Record.of(op.dst, "symlink", node.meta, target=node.target), at=(op.dst,))
+                node.shown = True
+            elif isinstance(target, RLink) and target.shown:
+                await self.call(f"record {op.dst}", manifest.delete, backend, op.dst, at=(op.dst,))
+            if was:
+                await self.call(f"record {op.src}", manifest.delete, backend, op.src, at=(op.src,))
         self.replica.bind(op.dst, node)
         if isinstance(node, File):
             await self._materialize(op.dst, node)
@@ -730,15 +779,20 @@ class Publisher:
             for rel, f in show:
                 assert isinstance(f, File)
                 await self._materialize(f"{op.dst}/{rel}", f, into=f"{base}/{rel}")
+            for rel, d in members:  # made in the mount after it moved there: their Mkdir's turn could not
+                if isinstance(d, Dir) and not d.made and self.live_at(f"{op.dst}/{rel}", d.ino):
+                    await self.call(f"mkdir {op.dst}/{rel}", backend.mkdir, f"{base}/{rel}", at=(f"{base}/{rel}",))
+                    d.made = True
             shown = [(rel, f) for rel, f in members if isinstance(f, File) and f.shown is not None]
             for rel, f in shown:  # records first: a crash leaves data with records (stray records are cleaned at mount)
                 assert isinstance(f, File) and f.shown is not None
                 rec = Record.of(f"{op.dst}/{rel}", "file", f.shown.meta, current=f.shown.digest, source=f"move:{base}/{rel}")
                 await self.call(f"record {rec.path}", manifest.write, backend, rec, at=(rec.path,))
             links = [(rel, f) for rel, f in members if isinstance(f, RLink) and f.shown]
-            for rel, f in links:
-                assert isinstance(f, RLink)
-                await self.call(f"record {op.dst}/{rel}", manifest.write, backend, Record.of(f"{op.dst}/{rel}", "symlink", f.meta, target=f.target), at=(f"{op.dst}/{rel}",))
+            for rel, f in members:
+                if isinstance(f, RLink) and (f.shown or self.live_at(f"{op.dst}/{rel}", f.ino)):
+                    await self.call(f"record {op.dst}/{rel}", manifest.write, backend, Record.of(f"{op.dst}/{rel}", "symlink", f.meta, target=f.target), at=(f"{op.dst}/{rel}",))
+                    f.shown = True
             if not await self.call(f"move {base} to {op.dst}", backend.move_dir, base, op.dst, at=(base, op.dst)):
                 log.info("moving %s to %s member by member (the store has something in the way)", base, op.dst)
                 for rel, _f in sorted(shown, key=lambda rf: self._is_marker(rf[0])):
@@ -746,6 +800,8 @@ class Publisher:
                     await self.call(f"move {base}/{rel}", storeio.move, backend, f"{base}/{rel}", f"{op.dst}/{rel}", _f.shown.digest, at=(f"{base}/{rel}", f"{op.dst}/{rel}"))
                 for rel, f in sorted(members, key=lambda rf: -rf[0].count("/")):
                     if isinstance(f, Dir):
+                        if f.made:  # empty directories persist
+                            await self.call(f"mkdir {op.dst}/{rel}", backend.mkdir, f"{op.dst}/{rel}", at=(f"{op.dst}/{rel}",))
                         await self.call(f"rmdir {base}/{rel}", backend.rmdir, f"{base}/{rel}", at=(f"{base}/{rel}",))
                 await self.call(f"rmdir {base}", backend.rmdir, base, at=(base,))
             if base == op.src:
@@ -764,9 +820,11 @@ class Publisher:
                 elif isinstance(f, File) and f.shown is not None:
                     rec = Record.of(dst, "file", f.shown.meta, current=f.shown.digest)
                     await self.call(f"move {src} to {dst}", storeio.show, backend, rec, src, dst, True, nbytes=self._size(f), at=(src, dst))
-                elif isinstance(f, RLink) and f.shown:
+                elif isinstance(f, RLink) and (f.shown or self.live_at(dst, f.ino)):
                     await self.call(f"record {dst}", manifest.write, backend, Record.of(dst, "symlink", f.meta, target=f.target), at=(dst,))
-                    await self.call(f"record {src}", manifest.delete, backend, src, at=(src,))
+                    if f.shown:
+                        await self.call(f"record {src}", manifest.delete, backend, src, at=(src,))
+                    f.shown = True
         for rel, d in [("", node), *((rel, n) for rel, n in members if isinstance(n, Dir))]:
             if d.recorded is not None:  # records are by path: the new path's are written at the next sync
                 old = f"{op.src}/{rel}" if rel else op.src
@@ -774,32 +832,85 @@ class Publisher:
                 d.recorded = None
         self.replica.bind(op.dst, node)
         self._made_parents(op.dst)
+        for rel, f in members:  # hard links whose Link's turn found them elsewhere
+            if isinstance(f, File) and f.shown is None and f.held is None:
+                await self._show_copy(f"{op.dst}/{rel}", f)
 
     async def _exchange(self, op: Exchange) -> None:
+        """Each side's whole tree (a file, a directory, a symlink, or
+        nothing the store has) takes the other's name. A local store swaps
+        them in one rename(2) (or moves the side it has); an object store
+        moves each file through a hidden name. Then the records follow: each
+        file's and symlink's at its new path, the directories' at the next
+        sync; a record at an old path that nothing replaced goes."""
         a, b = self.replica.lookup(op.a), self.replica.lookup(op.b)
         backend = self.e.backend
-        shown_a = isinstance(a, File) and a.shown is not None
-        shown_b = isinstance(b, File) and b.shown is not None
-        if shown_a and shown_b:
-            assert isinstance(a, File) and isinstance(b, File) and a.shown and b.shown
-            await self.call(f"exchange {op.a} and {op.b}", storeio.exchange, backend, op.a, op.b, a.shown.digest, b.shown.digest, at=(op.a, op.b))
-            for path, shown in ((op.a, b.shown), (op.b, a.shown)):
-                rec = Record.of(path, "file", shown.meta, current=shown.digest)
+        sides = ((op.a, op.b, a), (op.b, op.a, b))  # (old path, new path, node)
+        members = {old: [("", node), *self.replica.walk(node)] if node is not None else [] for old, _, node in sides}
+        files = {old: [(rel, n) for rel, n in ms if isinstance(n, File) and n.shown is not None] for old, ms in members.items()}
+
+        def under(top: str, rel: str) -> str:
+            return f"{top}/{rel}" if rel else top
+
+        if backend.dirs:
+            there = {old: bool(files[old]) or (isinstance(node, Dir) and node.made) for old, _, node in sides}
+            if there[op.a] and there[op.b]:
+                await self.call(f"exchange {op.a} and {op.b}", storeio.swap, backend, op.a, op.b, [], at=(op.a, op.b))
+            for old, new, node in sides:
+                if not there[old] or there[new]:
+                    continue
+                if not isinstance(node, Dir) or not await self.call(f"move {old} to {new}", backend.move_dir, old, new, at=(old, new)):
+                    for rel, f in files[old]:
+                        assert isinstance(f, File) and f.shown is not None
+                        await self.call(f"move {under(old, rel)} to {under(new, rel)}", storeio.move, backend, under(old, rel),
+                                        under(new, rel), f.shown.digest, at=(under(old, rel), under(new, rel)))
+            for _old, new, _node in sides:  # made in the mount after it moved there: their Mkdir's turn could not
+                for rel, d in members[_old]:
+                    if isinstance(d, Dir) and not d.made and self.live_at(under(new, rel), d.ino):
+                        await self.call(f"mkdir {under(new, rel)}", backend.mkdir, under(new, rel), at=(under(new, rel),))
+                        d.made = True
+        else:
+            hidden = {rel: backend.hidden_name() for rel, _ in files[op.a]}
+            steps = ([(under(op.a, rel), hidden[rel], f) for rel, f in files[op.a]] + [(under(op.b, rel), under(op.a, rel), f) for rel, f in files[op.b]]
+                     + [(hidden[rel], under(op.b, rel), f) for rel, f in files[op.a]])
+            for src, dst, f in steps:
+                assert isinstance(f, File) and f.shown is not None
+                await self.call(f"move {src} to {dst}", storeio.move, backend, src, dst, f.shown.digest, at=(src, dst))
+        had = {id(n): n.shown for ms in members.values() for _, n in ms if isinstance(n, RLink)}
+        written: set[str] = set()
+        for _old, new, _node in sides:
+            for rel, n in members[_old]:
+                path = under(new, rel)
+                if isinstance(n, File) and n.shown is not None:
+                    rec = Record.of(path, "file", n.shown.meta, current=n.shown.digest)
+                elif isinstance(n, RLink) and (n.shown or self.live_at(path, n.ino)):
+                    rec = Record.of(path, "symlink", n.meta, target=n.target)
+                    n.shown = True
+                else:
+                    continue
                 await self.call(f"record {path}", manifest.write, backend, rec, at=(path,))
-        elif shown_a or shown_b:
-            src, dst = (op.a, op.b) if shown_a else (op.b, op.a)
-            node = a if shown_a else b
-            assert isinstance(node, File) and node.shown is not None
-            rec = Record.of(dst, "file", node.shown.meta, current=node.shown.digest)
-            await self.call(f"move {src} to {dst}", storeio.show, backend, rec, src, dst, True, at=(src, dst))
-        if a is not None:
-            self.replica.detach(a)
-        if b is not None:
-            self.replica.detach(b)
-        if a is not None:
-            self.replica.bind(op.b, a)
-        if b is not None:
-            self.replica.bind(op.a, b)
+                written.add(path)
+        for old, _new, _node in sides:
+            for rel, n in members[old]:
+                path = under(old, rel)
+                recorded = ((isinstance(n, File) and n.shown is not None) or (isinstance(n, RLink) and had[id(n)])
+                            or (isinstance(n, Dir) and n.recorded is not None))
+                if isinstance(n, Dir):
+                    n.recorded = None  # written at its new path at the next sync
+                    self.dirty.add(n)
+                if recorded and path not in written:
+                    await self.call(f"record {path}", manifest.delete, backend, path, at=(path,))
+        for node in (a, b):
+            if node is not None:
+                self.replica.detach(node)
+        for _old, new, node in sides:
+            if node is not None:
+                self.replica.bind(new, node)
+                self._made_parents(new)
+        for _old, new, _node in sides:  # generations whose turn passed while they were held under these names, hard links
+            for rel, n in members[_old]:
+                if isinstance(n, File) and (n.shown is None or self._showable(under(new, rel), n)):
+                    await self._materialize(under(new, rel), n)
 
     # -- removals wait ----------------------------------------------------------
     def _gated(self, seq: int) -> bool:
@@ -875,6 +986,7 @@ class Publisher:
         backend = self.e.backend
         if isinstance(node, File):
             if node.shown is not None:
+                await self._keep_copies(node)
                 await self.call(f"delete {path}", storeio.delete, backend, path, at=(path,))
         elif isinstance(node, RLink):
             if node.shown:

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+LOAD_TRIES = 3  # a load that fails for a passing reason (a store call's error or deadline) is tried this often before EIO
 ROOM_PATIENCE_S = 2.0  # how long a load waits for write-back to free RAM before it loads into the spill directory
 
 
@@ -137,6 +138,7 @@ class Residency:
         self._expected: dict[int, Record] = {}  # restart: the record each file must match
         self._unverifiable: dict[int, str] = {}  # restart: files whose record could not be read
         self._loads: dict[int, _Load] = {}  # loads in progress
+        self._failures: dict[int, int] = {}  # loads of a file that failed in a row, for a passing reason
         # The expected records came from the manifest index: each is read
         # again from the store when its file first loads, and that one is
         # verified against. The index is only a cache of the records: one
@@ -294,16 +296,22 @@ class Residency:
             if isinstance(exc, storeio.Cancelled):  # truncated, replaced or deleted meanwhile: nothing to load
                 log.info("stopped loading %s: the file changed meanwhile", load.path)
                 load.error = OSError(errno.EIO, "the file changed while it was loading")
-            elif isinstance(exc, FileNotFoundError) and await self._moved(load):
+            elif isinstance(exc, FileNotFoundError | storeio.IntegrityError) and await self._moved(load):
                 log.info("%s moved in the store while it loaded: loading it from its new name", load.path)
                 load.again = True
             elif isinstance(exc, FileNotFoundError):
                 load.error = self._failed(load.path, "missing from the store")
             elif isinstance(exc, storeio.IntegrityError):
                 load.error = self._failed(load.path, str(exc))
+            elif isinstance(exc, Exception) and self._failures.get(load.ino, 0) + 1 < LOAD_TRIES:
+                tries = self._failures[load.ino] = self._failures.get(load.ino, 0) + 1
+                delay = self.e.retry.delay(tries)
+                log.warning("cannot load %s from the store (try %d): %s; trying again in %.1fs", load.path, tries, exc, delay)
+                await trio.sleep(delay)  # readers keep waiting on this load meanwhile
+                load.again = True
             else:
                 log.error("cannot load %s from the store: %s", load.path, exc)
-                load.error = exc if isinstance(exc, OSError) else OSError(errno.EIO, str(exc))
+                load.error = exc if isinstance(exc, OSError) and exc.errno else OSError(errno.EIO, f"cannot load {load.path} from the store: {exc}")
             if not isinstance(exc, Exception):
                 raise
         else:
@@ -313,6 +321,8 @@ class Residency:
             log.info("loaded %s from the store (%d bytes%s%s)", load.path, load.target.size,
                      ", verified" if load.wanted else "", ", into the spill directory" if load.target.spilled else "")
         finally:
+            if not load.again:
+                self._failures.pop(load.ino, None)
             del self._loads[load.ino]
             load.finished = True
             load.wake()
@@ -356,10 +366,11 @@ class Residency:
                                          f"the manifest says {' or '.join(str(d) for d in load.wanted)}")
 
     async def _moved(self, load: _Load) -> bool:
-        """After the store had no file at `load.path`: whether the publisher
-        moved it meanwhile (a rename's turn does not wait for loads). A move
-        of that path still under way or waiting is waited for first; then
-        the file was moved if the store shows it under another name now."""
+        """After the store had no file at `load.path`, or other bytes there:
+        whether the publisher moved it meanwhile (a rename's or an
+        exchange's turn does not wait for loads). A move of that path still
+        under way or waiting is waited for first; then the file was moved if
+        the store shows it under another name now."""
         path = load.path
         for op in [op for op in self.e.queue if isinstance(op, Rename | Exchange)]:
             if any(path == p or path.startswith(p + "/") for p in ((op.src,) if isinstance(op, Rename) else (op.a, op.b))):

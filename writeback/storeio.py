@@ -64,16 +64,17 @@ def stage(backend: Backend, pieces: Iterable[memoryview | bytes], size: int,
 
 
 def publish(backend: Backend, rec: Record | None, staged: Staged, path: str, digest: Digest,
-            pieces: Callable[[], Iterable] | None = None) -> None:
-    """Record (if any), then make visible (see manifest.py). Idempotent: if
-    the staged data is gone because an earlier attempt published it, that is
-    success."""
+            pieces: Callable[[], Iterable] | None = None, mode: int | None = None) -> None:
+    """Record (if any), then make visible (see manifest.py), with the
+    record's mode (`mode` with none: a file assembled in a hidden directory,
+    whose record is written for its final path). Idempotent: if the staged
+    data is gone because an earlier attempt published it, that is success."""
     if rec is not None:
         _refuse_newer(backend, rec)
         rec, staged = _staged_now(backend, rec, staged, pieces)
         manifest.write(backend, rec)  # first: see manifest.py
     try:
-        backend.publish(staged, path, pieces() if pieces is not None else (), mode=rec.mode if rec is not None else None)
+        backend.publish(staged, path, pieces() if pieces is not None else (), mode=rec.mode if rec is not None else mode)
     except FileNotFoundError:
         if not holds(backend, path, digest):
             raise
@@ -142,9 +143,14 @@ def move(backend: Backend, src: str, dst: str, digest: Digest | None) -> None:
             raise
 
 
-def exchange(backend: Backend, a: str, b: str, digest_a: Digest | None, digest_b: Digest | None) -> None:
-    """Swap two published files; idempotent: already swapped is success."""
-    if digest_a is not None and digest_b is not None and holds(backend, a, digest_b) and holds(backend, b, digest_a):
+def swap(backend: Backend, a: str, b: str, before: list) -> None:
+    """Swap what a local store has at `a` and `b`, files or directories;
+    idempotent: `before` keeps the identities the first try saw, and a try
+    that finds them swapped is done."""
+    now = (backend.identity(a), backend.identity(b))
+    if not before:
+        before.append(now)
+    elif None not in now and now == before[0][::-1]:
         return
     backend.exchange(a, b)
 

@@ -62,13 +62,16 @@ class Rig:
         return out
 
 
-async def run_until_flushed(rig: Rig, body=None):
+async def run_until_flushed(rig: Rig, body=None, after=None):
+    """Run the engine: `body`, a flush, then `after` (while it still runs)."""
     async with trio.open_nursery() as n:
         await n.start(rig.engine.run)
         if body is not None:
             await body()
         with trio.fail_after(20):
             await rig.engine.flush()
+            if after is not None:
+                await after()
         n.cancel_scope.cancel()
 
 
@@ -511,7 +514,10 @@ async def test_a_file_whose_record_has_no_block_hashes_loads_in_order_and_whole(
             asked.append(True)
 
         n.start_soon(reader)
-        await trio.sleep(0.5)
+        with trio.fail_after(20):
+            while len(order) < 3:
+                await trio.sleep(0.01)
+        await trio.sleep(0.2)
         assert order == [0, 1, 2] and not asked and not node.data.resident  # in order, nothing served yet
         go.set()
         with trio.fail_after(20):
@@ -670,13 +676,19 @@ async def test_a_file_staged_while_written_holds_no_memory_of_its_own(tmp_path, 
         assert rig.engine.counters.staged_while_written == (1 if end == "closed" else 0)
 
 
-async def test_a_load_whose_file_the_publisher_moves_meanwhile_loads_it_from_its_new_name(tmp_path):
-    """A rename's turn does not wait for loads: a load that opens the old
-    name after the store moved the file finds nothing there. It must load
-    the file from its new name, not fail with EIO 'missing from the store'."""
+@pytest.mark.parametrize("move", ["rename", "exchange"])
+async def test_a_load_whose_file_the_publisher_moves_meanwhile_loads_it_from_its_new_name(tmp_path, move):
+    """A rename's or an exchange's turn does not wait for loads: a load that
+    opens the old name after the store moved the file finds nothing there,
+    or the other file's bytes. It must load the file from its new name, not
+    fail with EIO ('missing from the store', 'checksum mismatch')."""
     import threading
 
+    from ckptfs.fs.tree import RENAME_EXCHANGE
+
     rig, data = _evicted_big_file(tmp_path, manifest.BLOCK + 1000)
+    if move == "exchange":
+        rig.write("other", os.urandom(7000))
     await run_until_flushed(rig)
     node = rig.store.inode_at("big")
     rig.engine.evict(1 << 40)
@@ -690,6 +702,7 @@ async def test_a_load_whose_file_the_publisher_moves_meanwhile_loads_it_from_its
         return opened(path)
 
     rig.backend.open_source = open_source
+    new = "moved" if move == "rename" else "other"
     async with trio.open_nursery() as n:
         await n.start(rig.engine.run)
         got = []
@@ -702,13 +715,122 @@ async def test_a_load_whose_file_the_publisher_moves_meanwhile_loads_it_from_its
         with trio.fail_after(20):
             while not opened_at:
                 await trio.sleep(0.01)
-            rig.rename("big", "moved")
-            await rig.engine.flush()  # the rename's turn: the store has the file at its new name only
-        assert sorted(os.listdir(tmp_path / "store")) == [".ckptfs", "moved"]
+            if move == "rename":
+                rig.rename("big", new)
+            else:
+                rig.store.rename(ROOT, b"big", ROOT, new.encode(), RENAME_EXCHANGE)
+            await rig.engine.flush()  # the move's turn: the store has the file at its new name
+        assert (tmp_path / "store" / new).read_bytes() == data
         go.set()
         with trio.fail_after(20):
             while not got:
                 await trio.sleep(0.01)
-        assert got == [data] and opened_at == ["big", "moved"]
-        assert "big" not in rig.engine.verify_failures
+        assert got == [data] and opened_at == ["big", new]
+        assert not rig.engine.verify_failures
         n.cancel_scope.cancel()
+
+
+class _Failing:
+    """Wraps a backend: the named calls fail while `failing` holds them."""
+
+    def __init__(self, inner, *names: str, times: int = 1_000_000):
+        self.inner, self.failing, self.times = inner, set(names), times
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if name not in self.failing or not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            if name in self.failing and self.times > 0:
+                self.times -= 1
+                raise ConnectionError(f"injected fault in {name}")
+            return attr(*args, **kwargs)
+
+        return call
+
+
+async def test_a_load_that_fails_for_a_passing_reason_is_tried_again(tmp_path):
+    rig = Rig(tmp_path / "store")
+    data = os.urandom(5000)
+    rig.write("f", data)
+    await run_until_flushed(rig)
+    node = rig.store.inode_at("f")
+    rig.engine.evict(1 << 40)
+    rig.engine.backend = _Failing(rig.backend, "open_source", times=2)  # fewer than LOAD_TRIES
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        with trio.fail_after(20):
+            await rig.engine.load(node.ino)
+        assert node.data.read(0, len(data)) == data
+        n.cancel_scope.cancel()
+
+
+async def test_a_generation_superseded_then_deleted_while_its_publication_failed_settles(tmp_path):
+    """Its publication under way when the newer generation came (so not
+    dropped then), its file deleted before a try succeeded: it was held for
+    ever, and every flush after it waited for it; its try had left a record
+    with no file under it."""
+    rig = Rig(tmp_path / "store")
+    failing = _Failing(rig.backend, "publish")
+    rig.engine.backend = failing
+    rig.write("f", b"old" * 100)
+    gen = rig.engine.pending[rig.store.inode_at("f").ino]
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        with trio.fail_after(20):
+            while not gen.tries:
+                await trio.sleep(0.01)
+        rig.write("f", b"new" * 100)  # supersedes it, under way
+        rig.unlink("f")
+        failing.failing.clear()
+        with trio.fail_after(20):
+            await rig.engine.flush()
+        n.cancel_scope.cancel()
+    assert rig.files() == {}
+    from ckptfs.writeback.verify import verify
+
+    assert verify(rig.backend).clean
+
+
+async def test_a_flush_waits_for_every_name_of_a_hard_linked_file(tmp_path):
+    import threading
+
+    rig = Rig(tmp_path / "store")
+    h = rig.write("f", b"linked" * 100, keep_open=True)
+    rig.store.link(h.inode.ino, ROOT, b"g")
+    rig.store.release(h.fh)  # sealed under both names
+    go = threading.Event()
+    copy = rig.backend.copy
+
+    def slow_copy(src, dst):
+        go.wait(30)
+        return copy(src, dst)
+
+    rig.backend.copy = slow_copy
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        flushed = []
+
+        async def flush():
+            await rig.engine.flush()
+            flushed.append(True)
+
+        n.start_soon(flush)
+        await trio.sleep(0.5)
+        assert not flushed  # f is published, g not yet
+        go.set()
+        with trio.fail_after(20):
+            while not flushed:
+                await trio.sleep(0.01)
+        assert rig.files() == {"f": b"linked" * 100, "g": b"linked" * 100}
+        n.cancel_scope.cancel()
+
+
+async def test_a_flush_tries_directory_records_again_until_they_are_in(tmp_path):
+    rig = Rig(tmp_path / "store")
+    d = rig.mkdir("d")
+    rig.store.setattr(d.ino, mode=0o750)
+    rig.engine.backend = _Failing(rig.backend, "chmod", times=2)
+    await run_until_flushed(rig)
+    assert stat.S_IMODE(os.stat(tmp_path / "store" / "d").st_mode) == 0o750

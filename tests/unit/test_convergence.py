@@ -1,0 +1,354 @@
+"""Whatever a workload does to the namespace, once the engine has flushed,
+the store holds exactly what the mount shows (C2-C4, C8) and a restart over
+the store shows it again, attributes included (C9). Random workloads of
+every namespace operation, with the engine publishing while they run,
+evictions and loads among them, on a sound store and on one that fails a
+share of its calls. `CKPTFS_CONVERGENCE_SEEDS=100` runs more workloads (a
+sweep by hand; the suite runs 6)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import stat
+import time
+
+import pytest
+import trio
+from ckptfs.fs.tree import RENAME_EXCHANGE, ROOT
+from ckptfs.writeback.backend import new_daemon_id
+from ckptfs.writeback.verify import verify
+
+from tests.unit.test_engine import FaultyBackend, Rig, run_until_flushed
+
+W = os.O_WRONLY | os.O_CREAT
+DIRS = ["", "a", "b", "a/c"]
+NAMES = ["x", "y", "z", "a", "b", "c"]
+
+
+def _paths(rng: random.Random) -> str:
+    d = rng.choice(DIRS)
+    name = rng.choice(NAMES)
+    return f"{d}/{name}" if d else name
+
+
+class Workload:
+    def __init__(self, rig: Rig, seed: int, faulty: bool = False) -> None:
+        self.rig, self.t, self.rng = rig, rig.store, random.Random(seed)
+        self.faulty = faulty  # a load may fail (EIO) after its tries, as a read through the mount would
+        self.open: list = []  # handles kept open for a while
+        self.trace: list[str] = []  # what each step did, for a failure's message
+
+    def _at(self, path: str):
+        d, _, name = path.rpartition("/")
+        parent = self.t.inode_at(d) if d else self.t.get(ROOT)
+        return parent, name.encode()
+
+    def _payload(self) -> bytes:
+        n = self.rng.choice([0, 1, 100, 4000, 70_000])
+        return bytes([self.rng.randrange(1, 256)]) * n if self.rng.random() < 0.5 else os.urandom(n)
+
+    async def step(self) -> None:
+        rng, t = self.rng, self.t
+        path = _paths(rng)
+        parent, name = self._at(path)
+        node = t.inode_at(path)
+        op = rng.random()
+        before = len(self.trace)
+        self.trace.append(f"{op:.2f} {path}")
+        try:
+            if parent is None or not parent.is_dir:
+                return
+            if op < 0.22:  # (re)write a file whole, or write into it
+                if node is not None and node.is_reg and not node.data.resident:
+                    await self.rig.engine.load(node.ino)
+                flags = W | (os.O_TRUNC if rng.random() < 0.7 else 0)
+                h = t.create(parent.ino, name, rng.choice([0o644, 0o600, 0o755]), flags, 0, 0)
+                t.write(h.fh, rng.randrange(0, 3000) if not flags & os.O_TRUNC else 0, self._payload())
+                if rng.random() < 0.15:
+                    self.open.append(h)
+                else:
+                    t.release(h.fh)
+            elif op < 0.32:
+                dst = _paths(rng)
+                dparent, dname = self._at(dst)
+                if dparent is not None and dparent.is_dir:
+                    flags = RENAME_EXCHANGE if rng.random() < 0.15 else 0
+                    self.trace[before] += f" rename{'(exchange)' if flags else ''} to {dst}"
+                    t.rename(parent.ino, name, dparent.ino, dname, flags)
+            elif op < 0.40:
+                if node is not None and node.is_dir:
+                    t.rmdir(parent.ino, name)
+                else:
+                    t.unlink(parent.ino, name)
+            elif op < 0.48:
+                t.mkdir(parent.ino, name, rng.choice([0o755, 0o700, 0o1777]), 0, 0)
+            elif op < 0.53:
+                origin = _paths(rng)
+                src = t.inode_at(origin)
+                self.trace[before] += f" link to {origin}"
+                if src is not None and src.is_reg:
+                    t.link(src.ino, parent.ino, name)
+            elif op < 0.57:
+                t.symlink(parent.ino, name, _paths(rng).encode(), 0, 0)
+            elif op < 0.64 and node is not None:
+                if rng.random() < 0.5:
+                    t.setattr(node.ino, mode=rng.choice([0o600, 0o640, 0o755, 0o711]))
+                else:
+                    t.setattr(node.ino, mtime_ns=rng.randrange(1, 2**62))
+            elif op < 0.70 and node is not None and node.is_reg and not node.writers:
+                if not node.data.resident:
+                    await self.rig.engine.load(node.ino)
+                t.setattr(node.ino, size=rng.choice([0, 10, 5000, 80_000]))
+            elif op < 0.76:
+                self.rig.engine.evict(rng.randrange(0, 200_000))
+            elif op < 0.80 and node is not None and node.is_reg:
+                await self.rig.engine.load(node.ino)
+                assert node.data.resident or node.writers == 0
+            elif op < 0.86 and self.open:
+                t.release(self.open.pop(rng.randrange(len(self.open))).fh)
+            else:
+                await trio.sleep(rng.choice([0, 0, 0.001, 0.01]))
+        except OSError as exc:
+            self.trace[before] += f" -> {errno.errorcode.get(exc.errno)}"
+            if exc.errno not in (errno.EEXIST, errno.ENOENT, errno.ENOTEMPTY, errno.EISDIR, errno.ENOTDIR, errno.EINVAL,
+                                 errno.EPERM, errno.EBUSY) and not (self.faulty and exc.errno == errno.EIO):
+                raise
+
+    def close_all(self) -> None:
+        for h in self.open:
+            self.rig.store.release(h.fh)
+        self.open.clear()
+
+
+def _mount_view(tree, with_data: bool) -> dict:
+    """path -> (kind, mode, mtime, data or target); the root's own attributes left out."""
+    out = {}
+
+    def walk(ino: int, prefix: str) -> None:
+        d = tree.get(ino)
+        for name, child_ino in sorted(d.children.items()):
+            node = tree.get(child_ino)
+            path = f"{prefix}{name.decode()}"
+            if node.is_dir:
+                out[path] = ("dir", stat.S_IMODE(node.mode), node.mtime_ns, None)
+                walk(child_ino, path + "/")
+            elif node.is_reg:
+                data = bytes(node.data.read(0, node.data.size)) if with_data else None
+                out[path] = ("file", stat.S_IMODE(node.mode), node.mtime_ns, data)
+            else:
+                out[path] = ("symlink", None, node.mtime_ns, node.target)
+
+    walk(ROOT, "")
+    return out
+
+
+def _store_files(root) -> dict[str, bytes]:
+    out = {}
+    for dirpath, dirnames, names in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d != ".ckptfs" or dirpath != str(root)]
+        for n in names:
+            p = os.path.join(dirpath, n)
+            assert not os.path.islink(p), p
+            with open(p, "rb") as f:
+                out[os.path.relpath(p, root)] = f.read()
+    return out
+
+
+async def _load_all(rig: Rig) -> None:
+    for _path, node in list(rig.store.files_under("")):
+        for _ in range(5):  # a faulty store fails a load now and then, as a reader would see
+            if node.data.resident:
+                break
+            try:
+                await rig.engine.load(node.ino)
+            except OSError as exc:
+                if exc.errno != errno.EIO or not isinstance(rig.engine.backend, FaultyBackend):
+                    raise
+        assert node.data.resident
+
+
+async def _assert_converged(rig: Rig, tmp_path, view: dict) -> None:
+    """The store holds `view` (the mount's, taken after a flush), and a
+    restart over it shows the same tree, attributes and bytes."""
+    # The store: every regular file at each of its names, byte for byte; nothing else
+    files = {p: v[3] for p, v in view.items() if v[0] == "file"}
+    assert _store_files(rig.root) == files
+    for p, (kind, mode, _, _) in view.items():
+        if kind in ("file", "dir"):
+            assert oct(stat.S_IMODE(os.lstat(rig.root / p).st_mode)) == oct(mode), (p, kind)
+    report = verify(rig.backend)
+    assert report.clean, report
+
+    # A restart over the store shows the same tree, attributes and bytes (loads verified)
+    again = Rig(tmp_path / "store", claim=False)
+    async with trio.open_nursery() as n:
+        await again.engine.scan(again.store.restore)
+        await again.engine.claim(new_daemon_id(), time.time())
+        await n.start(again.engine.run)
+        with trio.fail_after(60):
+            await _load_all(again)
+        back = _mount_view(again.store, with_data=True)
+        assert {p: v[:3] for p, v in back.items() if view.get(p) != v} == {p: v[:3] for p, v in view.items() if back.get(p) != v}
+        assert back == view
+        assert not again.engine.verify_failures
+        n.cancel_scope.cancel()
+
+
+async def _flushed_view(rig: Rig, body=None) -> dict:
+    """Run the engine (after what was journaled while it was stopped: every
+    op then has its turn after the mount moved on), flush, load all."""
+    await run_until_flushed(rig, body, after=lambda: _load_all(rig))
+    return _mount_view(rig.store, with_data=True)
+
+
+@pytest.mark.parametrize("faults", [0.0, 0.2], ids=["sound store", "faulty store"])
+@pytest.mark.parametrize("seed", range(int(os.environ.get("CKPTFS_CONVERGENCE_SEEDS", "6"))))
+async def test_after_a_flush_the_store_and_a_restart_show_what_the_mount_shows(tmp_path, seed, faults):
+    rig = Rig(tmp_path / "store")
+    if faults:
+        rig.engine.backend = FaultyBackend(rig.backend, error_rate=faults, latency_s=0.001, seed=seed)
+    work = Workload(rig, seed, faulty=bool(faults))
+    for d in DIRS[1:]:
+        rig.mkdir(d)
+
+    async def body():
+        for _ in range(400):
+            await work.step()
+        work.close_all()
+
+    view = await _flushed_view(rig, body)
+    await _assert_converged(rig, tmp_path, view)
+
+
+# -- the cases random workloads found, one by one ------------------------------------------------
+def _symlink(rig: Rig, path: str, target: str):
+    return rig.store.symlink(rig.dir_of(path).ino, os.path.basename(path).encode(), target.encode(), 0, 0)
+
+
+async def test_a_symlink_renamed_over_a_published_file_removes_the_file_from_the_store(tmp_path):
+    rig = Rig(tmp_path / "store")
+    rig.write("f", b"data" * 100)
+    await _flushed_view(rig)
+    _symlink(rig, "s", "elsewhere")
+    rig.rename("s", "f")
+    await _assert_converged(rig, tmp_path, await _flushed_view(rig))
+
+
+async def test_a_symlink_renamed_before_its_turn_is_recorded_under_its_new_name_with_its_times(tmp_path):
+    rig = Rig(tmp_path / "store")
+    rig.mkdir("d")
+    _symlink(rig, "d/s", "target")  # its mtime is its creation's
+    rig.rename("d", "e")
+    rig.rename("e/s", "s2")
+    await _assert_converged(rig, tmp_path, await _flushed_view(rig))
+
+
+async def test_a_file_renamed_over_a_symlink_before_its_first_turn_leaves_no_symlink_record(tmp_path):
+    rig = Rig(tmp_path / "store")
+    _symlink(rig, "s", "target")
+    await _flushed_view(rig)
+    h = rig.write("f", b"x", keep_open=True)
+    rig.rename("f", "s")  # sealed only at its close, under its new name
+    rig.unlink("s")
+    rig.store.release(h.fh)
+    await _assert_converged(rig, tmp_path, await _flushed_view(rig))
+
+
+@pytest.mark.parametrize("other", ["file", "directory", "symlink", "nothing published"])
+async def test_an_exchange_of_a_directory_swaps_whole_trees_in_the_store(tmp_path, other):
+    rig = Rig(tmp_path / "store")
+    rig.mkdir("a")
+    rig.write("a/one", b"1" * 1000)
+    rig.mkdir("a/empty")
+    if other == "file":
+        rig.write("b", b"2" * 2000)
+    elif other == "directory":
+        rig.mkdir("b")
+        rig.write("b/two", b"2" * 2000)
+    elif other == "symlink":
+        _symlink(rig, "b", "a/one")
+    await _flushed_view(rig)
+    if other == "nothing published":
+        rig.write("b", b"3" * 10, keep_open=True)
+    rig.store.rename(ROOT, b"a", ROOT, b"b", RENAME_EXCHANGE)
+    view = await _flushed_view(rig)
+    assert view["b/one"][3] == b"1" * 1000
+    for h in list(rig.store.handles):
+        rig.store.release(h)
+    await _assert_converged(rig, tmp_path, await _flushed_view(rig))
+
+
+async def test_a_flush_records_directories_as_they_are(tmp_path):
+    """Directories' records used to wait for a quiet queue: a flush, then a
+    crash, brought a directory back 0755 and with another mtime."""
+    rig = Rig(tmp_path / "store")
+    d = rig.mkdir("d")
+    rig.store.setattr(d.ino, mode=0o700, mtime_ns=987_654_321)
+    view = await _flushed_view(rig)  # the engine stops right after: no quiet moment
+    assert stat.S_IMODE(os.stat(rig.root / "d").st_mode) == 0o700
+    await _assert_converged(rig, tmp_path, view)
+
+
+async def test_a_directory_made_in_a_directory_renamed_before_its_turn_exists_in_the_store(tmp_path):
+    rig = Rig(tmp_path / "store")
+    rig.mkdir("a")
+    await _flushed_view(rig)
+    rig.mkdir("a/sub")
+    rig.rename("a", "b")
+    view = await _flushed_view(rig)
+    assert os.path.isdir(rig.root / "b" / "sub")
+    await _assert_converged(rig, tmp_path, view)
+
+
+async def test_a_chmod_after_a_turn_that_held_the_file_reaches_the_store(tmp_path):
+    rig = Rig(tmp_path / "store")
+    h = rig.write("f", b"x" * 100)
+    rig.rename("f", "g")  # the file's turn finds it gone from f, and the rename's from g: held
+    rig.store.setattr(h.inode.ino, mode=0o600)  # whose turn comes while it is held
+    rig.rename("g", "h")
+    view = await _flushed_view(rig)
+    assert stat.S_IMODE(os.stat(rig.root / "h").st_mode) == 0o600
+    await _assert_converged(rig, tmp_path, view)
+
+
+async def test_a_file_assembled_in_a_hidden_directory_takes_its_mode(tmp_path):
+    rig = Rig(tmp_path / "store")
+    rig.mkdir("a")
+    h = rig.write("a/f", b"x" * 100)
+    rig.store.setattr(h.inode.ino, mode=0o640)
+    rig.rename("a", "b")  # a directory the store never had: assembled hidden, then moved
+    view = await _flushed_view(rig)
+    assert stat.S_IMODE(os.stat(rig.root / "b" / "f").st_mode) == 0o640
+    await _assert_converged(rig, tmp_path, view)
+
+
+async def test_a_hard_link_made_then_moved_before_its_turn_is_in_the_store(tmp_path):
+    rig = Rig(tmp_path / "store")
+    rig.mkdir("a")
+    h = rig.write("f", b"linked" * 100)
+    await _flushed_view(rig)
+    rig.store.link(h.inode.ino, rig.dir_of("a/l").ino, b"l")
+    rig.rename("a", "b")
+    view = await _flushed_view(rig)
+    assert (rig.root / "b" / "l").read_bytes() == b"linked" * 100
+    await _assert_converged(rig, tmp_path, view)
+
+
+async def test_the_last_copy_of_a_file_replaced_while_its_hard_link_moved_is_not_lost(tmp_path):
+    """A hard link made, its directory moved before the link's turn, and the
+    published name replaced: the store's only copy went, and the file, evicted
+    from RAM once published, read as EIO."""
+    rig = Rig(tmp_path / "store")
+    rig.mkdir("a")
+    h = rig.write("a/y", b"only" * 1000)
+    await _flushed_view(rig)
+    assert rig.engine.evict(1 << 40) and not h.inode.data.resident
+    rig.store.link(h.inode.ino, rig.dir_of("a/l").ino, b"l")
+    rig.write("z", b"other")
+    rig.rename("z", "a/y")
+    rig.rename("a", "b")
+    view = await _flushed_view(rig)
+    assert view["b/l"][3] == b"only" * 1000
+    await _assert_converged(rig, tmp_path, view)
