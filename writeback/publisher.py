@@ -576,8 +576,9 @@ class Publisher:
         orphans = [(path, n) for path, n in self.replica.nodes_of(node.ino) if n is not node and isinstance(n, File) and n.shown is None]
         for path, n in orphans:
             await self._show_copy(path, n)
-        if (self.e.link is None and any(n.shown is None and n.held is None for _, n in orphans) and node.ino not in self.e.pending
-                and self.e.ns.paths_of(node.ino)):
+        others_shown = any(n is not node and isinstance(n, File) and n.shown is not None for _, n in self.replica.nodes_of(node.ino))
+        if (self.e.link is None and not others_shown and any(n.shown is None and n.held is None for _, n in orphans)
+                and node.ino not in self.e.pending and self.e.ns.paths_of(node.ino)):
             # A name the mount has moved on from, its turn to come: the bytes
             # come back to RAM while the store still has them, and go again as
             # a new generation under the names the file has when its turn comes.
