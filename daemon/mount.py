@@ -241,7 +241,10 @@ async def _when_live(mountpoint: str, ready: Callable[[], None] | None) -> None:
     # mount when the daemon is killed would keep it from ever exiting (the
     # kernel waits for the answer uninterruptibly, and only our exit could
     # abort the connection); a child's request is aborted when we die.
-    await trio.run_process(["stat", "--", mountpoint], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    done = await trio.run_process(["stat", "--", mountpoint], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+    if done.returncode != 0:  # unmounted already (`fusermount3 -u` at once): nothing to tune, and not live
+        log.info("%s was unmounted before it was live", mountpoint)
+        return
     _set_read_ahead(mountpoint)
     if ready is not None:
         ready()

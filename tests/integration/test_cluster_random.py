@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 
 import pytest
 
@@ -60,6 +61,13 @@ def test_random_changes_of_large_files_on_two_nodes_end_with_the_bucket_as_the_m
             else:  # the directory moves with everything in it; the changes go on in a new `d`
                 os.rename(node.path("d"), node.path(f"moved{step}"))
                 node.path("d").mkdir()
+                # The other node sees the move within the bound the README states (0.5 s); until
+                # then its kernel may still resolve `d` to the moved directory, so wait for it
+                new_d = os.stat(node.path("d")).st_ino
+                deadline = time.monotonic() + 5
+                while any(os.stat(m.path("d")).st_ino != new_d for m in (a, b)):
+                    assert time.monotonic() < deadline, "the other node never saw the new directory"
+                    time.sleep(0.01)
                 expected = {(f"moved{step}/" + k[2:] if k.startswith("d/") else k): v for k, v in expected.items()}
                 live = []
         r = run_cli("flush", str(b.mountpoint), "--cluster", "--timeout", "120")

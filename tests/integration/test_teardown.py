@@ -38,6 +38,18 @@ def test_sigterm_after_an_external_unmount_drains_and_exits_cleanly(tmp_path):
         stop_mount(m)
 
 
+async def test_a_mount_unmounted_before_it_was_live_is_not_a_crash(tmp_path):
+    """The daemon checks that its mount answers (a `stat` in a child) before
+    it tunes it and reports it live; an unmount just then (`fusermount3 -u`
+    as soon as the mount appears) made that check raise, and the daemon died
+    with a traceback instead of draining."""
+    from ckptfs.daemon.mount import _when_live
+
+    live = []
+    await _when_live(str(tmp_path / "gone"), lambda: live.append(True))
+    assert live == []
+
+
 def test_teardown_when_the_daemon_hangs(tmp_path):
     m = start_mount(tmp_path)
     os.kill(m.pid, signal.SIGSTOP)  # any access to the mount would now block
