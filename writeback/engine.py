@@ -93,6 +93,7 @@ class Retry:
         return min(self.max_s, self.first_s * 2 ** min(max(0, tries - 1), 30))
 
 
+DIR_SYNC_TRIES = 5  # tries in a row without progress before a flush leaves directory records to later
 REMIND_S = 60.0  # a change still failing is logged again at most this often
 STARTUP_TRIES = 6  # of a call the mount cannot start without (scan, claim): about 15 s of backoff
 
@@ -502,11 +503,17 @@ class Engine:
     async def sync_dirs(self) -> None:
         """Record the directories' attributes as they are now (the publisher
         does it by itself only once the queue is quiet: a flush, and an
-        unmount, must not leave them behind). Failures are tried again, as
-        a file's are, until the caller's deadline."""
-        tries = 0
+        unmount, must not leave them behind). Failures are tried again
+        while tries make progress; a directory that fails `DIR_SYNC_TRIES`
+        times in a row is left to the publisher's next sync, not waited
+        for: one bad directory must not hold every flush."""
+        tries, left = 0, math.inf
         while not await self.publisher.sync_dirs():
-            tries += 1
+            tries = 1 if len(self.publisher.dirty) < left else tries + 1
+            left = len(self.publisher.dirty)
+            if tries > DIR_SYNC_TRIES:
+                log.warning("the records of %d directories could not be written: tried again later", left)
+                return
             await trio.sleep(self.retry.delay(tries))
 
     async def drain(self, timeout: float) -> list[Op]:

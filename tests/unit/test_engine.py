@@ -834,3 +834,12 @@ async def test_a_flush_tries_directory_records_again_until_they_are_in(tmp_path)
     rig.engine.backend = _Failing(rig.backend, "chmod", times=2)
     await run_until_flushed(rig)
     assert stat.S_IMODE(os.stat(tmp_path / "store" / "d").st_mode) == 0o750
+
+
+async def test_a_directory_whose_record_cannot_be_written_does_not_hold_a_flush(tmp_path):
+    rig = Rig(tmp_path / "store")
+    d = rig.mkdir("d")
+    rig.store.setattr(d.ino, mode=0o750)
+    rig.engine.backend = _Failing(rig.backend, "chmod")  # for good
+    await run_until_flushed(rig)  # within its deadline
+    assert rig.engine.publisher.dirty  # left for a later sync
