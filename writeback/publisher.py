@@ -557,6 +557,11 @@ class Publisher:
         hard link), if the mount has it there. True if shown."""
         if node.shown is not None or not self.live_at(path, node.ino):
             return False
+        newer = next((n.held for _, n in self.replica.nodes_of(node.ino) if isinstance(n, File) and n is not node and n.held is not None
+                      and n.held.ino == node.ino and n.held.state is not State.DROPPED), None)
+        if newer is not None:  # a newer generation of it waits under another name: that one, not the bytes shown before it
+            node.held = newer
+            return await self._materialize(path, node)
         source = next((p for p, n in self.replica.nodes_of(node.ino) if isinstance(n, File) and n is not node and n.shown is not None), None)
         if source is None:
             return False

@@ -352,3 +352,15 @@ async def test_the_last_copy_of_a_file_replaced_while_its_hard_link_moved_is_not
     view = await _flushed_view(rig)
     assert view["b/l"][3] == b"only" * 1000
     await _assert_converged(rig, tmp_path, view)
+
+
+async def test_a_hard_link_made_while_a_newer_generation_waits_shows_the_newer_bytes(tmp_path):
+    rig = Rig(tmp_path / "store")
+    h = rig.write("c", b"old" * 100)
+    await _flushed_view(rig)
+    rig.write("c", b"new" * 100)  # its turn finds c gone (renamed below): held
+    rig.store.link(h.inode.ino, ROOT, b"y")  # the link's turn: y must get the new bytes, not c's old ones
+    rig.rename("c", "z")
+    view = await _flushed_view(rig)
+    assert (rig.root / "y").read_bytes() == b"new" * 100
+    await _assert_converged(rig, tmp_path, view)
