@@ -454,7 +454,10 @@ class Engine:
     def waiting(self, op: Op) -> bool:
         """Not applied yet (a dropped generation needs nothing more; a
         published one whose turn still shows it under its other names, its
-        hard links, is not applied yet)."""
+        hard links, is not applied yet; nor is one whose application sealed
+        a file again, until that generation is)."""
+        if op.resealed is not None and self.waiting(op.resealed):
+            return True
         if isinstance(op, FileGen):
             if op.state is State.DROPPED:
                 return False
@@ -463,6 +466,8 @@ class Engine:
 
     def stuck(self, op: Op) -> bool:
         """Cannot complete until a parked file is resolved (by a user)."""
+        if op.resealed is not None and self.waiting(op.resealed):
+            return self.stuck(op.resealed)
         if isinstance(op, FileGen):
             return op.state is State.PARKED or self.publisher.held_back(op)
         return isinstance(op, Remove) and self.publisher.blocked_by_parked()

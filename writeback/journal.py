@@ -37,6 +37,9 @@ class Op:
     error: str = field(default="", init=False)  # of its last failed step
     error_at: float = field(default=0.0, init=False)  # when (time.time())
     logged_at: float = field(default=0.0, init=False)  # when a retry of it was last logged (time.monotonic())
+    # A generation its application sealed again (`Publisher._keep_copies`):
+    # the op is not applied, for a flush, until that one is published.
+    resealed: FileGen | None = field(default=None, init=False)
 
     @property
     def path(self) -> str:  # for humans: logs, status, flush

@@ -246,8 +246,10 @@ class Publisher:
     async def sync_dirs(self) -> bool:
         """Write the record of every dirty directory whose attributes in the
         mount differ from it (and, on a local store, give the store's
-        directory the mount's mode). A failure leaves it dirty, for later
-        (False)."""
+        directory the mount's mode). A failure leaves that directory dirty,
+        for later, and the others are written all the same. True if none
+        failed."""
+        failed = set()
         async with self.syncing:
             for d in sorted(self.dirty, key=lambda n: -len(self.replica.path_of(n) or "")):
                 self.dirty.discard(d)
@@ -261,10 +263,11 @@ class Publisher:
                         await self._fenced(f"chmod {path}", self.e.backend.chmod, path, meta.mode & 0o1777, at=(path,))
                 except Exception as exc:
                     log.warning("cannot record the attributes of directory %s yet: %s", path or "/", exc)
-                    self.dirty.add(d)
-                    return False
+                    failed.add(d)
+                    continue
                 d.recorded = meta
-        return True
+            self.dirty |= failed
+        return not failed
 
     async def _attrs(self, op: Attrs) -> None:
         for path, node in self.replica.nodes_of(op.ino):
@@ -464,7 +467,7 @@ class Publisher:
         # directory (the directory move writes the records for the final paths).
         rec = None if at.startswith(META + "/") else self._record(at, gen, node)
         source = self._shown_source(gen, exclude=node)
-        if gen.staged is not None and source is None:
+        if gen.staged is not None and source is None and gen.state is not State.PUBLISHED:
             gen.publishing = True
             try:
                 staged = gen.staged
@@ -497,8 +500,11 @@ class Publisher:
                 gen.staged = None  # consumed: the staging object is now the file
         elif source is not None:
             await self.call(f"copy {source} to {at}", storeio.show, self.e.backend, rec, source, at, False, nbytes=gen.size, at=(at,))
-        elif gen.state is State.PUBLISHED:  # shown under another name, since gone: nothing left to show it from
-            log.warning("%s: its bytes are no longer staged nor shown anywhere; the next generation will be", path)
+        elif gen.state is State.PUBLISHED:
+            # Shown under another name, since gone: its snapshot is let go and
+            # nothing shows it (`_keep_copies` sealed the file again: that
+            # newer generation shows it here at its turn).
+            log.info("%s: generation %d left the store with the name that showed it; a newer one shows it", path, gen.generation)
             node.held = None
             return False
         else:  # its staged copy was consumed under another name since unshown: stage again
@@ -555,14 +561,14 @@ class Publisher:
     async def _show_copy(self, path: str, node: File) -> bool:
         """Show `node` at `path` as another name of its inode shows it (a
         hard link), if the mount has it there. True if shown."""
-        if node.shown is not None or not self.live_at(path, node.ino):
+        if node.shows_own or not self.live_at(path, node.ino):
             return False
         newer = next((n.held for _, n in self.replica.nodes_of(node.ino) if isinstance(n, File) and n is not node and n.held is not None
                       and n.held.ino == node.ino and n.held.state is not State.DROPPED), None)
         if newer is not None:  # a newer generation of it waits under another name: that one, not the bytes shown before it
             node.held = newer
             return await self._materialize(path, node)
-        source = next((p for p, n in self.replica.nodes_of(node.ino) if isinstance(n, File) and n is not node and n.shown is not None), None)
+        source = next((p for p, n in self.replica.nodes_of(node.ino) if isinstance(n, File) and n is not node and n.shows_own), None)
         if source is None:
             return False
         src = self.replica.lookup(source)
@@ -576,19 +582,27 @@ class Publisher:
     async def _keep_copies(self, node: File) -> None:
         """Before `node`'s bytes go from the store (deleted, replaced): every
         other name the mount has for its inode that the store does not show
-        yet takes a copy, or the bytes, evicted from RAM once published,
-        would be nowhere."""
-        orphans = [(path, n) for path, n in self.replica.nodes_of(node.ino) if n is not node and isinstance(n, File) and n.shown is None]
-        for path, n in orphans:
-            await self._show_copy(path, n)
-        others_shown = any(n is not node and isinstance(n, File) and n.shown is not None for _, n in self.replica.nodes_of(node.ino))
-        if (self.e.link is None and not others_shown and any(n.shown is None and n.held is None for _, n in orphans)
-                and node.ino not in self.e.pending and self.e.ns.paths_of(node.ino)):
+        yet (a hard link), or that waits to show a generation published only
+        at `node`'s name, takes a copy; or the bytes, evicted from RAM once
+        published, would be nowhere."""
+        going = node.shown
+        if going is None or going.ino != node.ino:
+            return
+        others = [(path, n) for path, n in self.replica.nodes_of(node.ino) if n is not node and isinstance(n, File)]
+        for path, n in others:
+            if not n.shows_own:
+                await self._show_copy(path, n)
+            elif n.held is not None and n.held.state is State.PUBLISHED:
+                await self._materialize(path, n)
+        kept = any(n.shows_own and n.shown.generation >= going.generation for _, n in others)
+        if not kept and self.e.link is None and node.ino not in self.e.pending and self.e.ns.paths_of(node.ino):
             # A name the mount has moved on from, its turn to come: the bytes
             # come back to RAM while the store still has them, and go again as
             # a new generation under the names the file has when its turn comes.
             await self.e.load(node.ino)
             if self.e.ns.reseal(node.ino):
+                if self.current is not None:
+                    self.current.resealed = self.e.pending.get(node.ino)
                 log.info("%s: sealed again from the store's last copy, which goes now, for its other names", self.replica.path_of(node))
 
     def _shown_source(self, gen: FileGen, exclude: Node) -> str | None:

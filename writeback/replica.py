@@ -57,6 +57,12 @@ class File(Node):
     shown: Shown | None = None
     held: FileGen | None = None
 
+    @property
+    def shows_own(self) -> bool:
+        """The store shows this inode's bytes here (not those of the file
+        this name replaced, kept until this one's are published)."""
+        return self.shown is not None and self.shown.ino == self.ino
+
 
 @dataclass(eq=False)
 class Link(Node):

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 
 from . import manifest, storeio
-from .journal import Exchange, Rename
+from .journal import Exchange, FileGen, Op, Remove, Rename
 from .manifest import BLOCK, Digest, Record, hasher
 from .state import State
 
@@ -234,8 +234,10 @@ class Residency:
             await load.changed.wait()
         if load.again:
             return await self.load(ino, off, end)
-        if load.error is not None and not load.target.covers(off, end) and not self.e.ns.resident(ino):
-            raise load.error  # not when a truncate meanwhile dropped the load: the file is in RAM, as it is now
+        # Not when a truncate meanwhile dropped the load: the file is in RAM, as it is now.
+        # A caller of the whole file needs it in RAM (an empty file's load covers its no bytes).
+        if load.error is not None and not self.e.ns.resident(ino) and (end is None or not load.target.covers(off, end)):
+            raise load.error
 
     async def _start(self, ino: int) -> _Load | None:
         found = self.e.publisher_shown(ino)
@@ -367,16 +369,18 @@ class Residency:
 
     async def _moved(self, load: _Load) -> bool:
         """After the store had no file at `load.path`, or other bytes there:
-        whether the publisher moved it meanwhile (a rename's or an
-        exchange's turn does not wait for loads). A move of that path still
-        under way or waiting is waited for first; then the file was moved if
-        the store shows it under another name now."""
+        whether the publisher changed what the store shows of the file
+        meanwhile (its turns do not wait for loads: a rename, an exchange or
+        a removal moves the file or puts another in its place, a newer
+        generation replaces its bytes). A change of that path under way is
+        waited for first; then the load starts again if the store shows the
+        file under another name now, or other bytes of it."""
         path = load.path
-        for op in [op for op in self.e.queue if isinstance(op, Rename | Exchange)]:
-            if any(path == p or path.startswith(p + "/") for p in ((op.src,) if isinstance(op, Rename) else (op.a, op.b))):
-                await op.done.wait()
+        op = self.e.publisher.current
+        if op is not None and any(path == p or path.startswith(p + "/") for p in _paths(op)):
+            await op.done.wait()
         found = self.e.publisher_shown(load.ino)
-        return found is not None and found[0] != path
+        return found is not None and (found[0] != path or (found[1].digest is not None and found[1].digest not in load.wanted))
 
     def _failed(self, path: str, why: str) -> OSError:
         self.verify_failures[path] = why
@@ -406,3 +410,15 @@ class Residency:
                 await self.load(node.ino)
                 n += 1
         return n
+
+
+def _paths(op: Op) -> tuple[str, ...]:
+    """The store paths an op changes."""
+    if isinstance(op, Rename):
+        return (op.src, op.dst)
+    if isinstance(op, Exchange):
+        return (op.a, op.b)
+    if isinstance(op, FileGen):
+        return tuple(op.names)
+    return (op.name,) if isinstance(op, Remove) else ()
+

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import stat
@@ -730,6 +731,63 @@ async def test_a_load_whose_file_the_publisher_moves_meanwhile_loads_it_from_its
         n.cancel_scope.cancel()
 
 
+async def test_a_load_that_opens_a_name_while_another_file_takes_it_loads_the_file_from_its_other_name(tmp_path):
+    """The publisher replaced the name the load opened (a rename over it)
+    and had not yet recorded where the file is still shown (its hard link)
+    when the load found other bytes there: the load failed with 'the store
+    has N bytes', though the file was in the store all along."""
+    import threading
+
+    rig = Rig(tmp_path / "store")
+    data = os.urandom(5000)
+    h = rig.write("big", data)
+    rig.store.link(h.inode.ino, ROOT, b"twin")
+    rig.write("other", os.urandom(4000))
+    await run_until_flushed(rig)
+    rig.engine.evict(1 << 40)
+    assert not h.inode.data.resident
+    opened_at, go, checking = [], threading.Event(), threading.Event()
+    backend = rig.backend
+    opened, moved = backend.open_source, backend.move
+
+    def open_source(path):
+        opened_at.append(path)
+        go.wait(30)  # opened once the store has the other file at this name
+        return opened(path)
+
+    def move(src, dst):
+        moved(src, dst)
+        go.set()
+        checking.wait(30)  # the rename's turn goes on once the load found the other bytes
+
+    checked = rig.engine.residency._moved
+
+    async def _moved(load):
+        checking.set()
+        return await checked(load)
+
+    backend.open_source, backend.move, rig.engine.residency._moved = open_source, move, _moved
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        got = []
+
+        async def reader():
+            await rig.engine.load(h.inode.ino)
+            got.append(h.inode.data.read(0, len(data)))
+
+        n.start_soon(reader)
+        with trio.fail_after(20):
+            while not opened_at:
+                await trio.sleep(0.01)
+            rig.rename("other", "big")
+            await rig.engine.flush()
+            while not got:
+                await trio.sleep(0.01)
+        assert got == [data] and opened_at == ["big", "twin"]
+        assert not rig.engine.verify_failures
+        n.cancel_scope.cancel()
+
+
 class _Failing:
     """Wraps a backend: the named calls fail while `failing` holds them."""
 
@@ -763,6 +821,29 @@ async def test_a_load_that_fails_for_a_passing_reason_is_tried_again(tmp_path):
         with trio.fail_after(20):
             await rig.engine.load(node.ino)
         assert node.data.read(0, len(data)) == data
+        n.cancel_scope.cancel()
+
+
+async def test_a_failed_load_of_an_empty_file_fails_its_writer(tmp_path):
+    """An empty file's load covers its no bytes: a failed one returned as if
+    it had loaded, and a writer then wrote into a file not in RAM, whose
+    bytes the next load attempt cleared (a write into the mount lost)."""
+    rig = Rig(tmp_path / "store")
+    rig.write("f", b"")
+    await run_until_flushed(rig)
+    node = rig.store.inode_at("f")
+    rig.engine.evict(1 << 40)
+    assert not node.data.resident
+    rig.engine.backend = _Failing(rig.backend, "open_source")
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        with trio.fail_after(20), pytest.raises(OSError) as failed:
+            await rig.engine.load(node.ino)
+        assert failed.value.errno == errno.EIO and not node.data.resident
+        rig.engine.backend = rig.backend
+        with trio.fail_after(20):
+            await rig.engine.load(node.ino)
+        assert node.data.resident
         n.cancel_scope.cancel()
 
 
@@ -843,3 +924,37 @@ async def test_a_directory_whose_record_cannot_be_written_does_not_hold_a_flush(
     rig.engine.backend = _Failing(rig.backend, "chmod")  # for good
     await run_until_flushed(rig)  # within its deadline
     assert rig.engine.publisher.dirty  # left for a later sync
+
+
+class _FailingAt(_Failing):
+    """The named calls fail, for good, on paths under `prefix` only."""
+
+    def __init__(self, inner, prefix: str, *names: str):
+        super().__init__(inner, *names)
+        self.prefix = prefix
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if name not in self.failing or not callable(attr):
+            return attr
+
+        def call(path, *args, **kwargs):
+            if path.startswith(self.prefix):
+                raise ConnectionError(f"injected fault in {name} of {path}")
+            return attr(path, *args, **kwargs)
+
+        return call
+
+
+async def test_a_directory_whose_record_cannot_be_written_does_not_keep_the_others_out(tmp_path):
+    """The deepest directory went first and its failure ended every sync:
+    no other directory's record was ever written."""
+    rig = Rig(tmp_path / "store")
+    a = rig.mkdir("a")
+    rig.mkdir("a/deep")
+    rig.store.setattr(a.ino, mode=0o750)
+    rig.store.setattr(rig.store.inode_at("a/deep").ino, mode=0o700)
+    rig.engine.backend = _FailingAt(rig.backend, "a/deep", "chmod")
+    await run_until_flushed(rig)
+    assert stat.S_IMODE(os.stat(tmp_path / "store" / "a").st_mode) == 0o750
+    assert [rig.engine.publisher.replica.path_of(d) for d in rig.engine.publisher.dirty] == ["a/deep"]
