@@ -853,7 +853,7 @@ class Publisher:
         self.replica.bind(op.dst, node)
         self._made_parents(op.dst)
         for rel, f in members:  # hard links whose Link's turn found them elsewhere
-            if isinstance(f, File) and f.shown is None and f.held is None:
+            if isinstance(f, File) and not f.shows_own and f.held is None:
                 await self._show_copy(f"{op.dst}/{rel}", f)
 
     async def _exchange(self, op: Exchange) -> None:
@@ -872,6 +872,16 @@ class Publisher:
         def under(top: str, rel: str) -> str:
             return f"{top}/{rel}" if rel else top
 
+        # The records first, each naming what its path may hold until the move
+        # (the bytes of the file leaving it): a crash between the store's swap
+        # and these writes would have left each side checked against the other's.
+        leaving = {under(old, rel): f.shown.digest for old, fs in files.items() for rel, f in fs if f.shown is not None}
+        for old, new, _node in sides:
+            for rel, f in files[old]:
+                assert isinstance(f, File) and f.shown is not None
+                path = under(new, rel)
+                rec = Record.of(path, "file", f.shown.meta, current=f.shown.digest, previous=leaving.get(path))
+                await self.call(f"record {path}", manifest.write, backend, rec, at=(path,))
         if backend.dirs:
             there = {old: bool(files[old]) or (isinstance(node, Dir) and node.made) for old, _, node in sides}
             if there[op.a] and there[op.b]:
@@ -929,7 +939,7 @@ class Publisher:
                 self._made_parents(new)
         for _old, new, _node in sides:  # generations whose turn passed while they were held under these names, hard links
             for rel, n in members[_old]:
-                if isinstance(n, File) and (n.shown is None or self._showable(under(new, rel), n)):
+                if isinstance(n, File) and (not n.shows_own or self._showable(under(new, rel), n)):
                     await self._materialize(under(new, rel), n)
 
     # -- removals wait ----------------------------------------------------------
