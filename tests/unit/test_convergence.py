@@ -452,3 +452,20 @@ async def test_a_crash_right_after_an_exchange_in_a_local_store_leaves_every_fil
         assert not again.engine.verify_failures
         n.cancel_scope.cancel()
     assert verify(again.backend).clean
+
+
+async def test_a_hard_link_renamed_over_a_file_then_moved_with_its_directory_shows_its_own_bytes(tmp_path):
+    """The link's rename over t found t gone already (its directory moved):
+    t kept the replaced file's bytes, and the directory's move showed them
+    as the link's."""
+    rig = Rig(tmp_path / "store")
+    rig.mkdir("d")
+    rig.write("d/t", b"theirs")
+    h = rig.write("f", b"mine" * 500)
+    await _flushed_view(rig)
+    rig.store.link(h.inode.ino, rig.dir_of("d/l").ino, b"l")
+    rig.rename("d/l", "d/t")
+    rig.rename("d", "e")
+    view = await _flushed_view(rig)
+    assert view["e/t"][3] == b"mine" * 500
+    await _assert_converged(rig, tmp_path, view)
