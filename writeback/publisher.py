@@ -151,6 +151,7 @@ class Publisher:
         one is abandoned in turn (a group's step: late for each generation
         in it, whose own retries may go on: they do the same thing)."""
         await self._after_late_steps(at)
+        self.e.residency.disturb(at)
         if self.e.link is not None:
             await self.e.link.leased()
         ended = trio.Event()

@@ -64,6 +64,7 @@ class _Load:
         self.ino, self.path, self.target, self.wanted = ino, path, target, wanted
         self.error: OSError | None = None
         self.again = False  # the store moved the file while it loaded (a rename's turn): load it from where it is now
+        self.disturbed = False  # the publisher changed its path in the store meanwhile (`Residency.disturb`)
         self.finished = False  # the load's task is over: counted, logged, evictable again
         self.changed = trio.Event()
         self.ranged = all(d.size <= BLOCK or len(d.blocks) == -(-d.size // BLOCK) for d in wanted)
@@ -367,20 +368,29 @@ class Residency:
             raise storeio.IntegrityError(f"checksum mismatch: the store has {size} bytes with xxh3 {whole.hexdigest()}, "
                                          f"the manifest says {' or '.join(str(d) for d in load.wanted)}")
 
+    def disturb(self, paths: tuple[str, ...]) -> None:
+        """The publisher is about to change these store paths: a load
+        reading from one of them that fails from now on starts again."""
+        for load in self._loads.values():
+            if any(load.path == p or load.path.startswith(p + "/") for p in paths):
+                load.disturbed = True
+
     async def _moved(self, load: _Load) -> bool:
         """After the store had no file at `load.path`, or other bytes there:
-        whether the publisher changed what the store shows of the file
-        meanwhile (its turns do not wait for loads: a rename, an exchange or
-        a removal moves the file or puts another in its place, a newer
-        generation replaces its bytes). A change of that path under way is
-        waited for first; then the load starts again if the store shows the
-        file under another name now, or other bytes of it."""
+        whether the publisher changed what the store has there meanwhile
+        (its turns do not wait for loads: a rename, an exchange or a
+        removal moves the file or puts another in its place, a newer
+        generation replaces its bytes, a file deleted at one name comes
+        back to it from another). A change of that path under way is
+        waited for first; then the load starts again from where the store
+        shows the file now."""
         path = load.path
         op = self.e.publisher.current
         if op is not None and any(path == p or path.startswith(p + "/") for p in _paths(op)):
             await op.done.wait()
         found = self.e.publisher_shown(load.ino)
-        return found is not None and (found[0] != path or (found[1].digest is not None and found[1].digest not in load.wanted))
+        return found is not None and (load.disturbed or found[0] != path
+                                      or (found[1].digest is not None and found[1].digest not in load.wanted))
 
     def _failed(self, path: str, why: str) -> OSError:
         self.verify_failures[path] = why

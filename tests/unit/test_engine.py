@@ -788,6 +788,62 @@ async def test_a_load_that_opens_a_name_while_another_file_takes_it_loads_the_fi
         n.cancel_scope.cancel()
 
 
+async def test_a_load_that_opens_a_name_in_the_moment_the_file_is_not_there_loads_it_when_it_is_back(tmp_path):
+    """A file at two names (a hard link): its first name deleted, its
+    other name renamed to the first. A load that opened the first name
+    between the delete and the move found nothing, and by the time it
+    looked, the store showed the file at that same name again: it failed
+    with 'missing from the store'."""
+    import threading
+
+    rig = Rig(tmp_path / "store")
+    data = os.urandom(5000)
+    h = rig.write("a", data)
+    rig.store.link(h.inode.ino, ROOT, b"b")
+    await run_until_flushed(rig)
+    rig.engine.evict(1 << 40)
+    assert not h.inode.data.resident
+    opened_at, moving, failed = [], threading.Event(), threading.Event()
+    backend = rig.backend
+    opened, moved = backend.open_source, backend.move
+
+    def open_source(path):
+        opened_at.append(path)
+        if len(opened_at) == 1:
+            moving.wait(30)  # opened once the store has nothing at this name
+        try:
+            return opened(path)
+        finally:
+            failed.set()
+
+    def move(src, dst):
+        moving.set()
+        failed.wait(30)  # the file comes back to its first name once the load found nothing there
+        moved(src, dst)
+
+    backend.open_source, backend.move = open_source, move
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        got = []
+
+        async def reader():
+            await rig.engine.load(h.inode.ino)
+            got.append(h.inode.data.read(0, len(data)))
+
+        n.start_soon(reader)
+        with trio.fail_after(20):
+            while not opened_at:
+                await trio.sleep(0.01)
+            rig.unlink("a")
+            rig.rename("b", "a")
+            await rig.engine.flush()
+            while not got:
+                await trio.sleep(0.01)
+        assert got == [data] and opened_at == ["a", "a"]
+        assert not rig.engine.verify_failures
+        n.cancel_scope.cancel()
+
+
 class _Failing:
     """Wraps a backend: the named calls fail while `failing` holds them."""
 
