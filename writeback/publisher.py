@@ -95,6 +95,7 @@ class Publisher:
         self.waiting_markers: set[File] = set()  # held: they would vouch for a file the store does not show yet
         self.retry_parked_at = 0.0
         self.current: Op | None = None  # the op being applied: store steps count their failures on it
+        self.assembling: tuple[str, str] | None = None  # (a directory, the hidden one where its moved members are now)
         self.single_until = 0  # seq up to which ops go one at a time (a group of them failed)
         # Directories whose mode, owner or mtime may differ from their record:
         # recorded when the queue is idle (metadata is not ordered data).
@@ -607,9 +608,13 @@ class Publisher:
                 log.info("%s: sealed again from the store's last copy, which goes now, for its other names", self.replica.path_of(node))
 
     def _shown_source(self, gen: FileGen, exclude: Node) -> str | None:
+        """Where the store shows `gen` under another name (a hard link's),
+        inside a directory being assembled hidden: where it is now."""
         for path, other in self.replica.nodes_of(gen.ino):
             if (other is not exclude and isinstance(other, File) and other.shown and other.shown.ino == gen.ino
                     and other.shown.generation == gen.generation):
+                if self.assembling is not None and path.startswith(self.assembling[0] + "/"):
+                    return self.assembling[1] + path[len(self.assembling[0]):]
                 return path
         return None
 
@@ -797,9 +802,13 @@ class Publisher:
             # had it, a hidden directory), then one rename(2).
             in_store = node.made or any(isinstance(f, File) and f.shown is not None for _, f in members)
             base = op.src if in_store else await self.call(f"assemble {op.dst}", backend.unit_dir)
-            for rel, f in show:
-                assert isinstance(f, File)
-                await self._materialize(f"{op.dst}/{rel}", f, into=f"{base}/{rel}")
+            self.assembling = (op.src, base) if base != op.src else None
+            try:
+                for rel, f in show:
+                    assert isinstance(f, File)
+                    await self._materialize(f"{op.dst}/{rel}", f, into=f"{base}/{rel}")
+            finally:
+                self.assembling = None
             for rel, d in members:  # made in the mount after it moved there: their Mkdir's turn could not
                 if isinstance(d, Dir) and not d.made and self.live_at(f"{op.dst}/{rel}", d.ino):
                     await self.call(f"mkdir {op.dst}/{rel}", backend.mkdir, f"{base}/{rel}", at=(f"{base}/{rel}",))
@@ -934,10 +943,11 @@ class Publisher:
         for node in (a, b):
             if node is not None:
                 self.replica.detach(node)
-        for _old, new, node in sides:
+        for old, new, node in sides:
             if node is not None:
                 self.replica.bind(new, node)
-                self._made_parents(new)
+                if files[old] or (isinstance(node, Dir) and node.made):  # something of it is in the store at `new` now
+                    self._made_parents(new)
         for _old, new, _node in sides:  # generations whose turn passed while they were held under these names, hard links
             for rel, n in members[_old]:
                 if isinstance(n, File) and (not n.shows_own or self._showable(under(new, rel), n)):
