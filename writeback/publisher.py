@@ -890,7 +890,7 @@ class Publisher:
             for rel, f in files[old]:
                 assert isinstance(f, File) and f.shown is not None
                 path = under(new, rel)
-                rec = Record.of(path, "file", f.shown.meta, current=f.shown.digest, previous=leaving.get(path))
+                rec = Record.of(path, "file", f.shown.meta, current=f.shown.digest, previous=leaving.get(path), source=f"move:{under(old, rel)}")
                 await self.call(f"record {path}", manifest.write, backend, rec, at=(path,))
         if backend.dirs:
             there = {old: bool(files[old]) or (isinstance(node, Dir) and node.made) for old, _, node in sides}
@@ -922,7 +922,7 @@ class Publisher:
             for rel, n in members[_old]:
                 path = under(new, rel)
                 if isinstance(n, File) and n.shown is not None:
-                    rec = Record.of(path, "file", n.shown.meta, current=n.shown.digest)
+                    rec = Record.of(path, "file", n.shown.meta, current=n.shown.digest, source=f"move:{under(_old, rel)}")
                 elif isinstance(n, RLink) and (n.shown or self.live_at(path, n.ino)):
                     rec = Record.of(path, "symlink", n.meta, target=n.target)
                     n.shown = True

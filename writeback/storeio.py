@@ -219,6 +219,21 @@ def scan(backend: Backend) -> Scanned:
             del records[path]
         else:
             log.warning("%s is recorded but missing from the store", path)
+    dirs = {e.path for e in entries if e.is_dir}
+    links = {p for p, r in records.items() if r.kind == "symlink"}
+    for path, rec in list(records.items()):
+        # A symlink's or directory's record where the store has a file, or
+        # under one (or a symlink under a symlink): left by a crash between
+        # a store move and the record changes that follow it. The store's
+        # files win: the record goes, and the restart shows them.
+        above = [path[:i] for i, c in enumerate(path) if c == "/"]
+        if rec.kind == "file" or not (path in files or (rec.kind == "symlink" and path in dirs)
+                                      or any(a in files or a in links for a in above)):
+            continue
+        log.warning("removing the %s record of %s: the store has a file there or above it (an earlier crash)", rec.kind, path)
+        manifest.delete(backend, path)
+        image.forget([manifest.record_path(path)])
+        del records[path]
     return Scanned(entries, records, unreadable, image.packed(), outside, indexed is not None)
 
 

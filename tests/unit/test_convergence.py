@@ -17,7 +17,9 @@ import time
 import pytest
 import trio
 from ckptfs.fs.tree import RENAME_EXCHANGE, ROOT
+from ckptfs.writeback import manifest
 from ckptfs.writeback.backend import new_daemon_id
+from ckptfs.writeback.manifest import Meta, Record
 from ckptfs.writeback.verify import verify
 
 from tests.unit.test_engine import FaultyBackend, Rig, run_until_flushed
@@ -410,14 +412,55 @@ async def test_a_hard_link_whose_generation_was_published_only_at_a_deleted_name
     await _assert_converged(rig, tmp_path, view)
 
 
+async def _crash_after(rig: Rig, call: str) -> None:
+    """Run the engine until the backend's `call` has changed the store, and
+    stop it there, as a daemon killed before that call returned."""
+    import threading
+
+    done, never = threading.Event(), threading.Event()
+    inner = getattr(rig.backend, call)
+
+    def crash_after(*args):
+        result = inner(*args)
+        done.set()
+        never.wait(5)
+        return result
+
+    setattr(rig.backend, call, crash_after)
+    try:
+        async with trio.open_nursery() as n:
+            await n.start(rig.engine.run)
+            with trio.fail_after(20):
+                while not done.is_set():
+                    await trio.sleep(0.005)
+            n.cancel_scope.cancel()
+    finally:
+        never.set()
+
+
+async def _restarted_view(tmp_path) -> dict:
+    """A restart over the store: its view, every file loaded (verified)."""
+    again = Rig(tmp_path / "store", claim=False)
+    async with trio.open_nursery() as n:
+        await again.engine.scan(again.store.restore)
+        await again.engine.claim(new_daemon_id(), time.time())
+        await n.start(again.engine.run)
+        with trio.fail_after(20):
+            await _load_all(again)
+        back = _mount_view(again.store, with_data=True)
+        assert not again.engine.verify_failures
+        n.cancel_scope.cancel()
+    report = verify(again.backend)
+    assert report.clean, report
+    return back
+
+
 @pytest.mark.parametrize("kind", ["files", "directories"])
 async def test_a_crash_right_after_an_exchange_in_a_local_store_leaves_every_file_loadable(tmp_path, kind):
     """A local store swaps two names in one renameat2; the records followed
     after it. A crash in between left each name's bytes checked against the
     other's record: after a restart both read as EIO. The records now say
     what may be there (the bytes either side had) before the swap."""
-    import threading
-
     rig = Rig(tmp_path / "store")
     one, two = os.urandom(3000), os.urandom(5000)
     a, b = ("a", "b") if kind == "files" else ("a/f", "b/f")
@@ -428,34 +471,43 @@ async def test_a_crash_right_after_an_exchange_in_a_local_store_leaves_every_fil
     rig.write(b, two)
     await _flushed_view(rig)
     rig.store.rename(ROOT, b"a", ROOT, b"b", RENAME_EXCHANGE)
-    swapped, never = threading.Event(), threading.Event()
-    exchange = rig.backend.exchange
+    await _crash_after(rig, "exchange")
+    back = await _restarted_view(tmp_path)
+    assert (back[a][3], back[b][3]) == (two, one)  # the swap happened: the store shows it
 
-    def crash_after(x, y):
-        exchange(x, y)
-        swapped.set()
-        never.wait(5)  # the daemon dies before the call returns
 
-    rig.backend.exchange = crash_after
-    async with trio.open_nursery() as n:
-        await n.start(rig.engine.run)
-        with trio.fail_after(20):
-            while not swapped.is_set():
-                await trio.sleep(0.005)
-        n.cancel_scope.cancel()
-    never.set()
-    again = Rig(tmp_path / "store", claim=False)
-    async with trio.open_nursery() as n:
-        await again.engine.scan(again.store.restore)
-        await again.engine.claim(new_daemon_id(), time.time())
-        await n.start(again.engine.run)
-        with trio.fail_after(20):
-            await _load_all(again)
-        back = _mount_view(again.store, with_data=True)
-        assert (back[a][3], back[b][3]) == (two, one)  # the swap happened: the store shows it
-        assert not again.engine.verify_failures
-        n.cancel_scope.cancel()
-    assert verify(again.backend).clean
+async def test_a_crash_right_after_an_exchange_moved_one_side_leaves_no_record_without_its_file(tmp_path):
+    """Only one side in the store: it moves, then the records follow. A
+    crash before the old paths' records went left them with no file
+    (verify: missing), and, before that, the moved files with no record."""
+    rig = Rig(tmp_path / "store")
+    rig.mkdir("a")
+    rig.write("a/f", b"moved" * 100)
+    await _flushed_view(rig)
+    rig.mkdir("b")  # its Mkdir's turn finds b exchanged away: the store never has it
+    rig.store.rename(ROOT, b"a", ROOT, b"b", RENAME_EXCHANGE)
+    await _crash_after(rig, "move_dir")
+    back = await _restarted_view(tmp_path)
+    assert back["b/f"][3] == b"moved" * 100 and "a/f" not in back
+
+
+@pytest.mark.parametrize("where", ["at a directory", "under a file", "under a symlink"])
+async def test_a_stale_symlink_record_where_the_store_has_other_entries_does_not_break_a_restart(tmp_path, where):
+    """A crash between a store move and the record changes after it can
+    leave a symlink's record where the store now has a directory, or under
+    a file: the restart raised (a file as a parent) or showed the symlink
+    over the directory, whose files then read as EIO. The store's files win."""
+    rig = Rig(tmp_path / "store")
+    rig.mkdir("d")
+    rig.write("d/f", b"kept")
+    rig.write("g", b"also kept")
+    _symlink(rig, "s", "elsewhere")
+    await _flushed_view(rig)
+    stale = {"at a directory": "d", "under a file": "g/x", "under a symlink": "s/x"}[where]
+    manifest.write(rig.backend, Record.of(stale, "symlink", Meta(mode=0o777), target="t"))
+    back = await _restarted_view(tmp_path)
+    assert back["d/f"][3] == b"kept" and back["g"][3] == b"also kept" and back["s"][3] == b"elsewhere"
+    assert manifest.read(rig.backend, stale) is None
 
 
 async def test_a_hard_link_renamed_over_a_file_then_moved_with_its_directory_shows_its_own_bytes(tmp_path):
