@@ -767,7 +767,7 @@ class Publisher:
         elif isinstance(node, RLink):
             # A symlink is a record only: the file it replaces must go from the store itself
             if isinstance(target, File) and target.shown is not None:
-                await self.call(f"delete {op.dst}", storeio.delete, backend, op.dst, at=(op.dst,))
+                await self.call(f"delete {op.dst}", storeio.delete, backend, op.dst, target.shown, at=(op.dst,))
             was = node.shown
             if self.live_at(op.dst, node.ino):  # shown now even if its own turn found it gone from its first name
                 await self.call(f"record {op.dst}", manifest.write, backend, Record.of(op.dst, "symlink", node.meta, target=node.target), at=(op.dst,))
@@ -846,7 +846,7 @@ class Publisher:
                 if isinstance(f, File) and any(f is g for _, g in show):
                     was = f.shown
                     if await self._materialize(dst, f) and was is not None:
-                        await self.call(f"delete {src}", storeio.delete, backend, src, at=(src,))
+                        await self.call(f"delete {src}", storeio.delete, backend, src, was, at=(src,))
                 elif isinstance(f, File) and f.shown is not None:
                     rec = Record.of(dst, "file", f.shown.meta, current=f.shown.digest)
                     await self.call(f"move {src} to {dst}", storeio.show, backend, rec, src, dst, True, nbytes=self._size(f), at=(src, dst))
@@ -1028,7 +1028,7 @@ class Publisher:
         if isinstance(node, File):
             if node.shown is not None:
                 await self._keep_copies(node)
-                await self.call(f"delete {path}", storeio.delete, backend, path, at=(path,))
+                await self.call(f"delete {path}", storeio.delete, backend, path, node.shown, at=(path,))
         elif isinstance(node, RLink):
             if node.shown:
                 await self.call(f"record {path}", manifest.delete, backend, path, at=(path,))

@@ -14,10 +14,14 @@ import errno
 import logging
 import time
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from . import manifest
 from .backend import DAEMONS, Backend, Entry, Staged
 from .manifest import Digest, Record
+
+if TYPE_CHECKING:
+    from .replica import Shown
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +159,13 @@ def swap(backend: Backend, a: str, b: str, before: list) -> None:
     backend.exchange(a, b)
 
 
-def delete(backend: Backend, path: str) -> None:
+def delete(backend: Backend, path: str, shown: Shown | None = None) -> None:
+    """Delete a published file, then its record. With `shown` (what the
+    store has there), the record is first marked as being deleted by this
+    daemon: a crash between the two deletes leaves a record with no file
+    that the next scan knows for a leftover, not for a file lost."""
+    if shown is not None and shown.digest is not None:
+        manifest.write(backend, Record.of(path, "file", shown.meta, current=shown.digest, source=f"delete:{backend.daemon_id}"))
     backend.delete(path)
     manifest.delete(backend, path)
 
@@ -201,11 +211,12 @@ def scan(backend: Backend) -> Scanned:
         kind, _, where = rec.source.partition(":")
         if path in moved_to and records[moved_to[path]].current == rec.current:
             leftover = True  # moved away (a directory move), its old record not yet deleted
-        elif kind == "put":
+        elif kind in ("put", "delete"):
             # A small object PUT whole: nothing was staged to prove it. Only a
             # daemon that died (its heartbeat still there, no longer live) can
-            # have left a record before its data; one that exited cleanly
-            # removed its heartbeat, so its files missing now are real losses.
+            # have left a record before its data, or after deleting the data;
+            # one that exited cleanly removed its heartbeat, so its files
+            # missing now are real losses.
             if crashed is None:
                 beating = {p.rsplit("/", 1)[-1] for p in backend.find(DAEMONS)}  # before live_daemons() clears the dead
                 crashed = beating - backend.live_daemons()

@@ -663,3 +663,27 @@ async def test_a_small_object_put_whole_is_a_leftover_only_if_its_daemon_crashed
     rig.backend.prepare("next-daemon", time.time())
     assert manifest.read(rig.backend, "torn") is None
     assert verify(rig.backend).missing == ["lost"]
+
+
+async def test_a_crash_between_deleting_a_file_and_its_record_leaves_no_record_of_a_lost_file(tmp_path):
+    """A deletion removes the data, then the record. A daemon killed in
+    between left the record of a file published from its staged copy,
+    long consumed: the next mount took it for a file lost from the store
+    (verify: missing). The record is marked as being deleted first."""
+    from tests.unit.test_convergence import _crash_after
+
+    store = tmp_path / "store"
+    rig = Rig(store)
+    rig.write("big", os.urandom(300_000))
+    await run_until_flushed(rig)
+    assert manifest.read(rig.backend, "big").source.startswith("staged:")
+    rig.unlink("big")
+    await _crash_after(rig, "delete")  # the data's delete, before the record's
+    assert not (store / "big").exists() and manifest.read(rig.backend, "big") is not None
+    daemon = rig.backend.daemon_id  # dead: its heartbeat stopped long ago
+    rig.backend.put(f"{DAEMONS}/{daemon}", json.dumps({"time": time.time() - 3600, "pid": 1}).encode())
+    again = Rig(store, claim=False)
+    await again.engine.scan(again.store.restore)
+    again.backend.prepare("next-daemon", time.time())
+    assert manifest.read(again.backend, "big") is None
+    assert verify(again.backend).clean
