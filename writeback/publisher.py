@@ -576,7 +576,8 @@ class Publisher:
         src = self.replica.lookup(source)
         assert isinstance(src, File) and src.shown is not None
         shown = src.shown
-        rec = Record.of(path, "file", shown.meta, current=shown.digest)
+        replaced = node.shown.digest if node.shown is not None else None  # another file's bytes, kept there until now
+        rec = Record.of(path, "file", shown.meta, current=shown.digest, previous=replaced)
         await self.call(f"copy {source} to {path}", storeio.show, self.e.backend, rec, source, path, False, at=(path,))
         node.shown = Shown(shown.ino, shown.generation, shown.digest, shown.meta)
         return True
@@ -760,7 +761,9 @@ class Publisher:
         backend = self.e.backend
         if isinstance(node, File):
             if node.shown is not None:
-                rec = Record.of(op.dst, "file", node.shown.meta, current=node.shown.digest)
+                # the record first, naming the bytes dst holds until the move (a crash between)
+                replaced = target.shown.digest if isinstance(target, File) and target.shown is not None else None
+                rec = Record.of(op.dst, "file", node.shown.meta, current=node.shown.digest, previous=replaced)
                 await self.call(f"move {op.src} to {op.dst}", storeio.show, backend, rec, op.src, op.dst, True, nbytes=self._size(node), at=(op.src, op.dst))
             elif isinstance(target, File) and target.shown is not None:
                 node.shown = target.shown  # the old bytes stay until the new ones are sealed

@@ -412,16 +412,17 @@ async def test_a_hard_link_whose_generation_was_published_only_at_a_deleted_name
     await _assert_converged(rig, tmp_path, view)
 
 
-async def _crash_after(rig: Rig, call: str) -> None:
-    """Run the engine until the backend's `call` has changed the store, and
-    stop it there, as a daemon killed before that call returned."""
+async def _crash_after(rig: Rig, call: str, before: bool = False) -> None:
+    """Run the engine until the backend's `call` has changed the store (or,
+    `before`, is about to), and stop it there, as a daemon killed then."""
     import threading
 
     done, never = threading.Event(), threading.Event()
     inner = getattr(rig.backend, call)
 
     def crash_after(*args):
-        inner(*args)
+        if not before:
+            inner(*args)
         done.set()
         never.wait(5)
         raise SystemExit("killed")  # the rest of the step never runs (its thread is abandoned)
@@ -474,6 +475,26 @@ async def test_a_crash_right_after_an_exchange_in_a_local_store_leaves_every_fil
     await _crash_after(rig, "exchange")
     back = await _restarted_view(tmp_path)
     assert (back[a][3], back[b][3]) == (two, one)  # the swap happened: the store shows it
+
+
+@pytest.mark.parametrize("how", ["rename", "hard link"])
+async def test_a_crash_before_a_file_moves_or_is_copied_over_another_leaves_the_other_loadable(tmp_path, how):
+    """The record at the destination is written before the store moves (or
+    copies) the file there: a crash between left the bytes still there
+    checked against the incoming file's record (EIO after a restart). The
+    record names them as its previous bytes."""
+    rig = Rig(tmp_path / "store")
+    rig.write("a", b"incoming" * 100)
+    rig.write("b", b"replaced")
+    await _flushed_view(rig)
+    if how == "rename":
+        rig.rename("a", "b")
+    else:  # a hard link renamed over b before its turn: b keeps the replaced bytes until the copy
+        rig.store.link(rig.store.inode_at("a").ino, ROOT, b"l")
+        rig.rename("l", "b")
+    await _crash_after(rig, "move" if how == "rename" else "copy", before=True)
+    back = await _restarted_view(tmp_path)
+    assert back["b"][3] == b"replaced"
 
 
 async def test_a_crash_right_after_an_exchange_moved_one_side_leaves_no_record_without_its_file(tmp_path):
