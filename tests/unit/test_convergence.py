@@ -188,18 +188,9 @@ async def _assert_converged(rig: Rig, tmp_path, view: dict) -> None:
     assert report.clean, report
 
     # A restart over the store shows the same tree, attributes and bytes (loads verified)
-    again = Rig(tmp_path / "store", claim=False)
-    async with trio.open_nursery() as n:
-        await again.engine.scan(again.store.restore)
-        await again.engine.claim(new_daemon_id(), time.time())
-        await n.start(again.engine.run)
-        with trio.fail_after(60):
-            await _load_all(again)
-        back = _mount_view(again.store, with_data=True)
-        assert {p: v[:3] for p, v in back.items() if view.get(p) != v} == {p: v[:3] for p, v in view.items() if back.get(p) != v}
-        assert back == view
-        assert not again.engine.verify_failures
-        n.cancel_scope.cancel()
+    back = await _restarted_view(tmp_path)
+    assert {p: v[:3] for p, v in back.items() if view.get(p) != v} == {p: v[:3] for p, v in view.items() if back.get(p) != v}
+    assert back == view
 
 
 async def _flushed_view(rig: Rig, body=None) -> dict:
@@ -286,18 +277,7 @@ async def test_after_a_kill_at_any_moment_a_restart_loads_every_file_it_shows(tm
         n.cancel_scope.cancel()
     # it died: its heartbeat stops (the scan tells its leftovers by that)
     open_store(str(tmp_path / "store")).put(f"{DAEMONS}/{rig.backend.daemon_id}", json.dumps({"time": time.time() - 3600, "pid": 1}).encode())
-    again = Rig(tmp_path / "store", claim=False)
-    async with trio.open_nursery() as n:
-        await again.engine.scan(again.store.restore)
-        await again.engine.claim(new_daemon_id(), time.time())
-        await n.start(again.engine.run)
-        with trio.fail_after(30):
-            await _load_all(again)
-            await again.engine.flush()
-        assert not again.engine.verify_failures
-        n.cancel_scope.cancel()
-    report = verify(again.backend)
-    assert report.clean, report
+    await _restarted_view(tmp_path)
 
 
 # -- the cases random workloads found, one by one ------------------------------------------------
@@ -507,14 +487,16 @@ async def _crash_after(rig: Rig, call: str, before: bool = False) -> None:
 
 
 async def _restarted_view(tmp_path) -> dict:
-    """A restart over the store: its view, every file loaded (verified)."""
+    """A restart over the store: its view, every file loaded (verified);
+    then a flush, and `verify` is clean."""
     again = Rig(tmp_path / "store", claim=False)
     async with trio.open_nursery() as n:
         await again.engine.scan(again.store.restore)
         await again.engine.claim(new_daemon_id(), time.time())
         await n.start(again.engine.run)
-        with trio.fail_after(20):
+        with trio.fail_after(60):
             await _load_all(again)
+            await again.engine.flush()
         back = _mount_view(again.store, with_data=True)
         assert not again.engine.verify_failures
         n.cancel_scope.cancel()

@@ -731,6 +731,31 @@ async def test_a_load_whose_file_the_publisher_moves_meanwhile_loads_it_from_its
         n.cancel_scope.cancel()
 
 
+async def _load_while(rig: Rig, inode, opened_at: list, change) -> bytes:
+    """Load `inode` with the engine running; once the load has opened the
+    store (`opened_at` filled by a hooked `open_source`), apply `change` to
+    the mount and flush. Returns the bytes the load brought back."""
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        got = []
+
+        async def reader():
+            await rig.engine.load(inode.ino)
+            got.append(bytes(inode.data.read(0, inode.data.size)))
+
+        n.start_soon(reader)
+        with trio.fail_after(20):
+            while not opened_at:
+                await trio.sleep(0.01)
+            change()
+            await rig.engine.flush()
+            while not got:
+                await trio.sleep(0.01)
+        assert not rig.engine.verify_failures
+        n.cancel_scope.cancel()
+    return got[0]
+
+
 async def test_a_load_that_opens_a_name_while_another_file_takes_it_loads_the_file_from_its_other_name(tmp_path):
     """The publisher replaced the name the load opened (a rename over it)
     and had not yet recorded where the file is still shown (its hard link)
@@ -767,25 +792,8 @@ async def test_a_load_that_opens_a_name_while_another_file_takes_it_loads_the_fi
         return await checked(load)
 
     backend.open_source, backend.move, rig.engine.residency._moved = open_source, move, _moved
-    async with trio.open_nursery() as n:
-        await n.start(rig.engine.run)
-        got = []
-
-        async def reader():
-            await rig.engine.load(h.inode.ino)
-            got.append(h.inode.data.read(0, len(data)))
-
-        n.start_soon(reader)
-        with trio.fail_after(20):
-            while not opened_at:
-                await trio.sleep(0.01)
-            rig.rename("other", "big")
-            await rig.engine.flush()
-            while not got:
-                await trio.sleep(0.01)
-        assert got == [data] and opened_at == ["big", "twin"]
-        assert not rig.engine.verify_failures
-        n.cancel_scope.cancel()
+    assert await _load_while(rig, h.inode, opened_at, lambda: rig.rename("other", "big")) == data
+    assert opened_at == ["big", "twin"]
 
 
 async def test_a_load_that_opens_a_name_in_the_moment_the_file_is_not_there_loads_it_when_it_is_back(tmp_path):
@@ -822,26 +830,13 @@ async def test_a_load_that_opens_a_name_in_the_moment_the_file_is_not_there_load
         moved(src, dst)
 
     backend.open_source, backend.move = open_source, move
-    async with trio.open_nursery() as n:
-        await n.start(rig.engine.run)
-        got = []
 
-        async def reader():
-            await rig.engine.load(h.inode.ino)
-            got.append(h.inode.data.read(0, len(data)))
+    def change():
+        rig.unlink("a")
+        rig.rename("b", "a")
 
-        n.start_soon(reader)
-        with trio.fail_after(20):
-            while not opened_at:
-                await trio.sleep(0.01)
-            rig.unlink("a")
-            rig.rename("b", "a")
-            await rig.engine.flush()
-            while not got:
-                await trio.sleep(0.01)
-        assert got == [data] and opened_at == ["a", "a"]
-        assert not rig.engine.verify_failures
-        n.cancel_scope.cancel()
+    assert await _load_while(rig, h.inode, opened_at, change) == data
+    assert opened_at == ["a", "a"]
 
 
 class _Failing:
