@@ -731,6 +731,18 @@ async def test_a_load_whose_file_the_publisher_moves_meanwhile_loads_it_from_its
         n.cancel_scope.cancel()
 
 
+async def _evicted_at_two_names(tmp_path, name: str, link: str):
+    """A file published at `name` and its hard link `link`, evicted from RAM."""
+    rig = Rig(tmp_path / "store")
+    data = os.urandom(5000)
+    h = rig.write(name, data)
+    rig.store.link(h.inode.ino, ROOT, link.encode())
+    await run_until_flushed(rig)
+    rig.engine.evict(1 << 40)
+    assert not h.inode.data.resident
+    return rig, h, data
+
+
 async def _load_while(rig: Rig, inode, opened_at: list, change) -> bytes:
     """Load `inode` with the engine running; once the load has opened the
     store (`opened_at` filled by a hooked `open_source`), apply `change` to
@@ -763,14 +775,9 @@ async def test_a_load_that_opens_a_name_while_another_file_takes_it_loads_the_fi
     has N bytes', though the file was in the store all along."""
     import threading
 
-    rig = Rig(tmp_path / "store")
-    data = os.urandom(5000)
-    h = rig.write("big", data)
-    rig.store.link(h.inode.ino, ROOT, b"twin")
+    rig, h, data = await _evicted_at_two_names(tmp_path, "big", "twin")
     rig.write("other", os.urandom(4000))
     await run_until_flushed(rig)
-    rig.engine.evict(1 << 40)
-    assert not h.inode.data.resident
     opened_at, go, checking = [], threading.Event(), threading.Event()
     backend = rig.backend
     opened, moved = backend.open_source, backend.move
@@ -804,13 +811,7 @@ async def test_a_load_that_opens_a_name_in_the_moment_the_file_is_not_there_load
     with 'missing from the store'."""
     import threading
 
-    rig = Rig(tmp_path / "store")
-    data = os.urandom(5000)
-    h = rig.write("a", data)
-    rig.store.link(h.inode.ino, ROOT, b"b")
-    await run_until_flushed(rig)
-    rig.engine.evict(1 << 40)
-    assert not h.inode.data.resident
+    rig, h, data = await _evicted_at_two_names(tmp_path, "a", "b")
     opened_at, moving, failed = [], threading.Event(), threading.Event()
     backend = rig.backend
     opened, moved = backend.open_source, backend.move
