@@ -67,7 +67,9 @@ class Record:
     mtime_ns: int = 0
     target: str = ""  # symlinks
     written_ns: int = 0  # when the bytes were sealed (daemon) or written (store fallback): the newer wins
-    source: str = ""  # where the bytes come from while being published: "staged:<path>", "move:<path>", "copy:<path>", "put:<daemon>"
+    # where the bytes come from while being published: "staged:<path>", "move:<path>", "copy:<path>", "put:<daemon>",
+    # "delete:<daemon>" (being deleted), "hidden:<hidden name> <old path>" (an exchange on an object store)
+    source: str = ""
     uid: int | None = None
     gid: int | None = None
 

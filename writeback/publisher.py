@@ -95,7 +95,10 @@ class Publisher:
         self.waiting_markers: set[File] = set()  # held: they would vouch for a file the store does not show yet
         self.retry_parked_at = 0.0
         self.current: Op | None = None  # the op being applied: store steps count their failures on it
-        self.assembling: tuple[str, str] | None = None  # (a directory, the hidden one where its moved members are now)
+        # A directory being moved: (its path, where its members' bytes are
+        # now, and which members: by id, or None for all). Copies for hard
+        # links take them from there (`_now_at`).
+        self.relocated: tuple[str, str, set[int] | None] | None = None
         self.single_until = 0  # seq up to which ops go one at a time (a group of them failed)
         # Directories whose mode, owner or mtime may differ from their record:
         # recorded when the queue is idle (metadata is not ordered data).
@@ -570,10 +573,10 @@ class Publisher:
         if newer is not None:  # a newer generation of it waits under another name: that one, not the bytes shown before it
             node.held = newer
             return await self._materialize(path, node)
-        source = next((p for p, n in self.replica.nodes_of(node.ino) if isinstance(n, File) and n is not node and n.shows_own), None)
-        if source is None:
+        found = next(((p, n) for p, n in self.replica.nodes_of(node.ino) if isinstance(n, File) and n is not node and n.shows_own), None)
+        if found is None:
             return False
-        src = self.replica.lookup(source)
+        source, src = self._now_at(*found), found[1]
         assert isinstance(src, File) and src.shown is not None
         shown = src.shown
         replaced = node.shown.digest if node.shown is not None else None  # another file's bytes, kept there until now
@@ -609,15 +612,20 @@ class Publisher:
                 log.info("%s: sealed again from the store's last copy, which goes now, for its other names", self.replica.path_of(node))
 
     def _shown_source(self, gen: FileGen, exclude: Node) -> str | None:
-        """Where the store shows `gen` under another name (a hard link's),
-        inside a directory being assembled hidden: where it is now."""
+        """Where the store shows `gen` under another name (a hard link's);
+        inside a directory being moved, where it is now."""
         for path, other in self.replica.nodes_of(gen.ino):
             if (other is not exclude and isinstance(other, File) and other.shown and other.shown.ino == gen.ino
                     and other.shown.generation == gen.generation):
-                if self.assembling is not None and path.startswith(self.assembling[0] + "/"):
-                    return self.assembling[1] + path[len(self.assembling[0]):]
-                return path
+                return self._now_at(path, other)
         return None
+
+    def _now_at(self, path: str, node: Node) -> str:
+        """Where the store has the bytes `node` shows at `path` (`relocated`)."""
+        r = self.relocated
+        if r is not None and path.startswith(r[0] + "/") and (r[2] is None or id(node) in r[2]):
+            return r[1] + path[len(r[0]) :]
+        return path
 
     def _record(self, path: str, gen: FileGen, node: File) -> Record:
         previous = node.shown.digest if node.shown is not None else None
@@ -805,13 +813,13 @@ class Publisher:
             # had it, a hidden directory), then one rename(2).
             in_store = node.made or any(isinstance(f, File) and f.shown is not None for _, f in members)
             base = op.src if in_store else await self.call(f"assemble {op.dst}", backend.unit_dir)
-            self.assembling = (op.src, base) if base != op.src else None
+            self.relocated = (op.src, base, None) if base != op.src else None
             try:
                 for rel, f in show:
                     assert isinstance(f, File)
                     await self._materialize(f"{op.dst}/{rel}", f, into=f"{base}/{rel}")
             finally:
-                self.assembling = None
+                self.relocated = None
             for rel, d in members:  # made in the mount after it moved there: their Mkdir's turn could not
                 if isinstance(d, Dir) and not d.made and self.live_at(f"{op.dst}/{rel}", d.ino):
                     await self.call(f"mkdir {op.dst}/{rel}", backend.mkdir, f"{base}/{rel}", at=(f"{base}/{rel}",))
@@ -842,22 +850,37 @@ class Publisher:
                     await self.call(f"record {op.src}/{rel}", manifest.delete, backend, f"{op.src}/{rel}", at=(f"{op.src}/{rel}",))
             node.made = True
         else:
-            # Object stores: members first, completion markers last.
+            # Object stores: members first, completion markers last. A member
+            # moved is at its new path (before the directory is): a hard
+            # link's copy of it comes from there. Those showing their own
+            # bytes move first, in every try of the op: a copy's source is
+            # never one an earlier try moved away.
             self._restage_moving([(f"{op.dst}/{rel}", f) for rel, f in show])
-            for rel, f in sorted(members, key=lambda rf: self._is_marker(rf[0])):
-                src, dst = f"{op.src}/{rel}", f"{op.dst}/{rel}"
-                if isinstance(f, File) and any(f is g for _, g in show):
-                    was = f.shown
-                    if await self._materialize(dst, f) and was is not None:
-                        await self.call(f"delete {src}", storeio.delete, backend, src, was, at=(src,))
-                elif isinstance(f, File) and f.shown is not None:
-                    rec = Record.of(dst, "file", f.shown.meta, current=f.shown.digest)
-                    await self.call(f"move {src} to {dst}", storeio.show, backend, rec, src, dst, True, nbytes=self._size(f), at=(src, dst))
-                elif isinstance(f, RLink) and (f.shown or self.live_at(dst, f.ino)):
-                    await self.call(f"record {dst}", manifest.write, backend, Record.of(dst, "symlink", f.meta, target=f.target), at=(dst,))
-                    if f.shown:
-                        await self.call(f"record {src}", manifest.delete, backend, src, at=(src,))
-                    f.shown = True
+            moved: set[int] = set()
+            self.relocated = (op.src, op.dst, moved)
+            try:
+                def order(rf: tuple[str, Node]) -> tuple[bool, bool]:
+                    return self._is_marker(rf[0]), not (isinstance(rf[1], File) and rf[1].shows_own)
+
+                for rel, f in sorted(members, key=order):
+                    src, dst = f"{op.src}/{rel}", f"{op.dst}/{rel}"
+                    was = f.shown if isinstance(f, File) else None
+                    if isinstance(f, File) and any(f is g for _, g in show) and (await self._materialize(dst, f) or f.shown is not was):
+                        if was is not None:  # shown anew (or the store's newer bytes kept) at the new path: these go
+                            await self.call(f"delete {src}", storeio.delete, backend, src, was, at=(src,))
+                    elif isinstance(f, File) and f.shown is not None:  # what the store shows moves with the directory
+                        rec = Record.of(dst, "file", f.shown.meta, current=f.shown.digest)
+                        await self.call(f"move {src} to {dst}", storeio.show, backend, rec, src, dst, True, nbytes=self._size(f),
+                                        at=(src, dst))
+                    elif isinstance(f, RLink) and (f.shown or self.live_at(dst, f.ino)):
+                        rec = Record.of(dst, "symlink", f.meta, target=f.target)
+                        await self.call(f"record {dst}", manifest.write, backend, rec, at=(dst,))
+                        if f.shown:
+                            await self.call(f"record {src}", manifest.delete, backend, src, at=(src,))
+                        f.shown = True
+                    moved.add(id(f))
+            finally:
+                self.relocated = None
         for rel, d in [("", node), *((rel, n) for rel, n in members if isinstance(n, Dir))]:
             if d.recorded is not None:  # records are by path: the new path's are written at the next sync
                 old = f"{op.src}/{rel}" if rel else op.src
@@ -885,6 +908,15 @@ class Publisher:
         def under(top: str, rel: str) -> str:
             return f"{top}/{rel}" if rel else top
 
+        # An object store moves each file through a hidden name: every file of
+        # both sides is copied to one first, then the originals go, then each
+        # comes back at its new path from its hidden copy (one side's file
+        # may take a name where the other had a directory: nothing of either
+        # may be in the way). Each new path's record names where its bytes
+        # wait: a restart after a crash finishes the moves (storeio.scan)
+        # rather than lose what waited there.
+        hidden = {} if backend.dirs else {under(old, rel): backend.hidden_name() for old, fs in files.items() for rel, _ in fs}
+        deleted: set[str] = set()  # with their records
         # The records first, each naming what its path may hold until the move
         # (the bytes of the file leaving it): a crash between the store's swap
         # and these writes would have left each side checked against the other's.
@@ -893,7 +925,8 @@ class Publisher:
             for rel, f in files[old]:
                 assert isinstance(f, File) and f.shown is not None
                 path = under(new, rel)
-                rec = Record.of(path, "file", f.shown.meta, current=f.shown.digest, previous=leaving.get(path), source=f"move:{under(old, rel)}")
+                source = f"hidden:{hidden[under(old, rel)]} {under(old, rel)}" if hidden else f"move:{under(old, rel)}"
+                rec = Record.of(path, "file", f.shown.meta, current=f.shown.digest, previous=leaving.get(path), source=source)
                 await self.call(f"record {path}", manifest.write, backend, rec, at=(path,))
         if backend.dirs:
             there = {old: bool(files[old]) or (isinstance(node, Dir) and node.made) for old, _, node in sides}
@@ -913,12 +946,22 @@ class Publisher:
                         await self.call(f"mkdir {under(new, rel)}", backend.mkdir, under(new, rel), at=(under(new, rel),))
                         d.made = True
         else:
-            hidden = {rel: backend.hidden_name() for rel, _ in files[op.a]}
-            steps = ([(under(op.a, rel), hidden[rel], f) for rel, f in files[op.a]] + [(under(op.b, rel), under(op.a, rel), f) for rel, f in files[op.b]]
-                     + [(hidden[rel], under(op.b, rel), f) for rel, f in files[op.a]])
-            for src, dst, f in steps:
-                assert isinstance(f, File) and f.shown is not None
-                await self.call(f"move {src} to {dst}", storeio.move, backend, src, dst, f.shown.digest, at=(src, dst))
+            for src, tmp in hidden.items():
+                await self.call(f"copy {src} to {tmp}", backend.copy, src, tmp, at=(tmp,))
+            dests = {under(new, rel) for old, new, _ in sides for rel, _ in files[old]}
+            for old, _new, _node in sides:
+                for rel, f in files[old]:
+                    src = under(old, rel)
+                    if src in dests:  # its record names the bytes that come: only these go
+                        await self.call(f"delete {src}", backend.delete, src, at=(src,))
+                    else:
+                        await self.call(f"delete {src}", storeio.delete, backend, src, f.shown, at=(src,))
+                        deleted.add(src)
+            for old, new, _node in sides:
+                for rel, f in files[old]:
+                    assert isinstance(f, File) and f.shown is not None
+                    src, dst = hidden[under(old, rel)], under(new, rel)
+                    await self.call(f"move {src} to {dst}", storeio.move, backend, src, dst, f.shown.digest, at=(src, dst))
         had = {id(n): n.shown for ms in members.values() for _, n in ms if isinstance(n, RLink)}
         written: set[str] = set()
         for _old, new, _node in sides:
@@ -941,7 +984,7 @@ class Publisher:
                 if isinstance(n, Dir):
                     n.recorded = None  # written at its new path at the next sync
                     self.dirty.add(n)
-                if recorded and path not in written:
+                if recorded and path not in written and path not in deleted:
                     await self.call(f"record {path}", manifest.delete, backend, path, at=(path,))
         for node in (a, b):
             if node is not None:

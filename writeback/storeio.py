@@ -9,6 +9,7 @@ vouch for.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import errno
 import logging
@@ -17,7 +18,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from . import manifest
-from .backend import DAEMONS, Backend, Entry, Staged
+from .backend import DAEMONS, STAGING, Backend, Entry, Staged
 from .manifest import Digest, Record
 
 if TYPE_CHECKING:
@@ -202,6 +203,7 @@ def scan(backend: Backend) -> Scanned:
     image = indexed or manifest.Image.of_store(backend)
     entries = list(backend.walk())
     records, unreadable = image.records()
+    entries = _finish_moves(backend, entries, records, image)
     files = {e.path for e in entries if not e.is_dir}
     moved_to = {r.source[len("move:") :]: p for p, r in records.items() if r.source.startswith("move:") and p in files}
     crashed = None
@@ -211,6 +213,8 @@ def scan(backend: Backend) -> Scanned:
         kind, _, where = rec.source.partition(":")
         if path in moved_to and records[moved_to[path]].current == rec.current:
             leftover = True  # moved away (a directory move), its old record not yet deleted
+        elif kind == "hidden":
+            leftover = True  # not finished (`_finish_moves`): its bytes are still where they came from
         elif kind in ("put", "delete"):
             # A small object PUT whole: nothing was staged to prove it. Only a
             # daemon that died (its heartbeat still there, no longer live) can
@@ -246,6 +250,81 @@ def scan(backend: Backend) -> Scanned:
         image.forget([manifest.record_path(path)])
         del records[path]
     return Scanned(entries, records, unreadable, image.packed(), outside, indexed is not None)
+
+
+def _finish_moves(backend: Backend, entries: list[Entry], records: dict[str, Record], image: manifest.Image) -> list[Entry]:
+    """Finish the moves of an exchange on an object store that a crash cut
+    short (`Publisher._exchange`): every file of both sides was copied to a
+    hidden name, then the originals went, then each moved to its new path,
+    whose record says `hidden:<hidden name> <old path>`.
+
+    A file whose hidden copy is still there moves now if what is in
+    its way (a file at its new path, above it where it needs a directory,
+    or under it) can go: only a file whose own bytes wait at a hidden name for a move
+    made now, and that does not hold the bytes a finished move brought it.
+    The old paths of the files moved now go, records too. Nothing is lost:
+    the files of an exchange cut short are each at their old or their new
+    path (not all at one: an exchange on an object store is not atomic).
+    Returns the store's entries after that."""
+    present = sorted(e.path for e in entries if not e.is_dir)
+    is_present = set(present)
+    moves: dict[str, tuple[str, str]] = {}  # new path -> (hidden name, old path)
+    for path, rec in records.items():
+        if rec.kind == "file" and rec.current is not None and rec.source.startswith("hidden:"):
+            hidden, _, old = rec.source[len("hidden:") :].partition(" ")
+            if _hidden(hidden) and backend.exists(hidden):
+                moves[path] = (hidden, old)
+    if not moves:
+        return entries
+    filled = set()  # old paths that hold what came to them already
+    for _hidden_name, old in moves.values():
+        rec = records.get(old)
+        if (old in is_present and old not in moves and rec is not None and rec.source.startswith("hidden:") and rec.current is not None
+                and holds(backend, old, rec.current)):
+            filled.add(old)
+
+    def in_the_way(path: str) -> set[str]:
+        found = {path[:i] for i, c in enumerate(path) if c == "/"} | {path}
+        out = {p for p in found if p in is_present}
+        i = bisect.bisect_left(present, path + "/")
+        while i < len(present) and present[i].startswith(path + "/"):
+            out.add(present[i])
+            i += 1
+        return out
+
+    while True:  # drop the moves that would delete what no move made now takes
+        deletable = {old for _, old in moves.values()} - filled
+        blocked = [p for p in moves if not in_the_way(p) <= deletable]
+        if not blocked:
+            break
+        for p in blocked:
+            del moves[p]
+        if not moves:
+            return entries
+    gone = ({old for _, old in moves.values()} - filled) & is_present
+    for path in sorted(gone):
+        log.info("deleting %s: an exchange cut short by a crash had copied its bytes to a hidden name for another", path)
+        backend.delete(path)
+        if path not in moves and path in records:
+            manifest.delete(backend, path)
+            image.forget([manifest.record_path(path)])
+            del records[path]
+    for path, (hidden, _old) in sorted(moves.items()):
+        log.info("finishing the move of %s from %s, where an exchange had copied it (an earlier crash)", path, hidden)
+        move(backend, hidden, path, records[path].current)
+    files = (is_present - gone) | set(moves)
+
+    def stale(e: Entry) -> bool:  # a directory listed where a file is now, or under one
+        return e.path in gone or (e.is_dir and (e.path in files or any(e.path[:i] in files for i, c in enumerate(e.path) if c == "/")))
+
+    return [e for e in entries if not stale(e)] + [Entry(p, records[p].current.size, False) for p in sorted(moves)]  # type: ignore[union-attr]
+
+
+def _hidden(path: str) -> bool:
+    """A name `Backend.hidden_name` gives (a record's source names one: a
+    record is input, and a restart moves nothing else into the mount)."""
+    parts = path.split("/")
+    return path.startswith(STAGING + "/") and len(parts) == 4 and all(p not in ("", ".", "..") for p in parts)
 
 
 # -- whole files, straight to and from the store --------------------------------

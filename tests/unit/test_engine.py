@@ -24,7 +24,8 @@ W = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
 class Rig:
     def __init__(self, root, claim: bool = True, **kw):
         self.root = root
-        self.backend = open_store(str(root))
+        self.url = str(root)  # a local directory, or an object store's URL (memory://)
+        self.backend = open_store(self.url)
         if claim:  # as a daemon does after its scan
             self.backend.prepare(f"test-{id(self):x}", time.time())
         self.store = InodeTree(MemoryPool(1 << 30))
