@@ -805,7 +805,7 @@ class FsspecBackend(Backend):
                 for piece in pieces:
                     f.write(piece)
             return
-        self.fs.mv(self._abs(staged.token), self._abs(path))
+        self.move(staged.token, path)
 
     def put(self, path: str, data: bytes) -> None:
         self.fs.pipe_file(self._abs(path), data)
@@ -836,11 +836,15 @@ class FsspecBackend(Backend):
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self._abs(path))
 
+    # One object to exactly the key named: `mv` and `copy` put it *inside* a
+    # destination the store lists as a directory (SeaweedFS keeps emptied
+    # folders: a file taking the name of a directory that moved away).
     def move(self, src: str, dst: str) -> None:
-        self.fs.mv(self._abs(src), self._abs(dst))
+        self.fs.cp_file(self._abs(src), self._abs(dst))
+        self.fs.rm_file(self._abs(src))
 
     def copy(self, src: str, dst: str) -> None:
-        self.fs.copy(self._abs(src), self._abs(dst))
+        self.fs.cp_file(self._abs(src), self._abs(dst))
 
     def walk(self, prefix: str = "") -> Iterator[Entry]:
         base = self._abs(prefix)
@@ -992,7 +996,7 @@ class S3Backend(FsspecBackend):
                 self._upload(path, pieces, staged.size, complete=True)
         else:
             self.fs.invalidate_cache(self._abs(staged.token))
-            self.fs.copy(self._abs(staged.token), self._abs(path))
+            self.copy(staged.token, path)
             self.delete(staged.token)
         self.fs.invalidate_cache(self._abs(path))
 
@@ -1019,10 +1023,6 @@ class S3Backend(FsspecBackend):
             if not page.get("IsTruncated"):
                 return
             kwargs.update(KeyMarker=page.get("NextKeyMarker", ""), UploadIdMarker=page.get("NextUploadIdMarker", ""))
-
-    def move(self, src: str, dst: str) -> None:
-        self.fs.copy(self._abs(src), self._abs(dst))
-        self.fs.rm_file(self._abs(src))
 
     def _clean_uploads(self, live: set[str], started: float, named: bool) -> None:
         """Abort the uploads no live daemon owns: those under a dead daemon's

@@ -234,7 +234,7 @@ def scan(backend: Backend) -> Scanned:
             del records[path]
         else:
             log.warning("%s is recorded but missing from the store", path)
-    dirs = {e.path for e in entries if e.is_dir}
+    dirs = {e.path for e in entries if e.is_dir} | _parents(files)  # an object store lists no directory of its own
     links = {p for p, r in records.items() if r.kind == "symlink"}
     for path, rec in list(records.items()):
         # A symlink's or directory's record where the store has a file, or
@@ -245,7 +245,7 @@ def scan(backend: Backend) -> Scanned:
         if rec.kind == "file" or not (path in files or (rec.kind == "symlink" and path in dirs)
                                       or any(a in files or a in links for a in above)):
             continue
-        log.warning("removing the %s record of %s: the store has a file there or above it (an earlier crash)", rec.kind, path)
+        log.warning("removing the %s record of %s: the store has a file there, above or under it (an earlier crash)", rec.kind, path)
         manifest.delete(backend, path)
         image.forget([manifest.record_path(path)])
         del records[path]
@@ -318,6 +318,16 @@ def _finish_moves(backend: Backend, entries: list[Entry], records: dict[str, Rec
         return e.path in gone or (e.is_dir and (e.path in files or any(e.path[:i] in files for i, c in enumerate(e.path) if c == "/")))
 
     return [e for e in entries if not stale(e)] + [Entry(p, records[p].current.size, False) for p in sorted(moves)]  # type: ignore[union-attr]
+
+
+def _parents(files: set[str]) -> set[str]:
+    """Every directory above these paths."""
+    out: set[str] = set()
+    for d in {f.rpartition("/")[0] for f in files}:
+        while d and d not in out:
+            out.add(d)
+            d = d.rpartition("/")[0]
+    return out
 
 
 def _hidden(path: str) -> bool:

@@ -163,3 +163,34 @@ def test_a_large_file_is_uploaded_while_it_is_written_and_a_rewrite_below_is_hon
     store = open_store(url, s3.options())
     assert verify(store).clean
     assert s3.uploads("streamed") == []
+
+
+def test_an_exchange_of_a_directory_and_a_file_on_s3_survives_a_remount(s3, tmp_path):
+    """RENAME_EXCHANGE on an object store: each file goes through a hidden
+    copy; a file takes the directory's name and the directory's files the
+    file's, with nothing of one in the other's way."""
+    import ctypes
+    import os
+
+    url = s3.bucket("exchange")
+    m = start_mount(tmp_path, extra=("--store", url, *s3.cli_options()))
+    try:
+        m.path("d", "sub").mkdir(parents=True)
+        m.path("d", "a").write_bytes(b"A" * 3000)
+        m.path("d", "sub", "b").write_bytes(b"B" * 5000)
+        m.path("f").write_bytes(b"F" * 700)
+        assert run_cli("flush", str(m.mountpoint)).returncode == 0
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.renameat2(-100, os.fsencode(m.path("d")), -100, os.fsencode(m.path("f")), 2) == 0, os.strerror(ctypes.get_errno())
+        r = run_cli("umount", str(m.mountpoint))
+        assert r.returncode == 0, r.stderr
+    finally:
+        stop_mount(m)
+    assert objects(s3, "exchange") == {"d": b"F" * 700, "f/a": b"A" * 3000, "f/sub/b": b"B" * 5000}
+    assert verify(open_store(url, s3.options())).clean
+    again = start_mount(tmp_path, extra=("--store", url, *s3.cli_options()))
+    try:
+        assert again.path("d").read_bytes() == b"F" * 700
+        assert again.path("f", "a").read_bytes() == b"A" * 3000 and again.path("f", "sub", "b").read_bytes() == b"B" * 5000
+    finally:
+        stop_mount(again)
