@@ -862,11 +862,17 @@ class FsspecBackend(Backend):
                         found.update(self.fs.find(full, withdirs=True, detail=True))
         except FileNotFoundError:
             return
+        entries = []
         for full, info in sorted(found.items()):
             rel = full[len(self.root) :].lstrip("/") if full.startswith(self.root) else full
             if not rel or rel == META or rel.startswith(META + "/"):
                 continue
-            yield Entry(rel, int(info.get("size") or 0), info.get("type") == "directory")
+            entries.append(Entry(rel, int(info.get("size") or 0), info.get("type") == "directory"))
+        # An object store's directories are those its files imply (and those
+        # with records): a store with folders (SeaweedFS) keeps and lists a
+        # folder once its last object is gone, which is no directory of ours.
+        implied = parents(e.path for e in entries if not e.is_dir)
+        yield from (e for e in entries if not e.is_dir or e.path in implied)
 
     def find(self, prefix: str) -> list[str]:
         try:
@@ -1054,6 +1060,16 @@ class S3Backend(FsspecBackend):
     def exists(self, path: str) -> bool:
         self.fs.invalidate_cache(self._abs(path))
         return super().exists(path)
+
+
+def parents(paths: Iterable[str]) -> set[str]:
+    """Every directory above these paths."""
+    out: set[str] = set()
+    for d in {p.rpartition("/")[0] for p in paths}:
+        while d and d not in out:
+            out.add(d)
+            d = d.rpartition("/")[0]
+    return out
 
 
 def absolute_url(url: str) -> str:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from . import manifest
-from .backend import DAEMONS, STAGING, Backend, Entry, Staged
+from .backend import DAEMONS, STAGING, Backend, Entry, Staged, parents
 from .manifest import Digest, Record
 
 if TYPE_CHECKING:
@@ -234,7 +234,7 @@ def scan(backend: Backend) -> Scanned:
             del records[path]
         else:
             log.warning("%s is recorded but missing from the store", path)
-    dirs = {e.path for e in entries if e.is_dir} | _parents(files)  # an object store lists no directory of its own
+    dirs = {e.path for e in entries if e.is_dir} | parents(files)  # an object store lists no directory of its own
     links = {p for p, r in records.items() if r.kind == "symlink"}
     for path, rec in list(records.items()):
         # A symlink's or directory's record where the store has a file, or
@@ -318,16 +318,6 @@ def _finish_moves(backend: Backend, entries: list[Entry], records: dict[str, Rec
         return e.path in gone or (e.is_dir and (e.path in files or any(e.path[:i] in files for i, c in enumerate(e.path) if c == "/")))
 
     return [e for e in entries if not stale(e)] + [Entry(p, records[p].current.size, False) for p in sorted(moves)]  # type: ignore[union-attr]
-
-
-def _parents(files: set[str]) -> set[str]:
-    """Every directory above these paths."""
-    out: set[str] = set()
-    for d in {f.rpartition("/")[0] for f in files}:
-        while d and d not in out:
-            out.add(d)
-            d = d.rpartition("/")[0]
-    return out
 
 
 def _hidden(path: str) -> bool:

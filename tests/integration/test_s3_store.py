@@ -194,3 +194,34 @@ def test_an_exchange_of_a_directory_and_a_file_on_s3_survives_a_remount(s3, tmp_
         assert again.path("f", "a").read_bytes() == b"A" * 3000 and again.path("f", "sub", "b").read_bytes() == b"B" * 5000
     finally:
         stop_mount(again)
+
+
+def test_a_directory_removed_on_s3_stays_removed_after_a_remount(s3, tmp_path):
+    """SeaweedFS keeps a folder once its last object is gone, and lists it:
+    a restart showed every directory ever removed, and took a symlink made
+    at such a name for a crash leftover. An object store's directories are
+    those its files imply, and those with records."""
+    url = s3.bucket("removed-dirs")
+    m = start_mount(tmp_path, extra=("--store", url, *s3.cli_options()))
+    try:
+        m.path("gone").mkdir()
+        m.path("gone", "f").write_bytes(b"x" * 100)
+        m.path("link").mkdir()
+        m.path("link", "f").write_bytes(b"y" * 100)
+        m.path("kept").mkdir()  # empty: kept through its record
+        assert run_cli("flush", str(m.mountpoint)).returncode == 0
+        m.path("gone", "f").unlink()
+        m.path("gone").rmdir()
+        m.path("link", "f").unlink()
+        m.path("link").rmdir()
+        m.path("link").symlink_to("kept")
+        r = run_cli("umount", str(m.mountpoint))
+        assert r.returncode == 0, r.stderr
+    finally:
+        stop_mount(m)
+    again = start_mount(tmp_path, extra=("--store", url, *s3.cli_options()))
+    try:
+        assert sorted(p.name for p in again.mountpoint.iterdir()) == ["kept", "link"]
+        assert again.path("link").is_symlink() and again.path("kept").is_dir()
+    finally:
+        stop_mount(again)
