@@ -2,11 +2,13 @@
 through the mount lists them all.
 
 - local store (file://), N files of 100 B in directories of 1,000: after a
-  clean exit (the manifest index: one object for every record), and after a
-  crash (no index: one record object read per file), vs `find` over the
-  store directory itself in the same round;
+  clean exit (the manifest index: one object for every record); after a
+  crash (kill -9 of a daemon that had claimed the store, which turned the
+  index into the manifest image: the records changed since it are read); and with
+  neither (one record object read per file), vs `find` over the store
+  directory itself in the same round;
 - S3 (SeaweedFS on loopback, started and stopped here), M files: the same
-  two cases.
+  three cases.
 
 The store is filled once through a mount (created, flushed, unmounted).
 Rounds are interleaved; medians. Run as root:
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -27,10 +30,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from ckptfs.writeback.backend import IMAGE
 from common import emit, machine, median
 
+from ckptfs import runtime
 from ckptfs.client import Client
-from ckptfs.writeback.manifest import INDEX
 
 PER_DIR = 1000
 CLI = [sys.executable, "-m", "ckptfs.tools.cli"]
@@ -55,6 +59,18 @@ def fill(mp: Path, store: str, n: int, options: list[str]) -> None:
         Client(mp).flush(timeout=7200)
     finally:
         cli("umount", str(mp))
+
+
+def crash(mp: Path, store: str, options: list[str]) -> None:
+    """A daemon claims the store and is killed (kill -9)."""
+    cli("mount", str(mp), "--store", store, *options)
+    info = runtime.MountInfo.read(str(mp))
+    try:
+        os.kill(info.pid, signal.SIGKILL)
+        while os.path.exists(f"/proc/{info.pid}"):
+            time.sleep(0.01)
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", str(mp)], check=False)
 
 
 def count(path: Path) -> int:
@@ -85,7 +101,8 @@ def main() -> None:
     ap.add_argument("--write")
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="ckptfs-remount-", dir=args.disk_dir))
-    t: dict[str, list[float]] = {k: [] for k in ("local index", "local crash", "local find", "s3 index", "s3 crash")}
+    t: dict[str, list[float]] = {k: [] for k in ("local index", "local crash", "local none", "local find", "s3 index", "s3 crash",
+                                                 "s3 none")}
     server = None
     try:
         mp, store = base / "mnt", base / "store"
@@ -104,12 +121,18 @@ def main() -> None:
             t0 = time.perf_counter()
             assert count(store) >= args.files
             t["local find"].append(time.perf_counter() - t0)
-            (store / INDEX).unlink()  # as after a crash: every record is read
+            crash(mp, str(store), [])
             t["local crash"].append(remount(mp, str(store), args.files, []))
+            crash(mp, str(store), [])
+            (store / IMAGE).unlink()  # as before the manifest image: every record is read
+            t["local none"].append(remount(mp, str(store), args.files, []))
             if s3fs is not None:
                 t["s3 index"].append(remount(mp, s3_url, args.s3_files, s3_opts))
-                s3fs.rm_file(f"remount/{INDEX}")
+                crash(mp, s3_url, s3_opts)
                 t["s3 crash"].append(remount(mp, s3_url, args.s3_files, s3_opts))
+                crash(mp, s3_url, s3_opts)
+                s3fs.rm_file(f"remount/{IMAGE}")
+                t["s3 none"].append(remount(mp, s3_url, args.s3_files, s3_opts))
     finally:
         if os.path.ismount(base / "mnt"):
             subprocess.run(["fusermount3", "-u", "-z", str(base / "mnt")])
@@ -135,13 +158,15 @@ def main() -> None:
     lines += [
         "",
         "- seconds, local, after a clean exit: " + " ".join(f"{x:.2f}" for x in t["local index"]),
-        "- seconds, local, after a crash (no index: one record read per file): " + " ".join(f"{x:.2f}" for x in t["local crash"]),
+        "- seconds, local, after a crash (from the image its claim left): " + " ".join(f"{x:.2f}" for x in t["local crash"]),
+        "- seconds, local, after a crash with no image (one record read per file): " + " ".join(f"{x:.2f}" for x in t["local none"]),
         "- seconds, `find` over the store directory: " + " ".join(f"{x:.2f}" for x in t["local find"]),
     ]
     if m:
         lines += [
             "- seconds, S3, after a clean exit: " + " ".join(f"{x:.2f}" for x in t["s3 index"]),
-            "- seconds, S3, after a crash: " + " ".join(f"{x:.2f}" for x in t["s3 crash"]),
+            "- seconds, S3, after a crash (from the image its claim left): " + " ".join(f"{x:.2f}" for x in t["s3 crash"]),
+            "- seconds, S3, after a crash with no image: " + " ".join(f"{x:.2f}" for x in t["s3 none"]),
         ]
     emit(lines, args.write)
 

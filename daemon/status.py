@@ -20,7 +20,7 @@ from ckptfs.writeback.journal import LOST, FileGen
 from ckptfs.writeback.state import State
 
 if TYPE_CHECKING:
-    from ckptfs.writeback.engine import Engine
+    from ckptfs.writeback.engine import Durability, Engine
 
 # The states a file is shown in (a file, not a generation: "dirty" also
 # covers changes not sealed yet, e.g. a file still open for writing).
@@ -45,22 +45,24 @@ class FileStatus:
 def file_status(tree: InodeTree, engine: Engine, inode: Inode, path: str) -> FileStatus:
     assert inode.data is not None
     d = engine.durability(inode.ino)
-    digest = None
-    tries, error = 0, ""
-    if inode.version != inode.sealed_version or d is None:
-        state = "dirty"
-    elif d.generation == inode.generation:
-        state = "failed" if d.state is State.PARKED else d.state.value
+    state = _state(inode, d)
+    digest, tries, error = None, 0, ""
+    if d is not None and inode.version == inode.sealed_version and d.generation == inode.generation:
         digest, tries, error = d.digest, d.tries, d.error
         if d.state is State.PARKED and not error.startswith(LOST):  # lost with its node (cluster mode): never retried
             error = f"parked (failed for good, retried rarely): {error}"
-    elif d.published_generation >= inode.generation:
-        state = State.PUBLISHED.value
-    else:
-        state = "dirty"
     data = inode.data
     return FileStatus(inode.ino, path, inode.size, state, inode.generation, digest.xxh3 if digest else "", tries, error,
                       data.resident, data.spilled, inode.writers > 0)
+
+
+def _state(inode: Inode, d: Durability | None) -> str:
+    """One of STATES: the file's, from the engine's record of it."""
+    if inode.version != inode.sealed_version or d is None:
+        return "dirty"
+    if d.generation == inode.generation:
+        return "failed" if d.state is State.PARKED else d.state.value
+    return State.PUBLISHED.value if d.published_generation >= inode.generation else "dirty"
 
 
 XATTRS = ("state", "xxh3", "generation", "error")
@@ -134,8 +136,18 @@ def recount(tree: InodeTree, engine: Engine) -> Totals:
 
 
 def _entry(f: FileStatus) -> tuple[str, int, str]:
-    where = "evicted" if not f.resident else "spilled" if f.spilled else "in_ram"
-    return f.state, f.size, where
+    return f.state, f.size, _where(f.resident, f.spilled)
+
+
+def _where(resident: bool, spilled: bool) -> str:
+    return "evicted" if not resident else "spilled" if spilled else "in_ram"
+
+
+def _ledger_entry(engine: Engine, inode: Inode) -> tuple[str, int, str]:
+    """`_entry(file_status(...))` without what the totals do not count (the
+    path, the digest): a restart refreshes one per file in the store."""
+    assert inode.data is not None
+    return _state(inode, engine.durability(inode.ino, digest=False)), inode.size, _where(inode.data.resident, inode.data.spilled)
 
 
 def _count(t: Totals, entry: tuple[str, int, str], sign: int) -> None:
@@ -175,10 +187,9 @@ class Ledger:
             inode = self.tree.inodes.get(ino)
             if inode is None or not inode.is_reg or inode.data is None:
                 continue
-            paths = self.tree.paths_of(ino)
-            if not paths:
+            if not inode.links:  # unlinked: no path
                 continue
-            new = _entry(file_status(self.tree, self.engine, inode, paths[0]))
+            new = _ledger_entry(self.engine, inode)
             self.entries[ino] = new
             _count(self.sums, new, +1)
         return left

@@ -26,6 +26,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import ctypes
+import datetime
 import errno
 import fcntl
 import fnmatch
@@ -35,6 +36,7 @@ import logging
 import os
 import socket
 import stat
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -52,6 +54,7 @@ META = ".ckptfs"  # ckptfs's own objects live under this prefix only (C8)
 STAGING = f"{META}/staging"
 DAEMONS = f"{META}/daemons"  # one heartbeat object per live daemon
 INDEX = f"{META}/index"  # every record in one object, left by a clean exit (manifest.Image)
+IMAGE = f"{META}/image"  # every record in one object as of a time; those changed since are found by their times
 HEARTBEAT_S = 20.0  # a daemon rewrites its heartbeat this often
 HEARTBEAT_DEAD_S = 4 * HEARTBEAT_S  # older than this: the daemon is gone
 PART_SIZE = 16 << 20  # grown for huge files to stay under S3's 10,000 parts
@@ -100,6 +103,50 @@ def _dead_here(daemon: str) -> bool:
     if host != socket.gethostname() or not pid.isdigit():
         return False
     return not runtime.pid_alive(int(pid))
+
+
+class Changes:
+    """Record objects changed since they were last taken, and the calls
+    changing them now (manifest.Image). Noted by store calls, which run in
+    threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._paths: set[str] = set()
+        self._open: dict[str, int] = {}  # object -> calls changing it now
+
+    def __len__(self) -> int:
+        return len(self._paths)
+
+    def begin(self, objpath: str) -> None:
+        with self._lock:
+            self._paths.add(objpath)
+            self._open[objpath] = self._open.get(objpath, 0) + 1
+
+    def end(self, objpath: str) -> None:
+        with self._lock:
+            self._paths.add(objpath)
+            left = self._open.get(objpath, 0) - 1
+            if left > 0:
+                self._open[objpath] = left
+            else:
+                self._open.pop(objpath, None)
+
+    def under_way(self) -> set[str]:
+        """The objects a call is changing now."""
+        with self._lock:
+            return set(self._open)
+
+    def take(self) -> set[str]:
+        """Those noted; from now on, noted anew."""
+        with self._lock:
+            taken, self._paths = self._paths, set()
+            return taken
+
+    def give_back(self, taken: set[str]) -> None:
+        """Those taken, when what they were taken for failed."""
+        with self._lock:
+            self._paths |= taken
 
 
 @dataclass(frozen=True)
@@ -174,7 +221,7 @@ class Backend:
     stage_ahead_from = 0
     daemon_id: str = ""  # set by `prepare`: this daemon stages under its own prefix
     # The record objects this daemon changed, from `prepare` on (see manifest.Image).
-    records_changed: set[str] | None = None
+    records_changed: Changes | None = None
 
     @property
     def staging(self) -> str:
@@ -195,9 +242,10 @@ class Backend:
         abandoned; not so for a node joining a running cluster, whose
         other nodes stage at files' names."""
         self.daemon_id = daemon_id
-        self.records_changed = set()
+        self.records_changed = Changes()
         self.heartbeat()
-        self.delete(INDEX)  # records change from now on (see manifest.Image)
+        with contextlib.suppress(FileNotFoundError):  # records change from now on: no longer exact (see manifest.Image)
+            self.move(INDEX, IMAGE)
         live = self.live_daemons()
         for path in self.find(STAGING):
             owner = path[len(STAGING) + 1 :].split("/", 1)[0] if "/" in path[len(STAGING) + 1 :] else ""
@@ -346,7 +394,15 @@ class Backend:
         """Every file under `prefix` (ckptfs's own prefix included)."""
         raise NotImplementedError
 
-    def exists(self, path: str) -> bool:
+    def stamped(self, prefix: str) -> dict[str, float | None]:
+        """Every file under `prefix`, with the store's time of its last
+        change (None where the store does not say). The store's own clock:
+        a local file's ctime (which no one can set back), an object's
+        LastModified."""
+        raise NotImplementedError
+
+    def stamp(self, path: str) -> float | None:
+        """The store's time of the last change of the file `path`."""
         raise NotImplementedError
 
 
@@ -662,6 +718,29 @@ class LocalBackend(Backend):
     def find(self, prefix: str) -> list[str]:
         return [e.path for e in self._tree(prefix, skip_meta=False, dirs=False)]
 
+    def stamped(self, prefix: str) -> dict[str, float | None]:
+        out: dict[str, float | None] = {}
+        try:
+            top = self._dir(prefix)
+        except (FileNotFoundError, NotADirectoryError, SymlinkInStore):
+            return out
+        try:
+            for rel, _, filenames, fd in os.fwalk(".", dir_fd=top):  # never follows symlinks
+                rel = os.path.normpath(os.path.join(prefix, rel))
+                rel = "" if rel == "." else rel
+                for n in filenames:
+                    with contextlib.suppress(FileNotFoundError):
+                        st = os.stat(n, dir_fd=fd, follow_symlinks=False)
+                        if stat.S_ISREG(st.st_mode):
+                            out[f"{rel}/{n}" if rel else n] = st.st_ctime_ns / 1e9
+        finally:
+            os.close(top)
+        return out
+
+    def stamp(self, path: str) -> float | None:
+        with self._at(path) as (d, name):
+            return os.stat(name, dir_fd=d, follow_symlinks=False).st_ctime_ns / 1e9
+
     def exists(self, path: str) -> bool:
         try:
             with self._at(path) as (d, name):
@@ -882,6 +961,16 @@ class FsspecBackend(Backend):
         # Stores with folders (SeaweedFS) list an emptied folder as an entry.
         return [p[len(self.root) :].lstrip("/") for p, info in found.items() if info.get("type") != "directory"]
 
+    def stamped(self, prefix: str) -> dict[str, float | None]:
+        try:
+            found = self.fs.find(self._abs(prefix), detail=True)
+        except FileNotFoundError:
+            return {}
+        return {p[len(self.root) :].lstrip("/"): _stamp_of(info) for p, info in found.items() if info.get("type") != "directory"}
+
+    def stamp(self, path: str) -> float | None:
+        return _stamp_of(self.fs.info(self._abs(path)))
+
     def exists(self, path: str) -> bool:
         return self.fs.exists(self._abs(path))
 
@@ -1057,9 +1146,32 @@ class S3Backend(FsspecBackend):
         self.fs.invalidate_cache()
         return super().find(prefix)
 
+    def stamped(self, prefix: str) -> dict[str, float | None]:
+        self.fs.invalidate_cache()
+        return super().stamped(prefix)
+
+    def stamp(self, path: str) -> float | None:
+        self.fs.invalidate_cache(self._abs(path))
+        return super().stamp(path)
+
     def exists(self, path: str) -> bool:
         self.fs.invalidate_cache(self._abs(path))
         return super().exists(path)
+
+
+def _stamp_of(info: dict) -> float | None:
+    """An object's time of last change from an fsspec listing: s3fs
+    LastModified, gcsfs updated, memory created, others mtime."""
+    for key in ("LastModified", "last_modified", "updated", "mtime", "created"):
+        value = info.get(key)
+        if isinstance(value, datetime.datetime):
+            return value.timestamp() if value.tzinfo else value.replace(tzinfo=datetime.UTC).timestamp()
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    return None
 
 
 def parents(paths: Iterable[str]) -> set[str]:

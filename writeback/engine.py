@@ -28,12 +28,12 @@ import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import trio
 
 from . import manifest, storeio, takeover
-from .backend import HEARTBEAT_S, Backend, Staged, StoreError
+from .backend import HEARTBEAT_S, IMAGE, INDEX, Backend, Staged, StoreError
 from .calls import Deadlines, StoreCalls, permanent
 from .journal import LOST, Attrs, Exchange, FileGen, Link, Mkdir, Op, Remove, Rename, Snapshot, Symlink, kind
 from .manifest import Digest, Meta, record_path
@@ -95,11 +95,12 @@ class Retry:
 
 DIR_SYNC_TRIES = 5  # tries in a row without progress before a flush leaves directory records to later
 REMIND_S = 60.0  # a change still failing is logged again at most this often
+IMAGE_EVERY = 1000  # record changes between saves of the manifest image (at least; see `_keep_image`)
+IMAGE_CHECK_S = 5.0
 STARTUP_TRIES = 6  # of a call the mount cannot start without (scan, claim): about 15 s of backoff
 
 
-@dataclass(frozen=True)
-class Durability:
+class Durability(NamedTuple):
     """What the engine knows of one file: the durability record status reads."""
 
     state: State  # of the newest sealed generation
@@ -159,7 +160,13 @@ class Engine:
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
         self._recent: collections.deque[tuple[float, int]] = collections.deque()  # (monotonic time, bytes published)
-        self._image: bytes | None = None  # every record at the scan (manifest.Image, packed)
+        # Every record as of the scan or the last save (manifest.Image, packed), and how many.
+        self._image: bytes | None = None
+        self._image_records = 0
+        self._image_since: float | None = None
+        self._taking = trio.Lock()
+        self._timeless = False  # the store gives no times of change (no image saved then)
+        self.image_every = IMAGE_EVERY  # record changes between saves of the manifest image (or a quarter of all records)
         self._outside: list[str] = []
         self.link: ClusterLink | None = None  # cluster mode (see `cluster`)
         self.gone: set[str] = set()  # cluster mode: nodes that died (their unstaged generations are lost)
@@ -403,13 +410,14 @@ class Engine:
             self._drop(gen, "deleted before it was published")
 
     # -- queries (status, control, metrics) -----------------------------------
-    def durability(self, ino: int) -> Durability | None:
+    def durability(self, ino: int, digest: bool = True) -> Durability | None:
+        """`digest=False`: without a published file's digest (a lookup in the replica)."""
         gen = self.pending.get(ino)
         published = self.published_gen.get(ino, 0)
         if gen is not None:
             return Durability(gen.state, gen.generation, published, gen.digest, gen.tries, gen.error, gen.sealed_at)
         if published:
-            shown = self.publisher_shown(ino)
+            shown = self.publisher_shown(ino) if digest else None
             return Durability(State.PUBLISHED, published, published, shown[1].digest if shown else None, 0, "", 0.0)
         return None
 
@@ -555,6 +563,7 @@ class Engine:
                     nursery.start_soon(self._upload_worker, self._recv.clone())
                 nursery.start_soon(self._publish)
                 nursery.start_soon(self._heartbeat)
+                nursery.start_soon(self._keep_image)
                 task_status.started()
         finally:
             self.streams.stop_all()
@@ -626,6 +635,52 @@ class Engine:
                 await self.calls.run("heartbeat", self.backend.heartbeat)
             except Exception as exc:
                 log.warning("cannot write this daemon's heartbeat to the store: %s", exc)
+
+    async def _keep_image(self) -> None:
+        """Save the manifest image (manifest.Image) once enough records
+        changed since the last save, so that a restart after a crash reads
+        only those changed since it: at most `image_every`, or a quarter of
+        all records if that is more (each save costs one pass over all of
+        them). An image with no time yet (its scan read every record) is
+        saved at once. Never on a store that gives no times of change: a
+        restart reads every record there anyway."""
+        while True:
+            await trio.sleep(IMAGE_CHECK_S)
+            changed = self.backend.records_changed
+            if self._image is None or changed is None or self._timeless:
+                continue
+            if self._image_since is not None and len(changed) < max(self.image_every, self._image_records // 4):
+                continue
+            try:
+                await self.save_image(IMAGE)
+            except Exception as exc:  # the last one stands: a restart reads more records
+                log.warning("cannot save the manifest image: %s", exc)
+
+    @property
+    def keeps_image(self) -> bool:
+        """Whether this daemon keeps an image of the manifest (from its scan on)."""
+        return self._image is not None
+
+    async def save_image(self, name: str) -> None:
+        """This daemon's image of every record, as of now, into object `name`
+        (IMAGE or INDEX). The record changes noted before the image's time
+        are taken from the backend here, on the trio thread, and given back
+        if the save fails or is abandoned (then a late one written by the
+        abandoned call is older than the next, and still right)."""
+        async with self._taking:
+            assert self._image is not None and self.backend.records_changed is not None
+            since = await self.calls.run("save the manifest image", manifest.image_time, self.backend)
+            changed = self.backend.records_changed.take()
+            try:
+                image = await self.calls.run("save the manifest image", manifest.Image.saved, self.backend, self._image,
+                                             changed, since, name)
+            except BaseException:
+                self.backend.records_changed.give_back(changed)
+                raise
+            self._image, self._image_records, self._image_since = image.packed(), len(image.objects), image.since
+            self._timeless = since is None
+        log.info("%s (%d records)%s", "saved the manifest image" if name == IMAGE else "left the manifest index",
+                 self._image_records, "" if since is not None else "; the store gives no times of change, so a restart after a crash reads every record")
 
     async def _upload_worker(self, recv: trio.MemoryReceiveChannel[FileGen]) -> None:
         async with recv:
@@ -897,7 +952,8 @@ class Engine:
         first, so that restoring their entries does not change their mtimes)."""
         scanned = await self.patiently("scan the store", storeio.scan, self.backend)
         entries, records, bad = scanned.entries, scanned.records, set(scanned.unreadable)
-        self._image, self._outside = scanned.image, scanned.outside
+        self._image, self._image_records, self._image_since = scanned.image.packed(), len(scanned.image.objects), scanned.image.since
+        self._outside = scanned.outside
         self.residency.recheck = scanned.indexed
         replica = self.publisher.replica
         n = 0
@@ -944,28 +1000,24 @@ class Engine:
 
     async def leave_index(self) -> None:
         """At a clean exit: leave every record in one object for the next
-        mount (manifest.Image), if this daemon knows them all: everything
-        published, no abandoned call that may still change one, no record
-        changed meanwhile without a daemon."""
-        if self._image is None or self.unpublished() or self.calls.stragglers():
+        mount (manifest.Image): the index, exact, if this daemon knows them
+        all (everything published, no abandoned call that may still change
+        one, no record changed meanwhile without a daemon); otherwise a
+        manifest image, which the next mount checks against the store's times."""
+        if self._image is None:
             return
-        changed = self.backend.records_changed or set()
-
-        def body() -> None:
-            if self.backend.find(manifest.OUTSIDE):
-                return
-            if not changed:  # as it was found
-                self.backend.put(manifest.INDEX, self._image)
-                return
-            image = manifest.Image.unpacked(self._image)
-            image.refresh(self.backend, changed)
-            image.save(self.backend)
-
+        exact = not self.unpublished() and not self.calls.stragglers()
         try:
-            async with self.publisher.syncing:  # no directory record changes meanwhile
-                await self.calls.run("leave the manifest index", body)
-        except Exception as exc:  # the next mount reads every record instead
-            log.warning("cannot leave the manifest index in the store (%s): the next mount reads every record", exc)
+            if exact and not await self.calls.run("leave the manifest index", self.backend.find, manifest.OUTSIDE):
+                if not self.backend.records_changed and (self._image_since is not None or self._timeless):  # as it was found
+                    await self.calls.run("leave the manifest index", self.backend.put, INDEX, self._image)
+                    return
+                await self.save_image(INDEX)
+            elif self.backend.records_changed:
+                await self.save_image(IMAGE)
+        except Exception as exc:  # the next mount reads more records instead
+            log.warning("cannot leave the manifest index in the store (%s): the next mount reads the records changed since "
+                        "the last image", exc)
 
     async def patiently(self, what: str, fn, *args):
         """A store call the mount cannot start without. A store can be slow

@@ -16,6 +16,7 @@ import logging
 import uuid
 import zlib
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import xxhash
 
@@ -47,8 +48,7 @@ class Digest:
         return self.xxh3 if i == 0 and self.size <= BLOCK else None
 
 
-@dataclass(frozen=True)
-class Meta:
+class Meta(NamedTuple):  # a tuple: a restart makes one per file in the store
     """What an entry carries besides its bytes, as the mount shows it."""
 
     mode: int = 0o644  # permission bits, set-ID and sticky bits included (S_IMODE)
@@ -117,7 +117,11 @@ def record_path(path: str) -> str:
 
 
 def write(backend: Backend, record: Record) -> None:
-    backend.put(changing(backend, record_path(record.path)), record.encode())
+    objpath = changing(backend, record_path(record.path))
+    try:
+        backend.put(objpath, record.encode())
+    finally:
+        changed(backend, objpath)
 
 
 def read(backend: Backend, path: str) -> Record | None:
@@ -128,14 +132,24 @@ def read(backend: Backend, path: str) -> Record | None:
 
 
 def delete(backend: Backend, path: str) -> None:
-    backend.delete(changing(backend, record_path(path)))
+    objpath = changing(backend, record_path(path))
+    try:
+        backend.delete(objpath)
+    finally:
+        changed(backend, objpath)
 
 
 def changing(backend: Backend, objpath: str) -> str:
-    """Note that the record object `objpath` is about to change (see Image)."""
+    """Note that a call is about to change the record object `objpath`
+    (see Image); `changed` once it ended, whatever its outcome."""
     if backend.records_changed is not None:
-        backend.records_changed.add(objpath)
+        backend.records_changed.begin(objpath)
     return objpath
+
+
+def changed(backend: Backend, objpath: str) -> None:
+    if backend.records_changed is not None:
+        backend.records_changed.end(objpath)
 
 
 def read_all(backend: Backend) -> tuple[dict[str, Record], list[str]]:
@@ -146,39 +160,76 @@ def read_all(backend: Backend) -> tuple[dict[str, Record], list[str]]:
 
 # -- the manifest in one object -------------------------------------------------
 # Reading one record object per file makes a restart over 100,000 files take
-# many seconds (and over S3 one request per file). A daemon that exits
-# cleanly leaves every record in one object, the index; the next mount reads
-# it instead, and still lists the store (the store's files are what the mount
-# shows; the index only stands in for their records). It is trusted only as
-# long as nothing changed a record since: a daemon deletes it when it claims
-# the store, and anyone changing records without a daemon (the torch
-# helpers' direct writes, C7) first leaves a mark under OUTSIDE, which makes
-# the next mount read every record (and only then are the marks removed).
+# many seconds (and over S3 one request per file). So every record is also
+# kept in one object, an image of them all, and the next mount reads that
+# instead (it still lists the store: the store's files are what the mount
+# shows; the image only stands in for their records). Two objects hold one:
+# - INDEX, left by a clean exit: exact as long as nothing changed a record
+#   since. A daemon claiming the store moves it to IMAGE (records change
+#   from then on), and anyone changing records without a daemon (the torch
+#   helpers' direct writes, C7) first leaves a mark under OUTSIDE; the next
+#   mount then checks the index as it checks an image (and only then are
+#   the marks removed).
+# - IMAGE, saved by a running daemon now and then (`Engine.save_image`), so a restart
+#   after a crash need not read every record either. It says when it was
+#   saved (`since`, the store's own time of an object put just before):
+#   the next mount lists the record objects with their times of change
+#   and reads only those changed since then (less a margin for the store's
+#   clock) or missing from the image; what it lists no more is gone.
+# A daemon notes every record object it changes, when the call begins and
+# once it ended (`changing`, `changed`); saving an image reads those again, so it
+# holds what each was after the `since` object was put, except those a call
+# was still changing (left out: a restart reads them). A change that lands
+# later is noted for the next image, and is newer than this one.
 OUTSIDE = f"{META}/outside"
+IMAGE_BEGUN = f"{META}/image-begun"  # put just before an image is saved: its time is the image's `since`
+IMAGE_VERSION = 2
+CLOCK_MARGIN_S = 2.0  # records changed this long before an image's `since` are read again all the same (the store's clock: S3 times are whole seconds)
+
+
+class OlderImage(ValueError):
+    """An index or image left by an older ckptfs."""
 
 
 class Image:
     """Every record object of the store: its path -> the record, or None
-    where it cannot be read."""
+    where it cannot be read; `since`: the store's time it holds them as of
+    (None: unknown)."""
 
-    def __init__(self, objects: dict[str, Record | None], packed: bytes | None = None) -> None:
+    def __init__(self, objects: dict[str, Record | None], packed: bytes | None = None, since: float | None = None) -> None:
         self.objects = objects
+        self.since = since
         self._packed = packed  # as read from the index, while unchanged
 
     @classmethod
-    def of_store(cls, backend: Backend) -> Image:
-        paths = [p for p in backend.find(PREFIX) if p.endswith(".json")]
-        return cls({objpath: _decoded(raw) for objpath, raw in backend.read_many(paths)})
+    def of_store(cls, backend: Backend, base: Image | None = None) -> Image:
+        """Every record object in the store; with `base` (an image, or an
+        index no longer exact), only those changed since it, or missing from
+        it, are read; the rest come from it."""
+        stamps = {p: t for p, t in backend.stamped(PREFIX).items() if p.endswith(".json")}
+        objects: dict[str, Record | None] = {}
+        if base is not None and base.since is not None:
+            after = base.since - CLOCK_MARGIN_S
+            objects = {p: rec for p, rec in base.objects.items() if p in stamps and (t := stamps[p]) is not None and t < after}
+        unread = sorted(p for p in stamps if p not in objects)
+        if base is not None:
+            log.info("reading %d of %d records: changed since the manifest image, or not in it", len(unread), len(stamps))
+        for objpath, raw in backend.read_many(unread):
+            objects[objpath] = _decoded(raw)
+        return cls(objects, since=base.since if base is not None and base.since is not None else None)
 
     @classmethod
-    def of_index(cls, backend: Backend) -> Image | None:
-        """The index, if it is there (trusted only with no OUTSIDE mark: the caller's check)."""
+    def of_index(cls, backend: Backend, name: str = INDEX) -> Image | None:
+        """The image in object `name` (INDEX or IMAGE), if it is there and readable."""
         try:
-            return cls.unpacked(backend.read_all(INDEX))
+            return cls.unpacked(backend.read_all(name))
         except FileNotFoundError:
             return None
+        except OlderImage as exc:
+            log.info("the store's manifest %s is of an older version (%s): reading every record instead", name, exc)
+            return None
         except (ValueError, TypeError, KeyError, IndexError, zlib.error) as exc:
-            log.warning("the store's manifest index cannot be read (%s): reading every record instead", exc)
+            log.warning("the store's manifest %s cannot be read (%s): reading every record instead", name, exc)
             return None
 
     def packed(self) -> bytes:
@@ -186,15 +237,18 @@ class Image:
         daemon keeps this, not the records)."""
         if self._packed is None:
             rows = {objpath: None if rec is None else _row(rec) for objpath, rec in self.objects.items()}
-            self._packed = zlib.compress(json.dumps({"version": VERSION, "rows": rows}).encode(), 1)
+            self._packed = zlib.compress(json.dumps({"version": IMAGE_VERSION, "since": self.since, "rows": rows}).encode(), 1)
         return self._packed
 
     @classmethod
     def unpacked(cls, packed: bytes) -> Image:
         d = json.loads(zlib.decompress(packed))
-        if d["version"] != VERSION:
-            raise ValueError(f"index version {d['version']}")
-        return cls({objpath: None if row is None else _of_row(row) for objpath, row in d["rows"].items()}, packed)
+        if d["version"] != IMAGE_VERSION:
+            raise (OlderImage if isinstance(d["version"], int) and d["version"] < IMAGE_VERSION else ValueError)(f"version {d['version']}")
+        since = d["since"]
+        if since is not None and not isinstance(since, int | float):
+            raise ValueError(f"bad time {since!r}")
+        return cls({objpath: None if row is None else _of_row(row) for objpath, row in d["rows"].items()}, packed, since)
 
     def records(self) -> tuple[dict[str, Record], list[str]]:
         """By path, and the record objects that could not be read (their
@@ -219,8 +273,28 @@ class Image:
             self.objects.pop(objpath, None)
         self._packed = None
 
-    def save(self, backend: Backend) -> None:
-        backend.put(INDEX, self.packed())
+    @classmethod
+    def saved(cls, backend: Backend, packed: bytes, changed: set[str], since: float | None, name: str) -> Image:
+        """A daemon's image of every record as of `since` (`image_time`)
+        into object `name` (IMAGE, or INDEX at a clean exit): `packed`
+        (its image as of its scan or last save) with the record objects
+        noted as `changed` since then read again. Those that a call is still
+        changing are left out (a restart reads them): what it changes may
+        land after they are read, and an object store may give it a time
+        before `since` (when its request began). Store calls."""
+        unsettled = backend.records_changed.under_way() if backend.records_changed is not None else set()
+        image = cls.unpacked(packed)
+        image.refresh(backend, changed)
+        image.forget(unsettled)
+        image.since = since
+        backend.put(name, image.packed())
+        return image
+
+
+def image_time(backend: Backend) -> float | None:
+    """The store's time now, as an image's `since` (None: the store gives no times)."""
+    backend.put(IMAGE_BEGUN, b"")
+    return backend.stamp(IMAGE_BEGUN)
 
 
 def _decoded(raw: bytes) -> Record | None:

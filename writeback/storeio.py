@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from . import manifest
-from .backend import DAEMONS, STAGING, Backend, Entry, Staged, parents
+from .backend import DAEMONS, IMAGE, STAGING, Backend, Entry, Staged, parents
 from .manifest import Digest, Record
 
 if TYPE_CHECKING:
@@ -94,8 +94,13 @@ def publish_group(backend: Backend, items: list[tuple[Record, Staged, str, Calla
     for rec, _staged, _path, _pieces in items:
         _refuse_newer(backend, rec)
     items = [(*_staged_now(backend, rec, staged, pieces), path, pieces) for rec, staged, path, pieces in items]
-    backend.publish_group([(manifest.changing(backend, manifest.record_path(rec.path)), rec.encode()) for rec, _, _, _ in items],
-                          [(staged, path, rec.mode, pieces() if staged.token is None else ()) for rec, staged, path, pieces in items])
+    objpaths = [manifest.changing(backend, manifest.record_path(rec.path)) for rec, _, _, _ in items]
+    try:
+        backend.publish_group([(objpath, rec.encode()) for objpath, (rec, _, _, _) in zip(objpaths, items, strict=True)],
+                              [(staged, path, rec.mode, pieces() if staged.token is None else ()) for rec, staged, path, pieces in items])
+    finally:
+        for objpath in objpaths:
+            manifest.changed(backend, objpath)
 
 
 def _staged_now(backend: Backend, rec: Record, staged: Staged, pieces: Callable[[], Iterable] | None) -> tuple[Record, Staged]:
@@ -187,9 +192,9 @@ class Scanned:
     entries: list[Entry]  # what the store holds: the mount shows these
     records: dict[str, Record]  # by path
     unreadable: list[str]  # record objects that cannot be read
-    image: bytes  # every record, packed (manifest.Image): what a clean exit leaves as the index
+    image: manifest.Image  # every record: what the daemon's manifest image starts from
     outside: list[str]  # marks of record changes made without a daemon (all records were read)
-    indexed: bool  # the records came from the manifest index
+    indexed: bool  # the records came from the manifest index or image, not all from their objects
 
 
 def scan(backend: Backend) -> Scanned:
@@ -199,8 +204,13 @@ def scan(backend: Backend) -> Scanned:
     bytes it was being published from still exist; otherwise the file was
     lost from the store, and its record stays so `verify` reports it."""
     outside = backend.find(manifest.OUTSIDE)
-    indexed = (None if outside else manifest.Image.of_index(backend))
-    image = indexed or manifest.Image.of_store(backend)
+    index = manifest.Image.of_index(backend)
+    if index is not None and not outside:
+        image = index  # exact: left by a clean exit, nothing changed since
+    else:  # checked against the times the store gives its record objects
+        base = index or manifest.Image.of_index(backend, IMAGE)
+        image = manifest.Image.of_store(backend, base)
+        index = base
     entries = list(backend.walk())
     records, unreadable = image.records()
     entries = _finish_moves(backend, entries, records, image)
@@ -249,7 +259,7 @@ def scan(backend: Backend) -> Scanned:
         manifest.delete(backend, path)
         image.forget([manifest.record_path(path)])
         del records[path]
-    return Scanned(entries, records, unreadable, image.packed(), outside, indexed is not None)
+    return Scanned(entries, records, unreadable, image, outside, index is not None)
 
 
 def _finish_moves(backend: Backend, entries: list[Entry], records: dict[str, Record], image: manifest.Image) -> list[Entry]:

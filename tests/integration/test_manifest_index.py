@@ -5,10 +5,13 @@ never stand in for records that changed after it was written."""
 from __future__ import annotations
 
 import os
+import re
 import signal
+import time
 
 from ckptfs.writeback import manifest, storeio
-from ckptfs.writeback.backend import open_store
+from ckptfs.writeback.backend import IMAGE, open_store
+from ckptfs.writeback.engine import IMAGE_EVERY
 
 from tests.mountutil import run_cli, start_mount, stop_mount
 from tests.storeutil import verify_store, wait_until
@@ -155,5 +158,73 @@ def test_a_stale_index_costs_a_lookup_not_a_false_eio(tmp_path):
     try:
         assert again.path("model.pt").read_bytes() == b"new" * 4000
         wait_until(lambda: "verified" in again.log_text(), 10, "the load logged")  # the bytes are served before the load says so
+    finally:
+        stop_mount(again)
+
+
+def test_after_a_crash_the_next_mount_reads_only_the_records_changed_since_the_image(tmp_path):
+    """A clean exit leaves the index; the next daemon's claim turns it into a
+    manifest image, that daemon changes a few files and is killed: the mount after
+    it reads only their records (the store's times tell which), and shows
+    every change."""
+
+    def first(m):
+        m.path("ck").mkdir()
+        for i in range(40):
+            m.path("ck", f"f{i}").write_bytes(bytes([i]) * (1000 + i))
+        _flush(m)
+        time.sleep(manifest.CLOCK_MARGIN_S + 0.5)  # the records are older than the index, by more than the margin
+
+    def change(m):
+        m.path("ck", "f1").write_bytes(b"new" * 700)
+        m.path("ck", "f2").unlink()
+        os.chmod(m.path("ck", "f3"), 0o600)
+        os.rename(m.path("ck", "f4"), m.path("ck", "g4"))
+        _flush(m)
+
+    _session(tmp_path, first)
+    m = _session(tmp_path, change, clean=False)
+    assert (m.store / IMAGE).is_file() and not (m.store / manifest.INDEX).exists()
+    again = start_mount(tmp_path)
+    again.allowed_log_errors.append("heartbeat")
+    try:
+        found = re.search(r"reading (\d+) of (\d+) records", again.log_text())
+        assert found is not None and int(found[1]) <= 5 and int(found[2]) >= 40, found  # f1, f3, g4 and ck's record
+        assert sorted(os.listdir(again.path("ck"))) == sorted({f"f{i}" for i in range(40)} - {"f2", "f4"} | {"g4"})
+        assert again.path("ck", "f1").read_bytes() == b"new" * 700
+        assert again.path("ck", "f3").stat().st_mode & 0o777 == 0o600
+        assert again.path("ck", "g4").read_bytes() == bytes([4]) * 1004
+        assert all(again.path("ck", f"f{i}").read_bytes() == bytes([i]) * (1000 + i) for i in range(5, 40))
+        assert "cannot be verified" not in again.log_text() and "checksum mismatch" not in again.log_text()
+    finally:
+        stop_mount(again)
+
+
+def test_a_running_daemon_saves_its_manifest_image_so_a_restart_after_a_crash_need_not_read_every_record(tmp_path):
+    """No clean exit at all: the first daemon over an empty store writes
+    more than IMAGE_EVERY files and is killed; it had saved its image,
+    and the mount after it checks that against the store's times."""
+
+    def write(m):
+        for d in range(3):
+            m.path(f"d{d}").mkdir()
+            for i in range(IMAGE_EVERY // 2):
+                fd = os.open(m.path(f"d{d}", f"f{i}"), os.O_WRONLY | os.O_CREAT, 0o644)
+                os.write(fd, f"{d}/{i}".encode())
+                os.close(fd)
+        _flush(m)
+        wait_until(lambda: "saved the manifest image" in m.log_text(), 30, "a save of the image")
+
+    m = _session(tmp_path, write, clean=False)
+    assert (m.store / IMAGE).is_file()
+    again = start_mount(tmp_path)
+    again.allowed_log_errors.append("heartbeat")
+    try:
+        assert re.search(r"reading \d+ of \d+ records: changed since the manifest image", again.log_text())
+        for d in range(3):
+            names = os.listdir(again.path(f"d{d}"))
+            assert len(names) == IMAGE_EVERY // 2
+        assert again.path("d2", "f7").read_bytes() == b"2/7"
+        assert "cannot be verified" not in again.log_text()
     finally:
         stop_mount(again)

@@ -225,3 +225,46 @@ def test_a_directory_removed_on_s3_stays_removed_after_a_remount(s3, tmp_path):
         assert again.path("link").is_symlink() and again.path("kept").is_dir()
     finally:
         stop_mount(again)
+
+
+def test_after_a_crash_on_s3_the_next_mount_reads_only_the_records_changed_since_the_image(s3, tmp_path):
+    """The store's times are the objects' LastModified: after a clean exit
+    and a daemon killed after changing two files, the mount after it reads
+    only their records (and the root's), and shows the changes."""
+    import os
+    import re
+    import signal
+    import time
+
+    from ckptfs.writeback import manifest
+
+    url = s3.bucket("image")
+    opts = ("--store", url, *s3.cli_options())
+    m = start_mount(tmp_path, extra=opts)
+    try:
+        for i in range(30):
+            m.path(f"f{i}").write_bytes(bytes([i]) * 100)
+        assert run_cli("flush", str(m.mountpoint)).returncode == 0
+        time.sleep(manifest.CLOCK_MARGIN_S + 1.5)  # LastModified is in whole seconds
+        assert run_cli("umount", str(m.mountpoint)).returncode == 0
+    finally:
+        stop_mount(m)
+    m = start_mount(tmp_path, extra=opts)
+    try:
+        m.path("f1").write_bytes(b"new")
+        m.path("f2").unlink()
+        assert run_cli("flush", str(m.mountpoint)).returncode == 0
+        os.kill(m.pid, signal.SIGKILL)
+        m.proc.wait(timeout=30)
+    finally:
+        stop_mount(m)
+    again = start_mount(tmp_path, extra=opts)
+    again.allowed_log_errors.append("heartbeat")
+    try:
+        found = re.search(r"reading (\d+) of (\d+) records", again.log_text())
+        assert found is not None and int(found[1]) <= 2 and int(found[2]) >= 29, found  # f1's and the root's
+        assert sorted(p.name for p in again.mountpoint.iterdir()) == sorted(f"f{i}" for i in range(30) if i != 2)
+        assert again.path("f1").read_bytes() == b"new"
+        assert again.path("f7").read_bytes() == bytes([7]) * 100
+    finally:
+        stop_mount(again)

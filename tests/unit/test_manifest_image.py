@@ -1,0 +1,140 @@
+"""The manifest image (manifest.Image): a daemon saves every record in one
+object now and then, so a restart after a crash reads only the record
+objects changed since the last save, as the store's times tell, and still
+shows every record as it is."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import trio
+from ckptfs.writeback import manifest
+from ckptfs.writeback.backend import IMAGE, INDEX, new_daemon_id
+
+from tests.unit.test_convergence import _mount_view, _restarted_view, _store
+from tests.unit.test_engine import Rig, run_until_flushed
+
+
+async def _started(url) -> Rig:
+    rig = Rig(url, claim=False)
+    await rig.engine.scan(rig.store.restore)
+    await rig.engine.claim(new_daemon_id(), time.time())
+    return rig
+
+
+def _reading(rig: Rig) -> list[str]:
+    """Every object the rig's backend reads in bulk (record objects), from now on."""
+    read: list[str] = []
+    real = rig.backend.read_many
+
+    def read_many(paths):
+        read.extend(paths)
+        return real(paths)
+
+    rig.backend.read_many = read_many
+    return read
+
+
+@pytest.mark.parametrize("kind", ["local", "object"])
+async def test_a_restart_after_a_crash_reads_only_the_records_changed_since_the_image(tmp_path, kind, monkeypatch):
+    monkeypatch.setattr(manifest, "CLOCK_MARGIN_S", 0.0)
+    url = _store(tmp_path, kind)
+    rig = await _started(url)
+    for i in range(20):
+        rig.write(f"f{i}", bytes([i]) * (100 + i))
+    await run_until_flushed(rig)
+    await rig.engine.save_image(IMAGE)
+    time.sleep(0.05)  # past the granularity of a local file system's times
+
+    rig.write("f1", b"new" * 50)  # rewritten
+    rig.unlink("f2")
+    rig.store.setattr(rig.store.inode_at("f3").ino, mode=0o600)
+    rig.rename("f4", "g4")
+    rig.write("f20", b"added")
+    await run_until_flushed(rig)
+    view = _mount_view(rig.store, with_data=True)
+    # killed: no index left, only the image
+
+    again = Rig(url, claim=False)
+    read = _reading(again)
+    await again.engine.scan(again.store.restore)
+    # those of the files changed, and the root's (its mtime changed)
+    assert sorted(read) == sorted(manifest.record_path(p) for p in ("f1", "f3", "g4", "f20", ""))
+    assert await _restarted_view(tmp_path, str(url)) == view  # every file loads, verified, with its mode
+
+
+@pytest.mark.parametrize("kind", ["local", "object"])
+async def test_a_record_change_that_lands_after_a_save_of_the_image_read_it_is_in_the_next_save(tmp_path, kind, monkeypatch):
+    """A record write under way while the image is saved (begun before the
+    image's time) lands after the save read that record again: the image
+    leaves the record out (an object store may date the write by when its
+    request began, before the image's time), so a restart reads it; and the
+    next save reads it again."""
+    monkeypatch.setattr(manifest, "CLOCK_MARGIN_S", 0.0)
+    url = _store(tmp_path, kind)
+    rig = await _started(url)
+    rig.write("a", b"1" * 100)
+    await run_until_flushed(rig)
+    old = manifest.read(rig.backend, "a")
+    changed = manifest.Record.of("a", "file", old.meta, current=manifest.digest_of([b"2" * 100]))
+    gate = threading.Event()
+    real_put = rig.backend.put
+
+    def put(path, data):
+        if path == manifest.record_path("a"):
+            gate.wait(10)
+        real_put(path, data)
+
+    rig.backend.put = put
+    writer = threading.Thread(target=manifest.write, args=(rig.backend, changed))
+    writer.start()
+    while not rig.backend.records_changed:
+        time.sleep(0.001)
+    real_refresh = manifest.Image.refresh
+
+    def refresh(image, backend, objpaths):
+        real_refresh(image, backend, objpaths)
+        gate.set()  # lands now
+        writer.join()
+
+    monkeypatch.setattr(manifest.Image, "refresh", refresh)
+    await rig.engine.save_image(IMAGE)
+    monkeypatch.setattr(manifest.Image, "refresh", real_refresh)
+    assert manifest.record_path("a") not in manifest.Image.of_index(rig.backend, IMAGE).objects
+    time.sleep(0.05)
+    await rig.engine.save_image(IMAGE)  # the next one
+
+    again = Rig(url, claim=False)
+    await again.engine.scan(again.store.restore)
+    assert again.engine.residency._expected[again.store.inode_at("a").ino].current == changed.current
+
+
+async def test_a_clean_exit_leaves_an_exact_index_that_a_claim_turns_into_the_image(tmp_path, monkeypatch):
+    monkeypatch.setattr(manifest, "CLOCK_MARGIN_S", 0.0)
+    url = tmp_path / "store"
+    rig = await _started(url)
+    for i in range(5):
+        rig.write(f"f{i}", b"x" * i)
+    await run_until_flushed(rig)
+    await rig.engine.leave_index()
+    assert (url / INDEX).is_file() and not (url / IMAGE).exists()
+
+    again = Rig(url, claim=False)
+    read = _reading(again)
+    await again.engine.scan(again.store.restore)
+    assert read == []  # exact: no record read
+    await again.engine.claim(new_daemon_id(), time.time())
+    assert not (url / INDEX).exists() and (url / IMAGE).is_file()
+    time.sleep(0.05)
+    again.write("f1", b"changed")
+    async with trio.open_nursery() as n:  # published, then killed
+        await n.start(again.engine.run)
+        await again.engine.flush()
+        n.cancel_scope.cancel()
+
+    third = Rig(url, claim=False)
+    read = _reading(third)
+    await third.engine.scan(third.store.restore)
+    assert manifest.record_path("f1") in read and set(read) <= {manifest.record_path("f1"), manifest.record_path("")}  # and the root's, if recorded again
