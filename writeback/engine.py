@@ -672,12 +672,12 @@ class Engine:
             since = await self.calls.run("save the manifest image", manifest.image_time, self.backend)
             changed = self.backend.records_changed.take()
             try:
-                image = await self.calls.run("save the manifest image", manifest.Image.saved, self.backend, self._image,
-                                             changed, since, name)
+                packed, records = await self.calls.run("save the manifest image", manifest.Image.saved, self.backend, self._image,
+                                                       changed, since, name)
             except BaseException:
                 self.backend.records_changed.give_back(changed)
                 raise
-            self._image, self._image_records, self._image_since = image.packed(), len(image.objects), image.since
+            self._image, self._image_records, self._image_since = packed, records, since
             self._timeless = since is None
         log.info("%s (%d records)%s", "saved the manifest image" if name == IMAGE else "left the manifest index",
                  self._image_records, "" if since is not None else "; the store gives no times of change, so a restart after a crash reads every record")

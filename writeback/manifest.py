@@ -233,22 +233,26 @@ class Image:
             return None
 
     def packed(self) -> bytes:
-        """The image as the index holds it, one row per record (compact: a
-        daemon keeps this, not the records)."""
+        """The image as the index holds it, compressed: a line of its version
+        and time, then one line per record object, `<path>\t<row>` (compact:
+        a daemon keeps this, not the records; and a save rewrites only the
+        lines of the records that changed)."""
         if self._packed is None:
-            rows = {objpath: None if rec is None else _row(rec) for objpath, rec in self.objects.items()}
-            self._packed = zlib.compress(json.dumps({"version": IMAGE_VERSION, "since": self.since, "rows": rows}).encode(), 1)
+            self._packed = _pack(self.since, [_line(objpath, rec) for objpath, rec in self.objects.items()])
         return self._packed
 
     @classmethod
     def unpacked(cls, packed: bytes) -> Image:
-        d = json.loads(zlib.decompress(packed))
-        if d["version"] != IMAGE_VERSION:
-            raise (OlderImage if isinstance(d["version"], int) and d["version"] < IMAGE_VERSION else ValueError)(f"version {d['version']}")
-        since = d["since"]
-        if since is not None and not isinstance(since, int | float):
-            raise ValueError(f"bad time {since!r}")
-        return cls({objpath: None if row is None else _of_row(row) for objpath, row in d["rows"].items()}, packed, since)
+        since, lines = _lines(packed)
+        keys, rows = [], []
+        for line in lines:
+            key, tab, row = line.partition(b"\t")
+            if not tab:
+                raise ValueError("a line with no tab")
+            keys.append(key.decode())
+            rows.append(row)
+        values = json.loads(b"[" + b",".join(rows) + b"]")  # one parse for all rows
+        return cls({k: None if v is None else _of_row(v) for k, v in zip(keys, values, strict=True)}, packed, since)
 
     def records(self) -> tuple[dict[str, Record], list[str]]:
         """By path, and the record objects that could not be read (their
@@ -262,33 +266,51 @@ class Image:
                 out[rec.path] = rec
         return out, unreadable
 
-    def refresh(self, backend: Backend, objpaths: set[str]) -> None:
-        """Read these record objects again (changed since the image was taken)."""
-        self.forget(objpaths)
-        for objpath, raw in backend.read_many(sorted(objpaths)):
-            self.objects[objpath] = _decoded(raw)
-
     def forget(self, objpaths) -> None:
         for objpath in objpaths:
             self.objects.pop(objpath, None)
         self._packed = None
 
-    @classmethod
-    def saved(cls, backend: Backend, packed: bytes, changed: set[str], since: float | None, name: str) -> Image:
+    @staticmethod
+    def saved(backend: Backend, packed: bytes, changed: set[str], since: float | None, name: str) -> tuple[bytes, int]:
         """A daemon's image of every record as of `since` (`image_time`)
         into object `name` (IMAGE, or INDEX at a clean exit): `packed`
         (its image as of its scan or last save) with the record objects
-        noted as `changed` since then read again. Those that a call is still
-        changing are left out (a restart reads them): what it changes may
-        land after they are read, and an object store may give it a time
-        before `since` (when its request began). Store calls."""
+        noted as `changed` since then read again; returns it packed, and
+        how many records it holds. Those that a call is still changing are
+        left out (a restart reads them): what it changes may land after
+        they are read, and an object store may give it a time before
+        `since` (when its request began). Lines of records that did not
+        change are copied as they are. Store calls."""
         unsettled = backend.records_changed.under_way() if backend.records_changed is not None else set()
-        image = cls.unpacked(packed)
-        image.refresh(backend, changed)
-        image.forget(unsettled)
-        image.since = since
-        backend.put(name, image.packed())
-        return image
+        fresh = [_line(objpath, _decoded(raw)) for objpath, raw in backend.read_many(sorted(changed - unsettled))]
+        gone = {objpath.encode() for objpath in changed | unsettled}
+        _, lines = _lines(packed)
+        kept = [line for line in lines if line.partition(b"\t")[0] not in gone]
+        out = _pack(since, [*kept, *fresh])
+        backend.put(name, out)
+        return out, len(kept) + len(fresh)
+
+
+def _line(objpath: str, rec: Record | None) -> bytes:
+    return f"{objpath}\t{'null' if rec is None else json.dumps(_row(rec), separators=(',', ':'))}".encode()
+
+
+def _pack(since: float | None, lines: list[bytes]) -> bytes:
+    return zlib.compress(b"\n".join([json.dumps({"version": IMAGE_VERSION, "since": since}).encode(), *lines]), 1)
+
+
+def _lines(packed: bytes) -> tuple[float | None, list[bytes]]:
+    """An image's time and its record lines."""
+    head, _, body = zlib.decompress(packed).partition(b"\n")
+    d = json.loads(head)
+    version = d["version"]
+    if version != IMAGE_VERSION:
+        raise (OlderImage if isinstance(version, int) and version < IMAGE_VERSION else ValueError)(f"version {version}")
+    since = d["since"]
+    if since is not None and not isinstance(since, int | float):
+        raise ValueError(f"bad time {since!r}")
+    return since, body.split(b"\n") if body else []
 
 
 def image_time(backend: Backend) -> float | None:

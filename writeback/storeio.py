@@ -259,6 +259,7 @@ def scan(backend: Backend) -> Scanned:
         manifest.delete(backend, path)
         image.forget([manifest.record_path(path)])
         del records[path]
+    image.packed()  # here, in a worker thread: the daemon keeps it packed
     return Scanned(entries, records, unreadable, image, outside, index is not None)
 
 
