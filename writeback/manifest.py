@@ -200,6 +200,8 @@ class Image:
         self.objects = objects
         self.since = since
         self._packed = packed  # as read from the index, while unchanged
+        # Packed, and the paths (encoded) of the records taken from it: their lines are copied when packed
+        self._from: tuple[bytes, set[bytes]] | None = None
 
     @classmethod
     def of_store(cls, backend: Backend, base: Image | None = None) -> Image:
@@ -211,12 +213,16 @@ class Image:
         if base is not None and base.since is not None:
             after = base.since - CLOCK_MARGIN_S
             objects = {p: rec for p, rec in base.objects.items() if p in stamps and (t := stamps[p]) is not None and t < after}
+        taken = {objpath.encode() for objpath in objects}
         unread = sorted(p for p in stamps if p not in objects)
         if base is not None:
             log.info("reading %d of %d records: changed since the manifest image, or not in it", len(unread), len(stamps))
         for objpath, raw in backend.read_many(unread):
             objects[objpath] = _decoded(raw)
-        return cls(objects, since=base.since if base is not None and base.since is not None else None)
+        image = cls(objects, since=base.since if base is not None and base.since is not None else None)
+        if base is not None and base._packed is not None and taken:
+            image._from = (base._packed, taken)
+        return image
 
     @classmethod
     def of_index(cls, backend: Backend, name: str = INDEX) -> Image | None:
@@ -238,7 +244,10 @@ class Image:
         a daemon keeps this, not the records; and a save rewrites only the
         lines of the records that changed)."""
         if self._packed is None:
-            self._packed = _pack(self.since, [_line(objpath, rec) for objpath, rec in self.objects.items()])
+            base, taken = self._from or (None, set())
+            kept = [line for line in _lines(base)[1] if line.partition(b"\t")[0] in taken] if base is not None else []
+            fresh = [_line(objpath, rec) for objpath, rec in self.objects.items() if objpath.encode() not in taken]
+            self._packed = _pack(self.since, kept + fresh)
         return self._packed
 
     @classmethod
@@ -269,6 +278,8 @@ class Image:
     def forget(self, objpaths) -> None:
         for objpath in objpaths:
             self.objects.pop(objpath, None)
+            if self._from is not None:
+                self._from[1].discard(objpath.encode())
         self._packed = None
 
     @staticmethod
