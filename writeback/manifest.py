@@ -168,8 +168,7 @@ def read_all(backend: Backend) -> tuple[dict[str, Record], list[str]]:
 #   since. A daemon claiming the store moves it to IMAGE (records change
 #   from then on), and anyone changing records without a daemon (the torch
 #   helpers' direct writes, C7) first leaves a mark under OUTSIDE; the next
-#   mount then checks the index as it checks an image (and only then are
-#   the marks removed).
+#   mount then reads every record (and only then are the marks removed).
 # - IMAGE, saved by a running daemon now and then (`Engine.save_image`), so a restart
 #   after a crash need not read every record either. It says when it was
 #   saved (`since`, the store's own time of an object put just before):

@@ -204,13 +204,15 @@ def scan(backend: Backend) -> Scanned:
     bytes it was being published from still exist; otherwise the file was
     lost from the store, and its record stays so `verify` reports it."""
     outside = backend.find(manifest.OUTSIDE)
-    index = manifest.Image.of_index(backend)
-    if index is not None and not outside:
+    index = None if outside else manifest.Image.of_index(backend)
+    if index is not None:
         image = index  # exact: left by a clean exit, nothing changed since
-    else:  # checked against the times the store gives its record objects
-        base = index or manifest.Image.of_index(backend, IMAGE)
-        image = manifest.Image.of_store(backend, base)
-        index = base
+    else:
+        # Checked against the times the store gives its record objects. Not
+        # after a write without a daemon: one made while a daemon hung may
+        # be older than that daemon's last image, and be missing from it.
+        index = None if outside else manifest.Image.of_index(backend, IMAGE)
+        image = manifest.Image.of_store(backend, index)
     entries = list(backend.walk())
     records, unreadable = image.records()
     entries = _finish_moves(backend, entries, records, image)

@@ -139,3 +139,27 @@ async def test_a_clean_exit_leaves_an_exact_index_that_a_claim_turns_into_the_im
     read = _reading(third)
     await third.engine.scan(third.store.restore)
     assert manifest.record_path("f1") in read and set(read) <= {manifest.record_path("f1"), manifest.record_path("")}  # and the root's, if recorded again
+
+
+async def test_after_a_write_without_a_daemon_a_restart_reads_every_record(tmp_path, monkeypatch):
+    """The torch helpers write straight to the store when the daemon does
+    not answer: one that hung may save its image after such a write, which
+    its image then lacks, dated after it. A mark of such a write makes a
+    restart read every record, image or not."""
+    from ckptfs.writeback import storeio
+
+    monkeypatch.setattr(manifest, "CLOCK_MARGIN_S", 0.0)
+    url = tmp_path / "store"
+    rig = await _started(url)
+    for i in range(5):
+        rig.write(f"f{i}", b"x" * i)
+    await run_until_flushed(rig)
+    outside = Rig(url, claim=False)  # a backend with no daemon: the helpers'
+    storeio.write_file(outside.backend, "f1", b"written by the helpers")
+    time.sleep(0.05)
+    await rig.engine.save_image(IMAGE)  # the hung daemon goes on
+    again = Rig(url, claim=False)
+    read = _reading(again)
+    await again.engine.scan(again.store.restore)
+    assert manifest.record_path("f1") in read and len(read) >= 6  # every record: the files' and the root's
+    assert again.engine.residency._expected[again.store.inode_at("f1").ino].current == manifest.digest_of([b"written by the helpers"])
