@@ -24,6 +24,16 @@ async def _started(url) -> Rig:
     return rig
 
 
+async def _five_files(url, monkeypatch) -> Rig:
+    """A started rig, five files published; restarts rely on its image with no margin for the store's clock."""
+    monkeypatch.setattr(manifest, "CLOCK_MARGIN_S", 0.0)
+    rig = await _started(url)
+    for i in range(5):
+        rig.write(f"f{i}", b"x" * i)
+    await run_until_flushed(rig)
+    return rig
+
+
 def _reading(rig: Rig) -> list[str]:
     """Every object the rig's backend reads in bulk (record objects), from now on."""
     read: list[str] = []
@@ -113,12 +123,8 @@ async def test_a_record_change_that_lands_after_a_save_of_the_image_read_it_is_i
 
 
 async def test_a_clean_exit_leaves_an_exact_index_that_a_claim_turns_into_the_image(tmp_path, monkeypatch):
-    monkeypatch.setattr(manifest, "CLOCK_MARGIN_S", 0.0)
     url = tmp_path / "store"
-    rig = await _started(url)
-    for i in range(5):
-        rig.write(f"f{i}", b"x" * i)
-    await run_until_flushed(rig)
+    rig = await _five_files(url, monkeypatch)
     await rig.engine.leave_index()
     assert (url / INDEX).is_file() and not (url / IMAGE).exists()
 
@@ -148,12 +154,8 @@ async def test_after_a_write_without_a_daemon_a_restart_reads_every_record(tmp_p
     restart read every record, image or not."""
     from ckptfs.writeback import storeio
 
-    monkeypatch.setattr(manifest, "CLOCK_MARGIN_S", 0.0)
     url = tmp_path / "store"
-    rig = await _started(url)
-    for i in range(5):
-        rig.write(f"f{i}", b"x" * i)
-    await run_until_flushed(rig)
+    rig = await _five_files(url, monkeypatch)
     outside = Rig(url, claim=False)  # a backend with no daemon: the helpers'
     storeio.write_file(outside.backend, "f1", b"written by the helpers")
     time.sleep(0.05)
