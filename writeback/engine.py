@@ -97,6 +97,7 @@ DIR_SYNC_TRIES = 5  # tries in a row without progress before a flush leaves dire
 REMIND_S = 60.0  # a change still failing is logged again at most this often
 IMAGE_EVERY = 1000  # record changes between saves of the manifest image (at least; see `_keep_image`)
 IMAGE_CHECK_S = 5.0
+IMAGE_RETRY_MAX_S = 300.0
 STARTUP_TRIES = 6  # of a call the mount cannot start without (scan, claim): about 15 s of backoff
 
 
@@ -643,9 +644,12 @@ class Engine:
         all records if that is more (each save costs one pass over all of
         them). An image with no time yet (its scan read every record) is
         saved at once. Never on a store that gives no times of change: a
-        restart reads every record there anyway."""
+        restart reads every record there anyway. After a failed save the
+        next waits longer, up to `IMAGE_RETRY_MAX_S` (a store down for long
+        is not worth a warning every few seconds)."""
+        wait = IMAGE_CHECK_S
         while True:
-            await trio.sleep(IMAGE_CHECK_S)
+            await trio.sleep(wait)
             changed = self.backend.records_changed
             if self._image is None or changed is None or self._timeless:
                 continue
@@ -653,8 +657,10 @@ class Engine:
                 continue
             try:
                 await self.save_image(IMAGE)
+                wait = IMAGE_CHECK_S
             except Exception as exc:  # the last one stands: a restart reads more records
-                log.warning("cannot save the manifest image: %s", exc)
+                wait = min(2 * wait, IMAGE_RETRY_MAX_S)
+                log.warning("cannot save the manifest image: %s; trying again in %.0fs", exc, wait)
 
     @property
     def keeps_image(self) -> bool:

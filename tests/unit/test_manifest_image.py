@@ -165,3 +165,22 @@ async def test_after_a_write_without_a_daemon_a_restart_reads_every_record(tmp_p
     await again.engine.scan(again.store.restore)
     assert manifest.record_path("f1") in read and len(read) >= 6  # every record: the files' and the root's
     assert again.engine.residency._expected[again.store.inode_at("f1").ino].current == manifest.digest_of([b"written by the helpers"])
+
+
+async def test_a_store_that_is_down_is_asked_to_save_the_image_less_and_less_often(tmp_path, monkeypatch):
+    from ckptfs.writeback import engine as engine_module
+
+    from tests.unit.test_engine import FaultyBackend
+
+    monkeypatch.setattr(engine_module, "IMAGE_CHECK_S", 0.01)
+    monkeypatch.setattr(engine_module, "IMAGE_RETRY_MAX_S", 10.0)
+    rig = await _started(tmp_path / "store")
+    down = FaultyBackend(rig.backend, error_rate=0.0, latency_s=0.0)
+    down.down = True
+    rig.engine.backend = down
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        await trio.sleep(1.0)
+        n.cancel_scope.cancel()
+    # waits of 0.01, 0.02, 0.04 ... s: about 7 tries in a second (100 at a fixed 0.01 s)
+    assert 3 <= down.calls <= 12, down.calls
