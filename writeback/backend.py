@@ -405,6 +405,9 @@ class Backend:
         """The store's time of the last change of the file `path`."""
         raise NotImplementedError
 
+    def exists(self, path: str) -> bool:
+        raise NotImplementedError
+
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
