@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
 import zlib
 from dataclasses import dataclass, field
@@ -111,6 +112,9 @@ class Record:
 _FIELDS = {f for f in Record.__dataclass_fields__}
 
 
+_RECORD_OBJECT = re.compile(re.escape(PREFIX) + r"/[0-9a-f]{2}/[0-9a-f]{32}\.json")  # what `record_path` makes
+
+
 def record_path(path: str) -> str:
     h = xxhash.xxh3_128_hexdigest(path.encode("utf-8", "surrogateescape"))
     return f"{PREFIX}/{h[:2]}/{h}.json"
@@ -207,7 +211,7 @@ class Image:
         """Every record object in the store; with `base` (an image, or an
         index no longer exact), only those changed since it, or missing from
         it, are read; the rest come from it."""
-        stamps = {p: t for p, t in backend.stamped(PREFIX).items() if p.endswith(".json")}
+        stamps = {p: t for p, t in backend.stamped(PREFIX).items() if _RECORD_OBJECT.fullmatch(p)}  # not a planted name
         objects: dict[str, Record | None] = {}
         if base is not None and base.since is not None:
             after = base.since - CLOCK_MARGIN_S

@@ -186,3 +186,21 @@ async def test_a_store_that_is_down_is_asked_to_save_the_image_less_and_less_oft
         n.cancel_scope.cancel()
     # waits of 0.01, 0.02, 0.04 ... s: about 7 tries in a second (100 at a fixed 0.01 s)
     assert 3 <= down.calls <= 12, down.calls
+
+
+async def test_objects_with_planted_names_among_the_records_do_not_stop_a_restart(tmp_path, monkeypatch):
+    """The store is input: files under the records' prefix whose names no
+    record has (bytes that are not UTF-8, a newline) are not records, and
+    neither the scan nor the image it keeps trips over them."""
+    import os
+
+    url = tmp_path / "store"
+    rig = await _five_files(url, monkeypatch)
+    await rig.engine.save_image(IMAGE)
+    files = os.fsencode(url / manifest.PREFIX)
+    for name in (b"\xff\xfe.json", b"a\nb.json", b"x\ty.json"):
+        with open(os.path.join(files, name), "wb") as f:
+            f.write(b"{}")
+    again = Rig(url, claim=False)
+    assert await again.engine.scan(again.store.restore) == 5
+    assert manifest.Image.unpacked(again.engine._image).objects.keys() == manifest.Image.of_index(rig.backend, IMAGE).objects.keys()
