@@ -167,7 +167,6 @@ class Engine:
         self._image_since: float | None = None
         self._taking = trio.Lock()
         self._timeless = False  # the store gives no times of change (no image saved then)
-        self.image_every = IMAGE_EVERY  # record changes between saves of the manifest image (or a quarter of all records)
         self._outside: list[str] = []
         self.link: ClusterLink | None = None  # cluster mode (see `cluster`)
         self.gone: set[str] = set()  # cluster mode: nodes that died (their unstaged generations are lost)
@@ -640,7 +639,7 @@ class Engine:
     async def _keep_image(self) -> None:
         """Save the manifest image (manifest.Image) once enough records
         changed since the last save, so that a restart after a crash reads
-        only those changed since it: at most `image_every`, or a quarter of
+        only those changed since it: at most `IMAGE_EVERY`, or a quarter of
         all records if that is more (each save costs one pass over all of
         them). An image with no time yet (its scan read every record) is
         saved at once. Never on a store that gives no times of change: a
@@ -653,7 +652,7 @@ class Engine:
             changed = self.backend.records_changed
             if self._image is None or changed is None or self._timeless:
                 continue
-            if self._image_since is not None and len(changed) < max(self.image_every, self._image_records // 4):
+            if self._image_since is not None and len(changed) < max(IMAGE_EVERY, self._image_records // 4):
                 continue
             try:
                 await self.save_image(IMAGE)
