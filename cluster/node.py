@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import stat
 import time
 
 import redis
@@ -89,15 +90,9 @@ class ClusterNode:
         nursery.start_soon(self._beat)  # first: restoring a large store must not look like a dead node
         n = 0
         if self.publishes:
-            entries: list[list] = []
-            tree = self.namespace.tree
-
-            def restore(path, mode, size=0, mtime_ns=0, target="", uid=None, gid=None):
-                entries.append([path, mode, size, mtime_ns, target, uid, gid])
-                return tree.restore(path, mode, size, mtime_ns, target, uid, gid)
-
-            n = await self.engine.scan(restore)
-            await self.namespace.restored(entries)
+            restoring = _Noted(self.namespace.tree)
+            n = await self.engine.scan(restoring)
+            await self.namespace.restored(restoring.entries)
             await trio.to_thread.run_sync(self.members.ready)
         await nursery.start(self.namespace.follow)
         await nursery.start(self.namespace.place_seals)
@@ -272,3 +267,21 @@ class ClusterNode:
         except redis.RedisError as exc:
             log.warning("cannot leave the cluster cleanly (%s): its heartbeat lapses instead", exc)
         self.shared.close()
+
+
+class _Noted:
+    """The tree, as a restart restores into it, noting every entry restored
+    (`SharedNamespace.restored` hands them to the other nodes)."""
+
+    def __init__(self, tree: InodeTree) -> None:
+        self.tree = tree
+        self.entries: list[list] = []  # [path, mode, size, mtime_ns, target, uid, gid]
+
+    def restore(self, path, mode, size=0, mtime_ns=0, target="", uid=None, gid=None):
+        self.entries.append([path, mode, size, mtime_ns, target, uid, gid])
+        return self.tree.restore(path, mode, size, mtime_ns, target, uid, gid)
+
+    def restore_files(self, parent, files):
+        for name, mode, size, mtime_ns, uid, gid in files:
+            self.entries.append([f"{parent}/{name}" if parent else name, stat.S_IFREG | mode, size, mtime_ns, "", uid, gid])
+        return self.tree.restore_files(parent, files)

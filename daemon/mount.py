@@ -171,7 +171,7 @@ async def _main(config: MountConfig, tree: InodeTree, engine: Engine, control: C
         gc.disable()
         try:
             if node is None:
-                n = await engine.scan(tree.restore)  # first: it tells crash leftovers by dead daemons' staging
+                n = await engine.scan()  # first: it tells crash leftovers by dead daemons' staging
             else:
                 n = await node.start(nursery)  # the publishing node scans; the others replay the cluster's log
         finally:

@@ -24,7 +24,7 @@ import os
 import stat
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -683,6 +683,46 @@ class InodeTree:
             return inode
         finally:
             self.journal = journal
+
+    def restore_files(self, parent: str, files: Iterable[tuple[str, int, int, int, int | None, int | None]]) -> list[Inode]:
+        """`restore` of many regular files in one directory, `parent` (made
+        as needed, "" the root): (name, mode, size, mtime_ns, uid, gid)
+        each. A restart restores every file of the store: this is the loop
+        over them, with the directory found once. A name taken already keeps
+        what holds it (as `restore`)."""
+        d = self.inode_at(parent)
+        if d is None:
+            d = self.restore(parent, stat.S_IFDIR | 0o755)
+        if not d.is_dir:
+            return [self.restore(f"{parent}/{name}" if parent else name, stat.S_IFREG | mode, size, mtime_ns, "", uid, gid)
+                    for name, mode, size, mtime_ns, uid, gid in files]
+        assert d.children is not None and d.cookies is not None
+        root = self.inodes[ROOT]
+        now = self.clock()
+        made = []
+        for name, mode, size, mtime_ns, uid, gid in files:
+            key = name.encode(_FS_ENCODING, _FS_ERRORS)
+            existing = d.children.get(key)
+            if existing is not None:
+                made.append(self.inodes[existing])
+                continue
+            _check_name(key)
+            if d.ino == ROOT and key == RESERVED:
+                raise _err(errno.EPERM, "reserved name")
+            inode = Inode(self._next_ino, stat.S_IFREG | (mode & 0o7777), root.uid if uid is None else uid, root.gid if gid is None else gid,
+                          atime_ns=now, mtime_ns=mtime_ns or now, ctime_ns=now, generation=1, sealed_version=0)
+            self._next_ino += 1
+            inode.data = data = FileData(self.pool)
+            data.size, data.resident = size, False
+            self.inodes[inode.ino] = inode
+            inode.links.add((d.ino, key))
+            self.touched.add(inode.ino)
+            d.children[key] = inode.ino
+            d.cookies[key] = d.next_cookie
+            d.next_cookie += 1
+            made.append(inode)
+        d.mtime_ns = d.ctime_ns = now
+        return made
 
     @property
     def next_ino(self) -> int:

@@ -41,6 +41,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import fsspec
 from fsspec.core import split_protocol
@@ -149,8 +150,7 @@ class Changes:
             self._paths |= taken
 
 
-@dataclass(frozen=True)
-class Entry:
+class Entry(NamedTuple):
     path: str
     size: int
     is_dir: bool
@@ -695,28 +695,49 @@ class LocalBackend(Backend):
         yield from self._tree(prefix, skip_meta=True)
 
     def _tree(self, prefix: str, skip_meta: bool, dirs: bool = True) -> Iterator[Entry]:
-        try:
-            top = self._dir(prefix)
-        except (FileNotFoundError, NotADirectoryError, SymlinkInStore):
+        """Top down, a directory's entries in listing order: `os.scandir` on
+        a descriptor per directory, each opened from its parent's with
+        O_NOFOLLOW (a symlink swapped in for a directory meanwhile is never
+        followed). Names come with their types; only regular files are
+        stat'ed, for their sizes."""
+        rel = prefix.strip("/")
+        if skip_meta and (rel == META or rel.startswith(META + "/")):
             return
         try:
-            for rel, dirnames, filenames, fd in os.fwalk(".", dir_fd=top):  # never follows symlinks
-                rel = os.path.normpath(os.path.join(prefix, rel)) if prefix else os.path.normpath(rel)
-                rel = "" if rel == "." else rel
-                if skip_meta and (rel == META or rel.startswith(META + "/")):
-                    dirnames[:] = []
-                    continue
-                dirnames[:] = [n for n in dirnames if _kind(n, fd) == stat.S_IFDIR and not (skip_meta and not rel and n == META)]
-                if dirs:
-                    for n in dirnames:
-                        yield Entry(f"{rel}/{n}" if rel else n, 0, True)
-                for n in filenames:
-                    with contextlib.suppress(FileNotFoundError):
-                        st = os.stat(n, dir_fd=fd, follow_symlinks=False)
-                        if stat.S_ISREG(st.st_mode):
-                            yield Entry(f"{rel}/{n}" if rel else n, st.st_size, False)
+            top = self._dir(rel)
+        except (FileNotFoundError, NotADirectoryError, SymlinkInStore):
+            return
+        pending, below = [(rel, top)], []
+        try:
+            while pending:
+                rel, fd = pending.pop()
+                try:
+                    with os.scandir(fd) as listing:
+                        for e in listing:
+                            path = f"{rel}/{e.name}" if rel else e.name
+                            try:
+                                if e.is_dir(follow_symlinks=False):
+                                    if not (skip_meta and path == META):
+                                        below.append((path, os.open(e.name, _DIR, dir_fd=fd)))
+                                        if dirs:
+                                            yield Entry(path, 0, True)
+                                elif e.is_file(follow_symlinks=False):
+                                    st = os.stat(e.name, dir_fd=fd, follow_symlinks=False)
+                                    if stat.S_ISREG(st.st_mode):
+                                        yield Entry(path, st.st_size, False)
+                            except (FileNotFoundError, NotADirectoryError):
+                                pass  # gone, or another kind now, since it was listed
+                            except OSError as exc:
+                                if exc.errno != errno.ELOOP:
+                                    raise
+                                # a directory replaced by a symlink since it was listed: never followed
+                finally:
+                    os.close(fd)
+                pending.extend(reversed(below))  # depth first, each directory's in listing order
+                below.clear()
         finally:
-            os.close(top)
+            for _, fd in pending + below:
+                os.close(fd)
 
     def find(self, prefix: str) -> list[str]:
         return [e.path for e in self._tree(prefix, skip_meta=False, dirs=False)]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import itertools
 import logging
 import math
 import stat
@@ -68,7 +69,16 @@ class ClusterLink(Protocol):
     async def leased(self) -> None: ...  # until this node may change the store (its lease to publish holds)
 
 
-class Namespace(Protocol):
+class Restorer(Protocol):
+    """Where a restart puts what the store holds (the mount's tree; see
+    `fs.tree.InodeTree.restore`)."""
+
+    def restore(self, path: str, mode: int, size: int = 0, mtime_ns: int = 0, target: str = "", uid: int | None = None,
+                gid: int | None = None) -> Node: ...  # one entry, as recorded
+    def restore_files(self, parent: str, files: list[tuple[str, int, int, int, int | None, int | None]]) -> list[Node]: ...
+
+
+class Namespace(Restorer, Protocol):
     """The engine's view of the mount (implemented by fs.tree.InodeTree)."""
 
     def paths_of(self, ino: int) -> list[str]: ...
@@ -951,10 +961,12 @@ class Engine:
         return await self.residency.prefetch(prefix)
 
     # -- restart -------------------------------------------------------------
-    async def scan(self, restore: Callable[..., Node]) -> int:
-        """Show what the store holds (C9): namespace now, data on first read;
-        modes, owners and mtimes as recorded (directories last, deepest
-        first, so that restoring their entries does not change their mtimes)."""
+    async def scan(self, into: Restorer | None = None) -> int:
+        """Show what the store holds (C9) in `into` (the mount's namespace if
+        None): namespace now, data on first read; modes, owners and mtimes as
+        recorded (directories last, deepest first, so that restoring their
+        entries does not change their mtimes). Returns how many files it shows."""
+        ns = self.ns if into is None else into
         scanned = await self.patiently("scan the store", storeio.scan, self.backend)
         entries, records, bad = scanned.entries, scanned.records, set(scanned.unreadable)
         self._image, self._image_records, self._image_since = scanned.image.packed(), len(scanned.image.objects), scanned.image.since
@@ -962,33 +974,42 @@ class Engine:
         self.residency.recheck = scanned.indexed
         replica = self.publisher.replica
         n = 0
-        for e in entries:
-            if e.is_dir:
-                node = restore(e.path, stat.S_IFDIR | 0o755)
-                self.publisher.restored(e.path, Dir(node.ino))
+        # A listing gives each directory's entries together: files are
+        # restored a directory at a time (its lookup done once).
+        for (is_dir, parent), run in itertools.groupby(entries, key=lambda e: (e.is_dir, e.path.rpartition("/")[0])):
+            if is_dir:
+                for e in run:
+                    node = ns.restore(e.path, stat.S_IFDIR | 0o755)
+                    self.publisher.restored(e.path, Dir(node.ino))
                 continue
-            rec = records.get(e.path)
-            if rec is not None and rec.kind != "file":
-                rec = None
-            recorded = rec.meta if rec is not None else Meta()
-            meta = _restorable(recorded)
-            node = restore(e.path, stat.S_IFREG | meta.mode, e.size, meta.mtime_ns, "", meta.uid, meta.gid)
-            digest = rec.current if rec is not None else None
-            if rec is not None:
-                self.residency.expect(node.ino, rec)
-            elif record_path(e.path) in bad:
-                self.residency.unverifiable(node.ino, e.path)
-            self.publisher.restored(e.path, File(node.ino, shown=Shown(node.ino, 1, digest, recorded)))
-            self.published_gen[node.ino] = 1
-            n += 1
+            found = []
+            for e in run:
+                rec = records.get(e.path)
+                if rec is not None and rec.kind != "file":
+                    rec = None
+                recorded = rec.meta if rec is not None else Meta()
+                found.append((e, rec, recorded, _restorable(recorded)))
+            nodes = ns.restore_files(parent, [(e.path.rpartition("/")[2], meta.mode, e.size, meta.mtime_ns, meta.uid, meta.gid)
+                                                   for e, _, _, meta in found])
+            files = []
+            for (e, rec, recorded, _), node in zip(found, nodes, strict=True):
+                if rec is not None:
+                    self.residency.expect(node.ino, rec)
+                elif record_path(e.path) in bad:
+                    self.residency.unverifiable(node.ino, e.path)
+                files.append((e.path.rpartition("/")[2], File(node.ino, shown=Shown(node.ino, 1, rec.current if rec is not None else None,
+                                                                                     recorded))))
+                self.published_gen[node.ino] = 1
+            self.publisher.restored_files(parent, files)
+            n += len(files)
         for rec in records.values():
             if rec.kind == "symlink":
-                node = restore(rec.path, stat.S_IFLNK | 0o777, 0, rec.mtime_ns, rec.target, rec.uid, rec.gid)
+                node = ns.restore(rec.path, stat.S_IFLNK | 0o777, 0, rec.mtime_ns, rec.target, rec.uid, rec.gid)
                 self.publisher.restored(rec.path, RLink(node.ino, target=rec.target, shown=True, meta=rec.meta))
         dirs = [rec for rec in records.values() if rec.kind == "dir"]
         for rec in sorted(dirs, key=lambda r: -(r.path.count("/") + bool(r.path))):
             meta = _restorable(rec.meta)
-            node = restore(rec.path, stat.S_IFDIR | meta.mode, 0, meta.mtime_ns, "", meta.uid, meta.gid)
+            node = ns.restore(rec.path, stat.S_IFDIR | meta.mode, 0, meta.mtime_ns, "", meta.uid, meta.gid)
             d = replica.lookup(rec.path)
             if not isinstance(d, Dir):
                 d = Dir(node.ino)

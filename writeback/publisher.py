@@ -1140,6 +1140,12 @@ class Publisher:
         if isinstance(node, Dir):
             node.made = True
 
+    def restored_files(self, parent: str, files: list[tuple[str, File]]) -> None:
+        """`restored` of many files of directory `parent`: (name, node) each."""
+        d = self.replica.directory(parent)
+        for name, node in files:
+            self.replica.bind_in(d, name, node)
+
 
 def shown_digest(replica: Replica, ino: int) -> tuple[str, Shown] | None:
     """A path where the store shows `ino`'s newest published bytes."""

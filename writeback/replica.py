@@ -117,8 +117,12 @@ class Replica:
 
     def parent_dir(self, path: str) -> Dir:
         """The directory that holds `path`, created (not made) if missing."""
+        return self.directory(path.rpartition("/")[0])
+
+    def directory(self, path: str) -> Dir:
+        """The directory at `path` ("": the root), created (not made) if missing."""
         d = self.root
-        for part in path.split("/")[:-1]:
+        for part in path.split("/") if path else []:
             child = d.children.get(part)
             if not isinstance(child, Dir):
                 child = Dir(ino=0, name=part, parent=d)
@@ -130,8 +134,10 @@ class Replica:
         """Put `node` at `path` (moving it from where it was); returns the
         node it replaced, detached."""
         self.detach(node)
-        d = self.parent_dir(path)
-        name = path.rsplit("/", 1)[-1]
+        return self.bind_in(self.parent_dir(path), path.rpartition("/")[2], node)
+
+    def bind_in(self, d: Dir, name: str, node: Node) -> Node | None:
+        """`bind` of a node that is not attached, by its directory and name."""
         old = d.children.get(name)
         if old is not None:
             old.parent = None

@@ -10,11 +10,12 @@ vouch for.
 from __future__ import annotations
 
 import bisect
+import concurrent.futures
 import dataclasses
 import errno
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from . import manifest
@@ -204,16 +205,19 @@ def scan(backend: Backend) -> Scanned:
     bytes it was being published from still exist; otherwise the file was
     lost from the store, and its record stays so `verify` reports it."""
     outside = backend.find(manifest.OUTSIDE)
-    index = None if outside else manifest.Image.of_index(backend)
-    if index is not None:
-        image = index  # exact: left by a clean exit, nothing changed since
-    else:
-        # Checked against the times the store gives its record objects. Not
-        # after a write without a daemon: one made while a daemon hung may
-        # be older than that daemon's last image, and be missing from it.
-        index = None if outside else manifest.Image.of_index(backend, IMAGE)
-        image = manifest.Image.of_store(backend, index)
-    entries = list(backend.walk())
+    # The listing waits on the store, the records' decoding on the CPU: side by side.
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckptfs-scan") as pool:
+        listing = pool.submit(lambda: list(backend.walk()))
+        index = None if outside else manifest.Image.of_index(backend)
+        if index is not None:
+            image = index  # exact: left by a clean exit, nothing changed since
+        else:
+            # Checked against the times the store gives its record objects. Not
+            # after a write without a daemon: one made while a daemon hung may
+            # be older than that daemon's last image, and be missing from it.
+            index = None if outside else manifest.Image.of_index(backend, IMAGE)
+            image = manifest.Image.of_store(backend, index)
+        entries = listing.result()
     records, unreadable = image.records()
     entries = _finish_moves(backend, entries, records, image)
     files = {e.path for e in entries if not e.is_dir}
@@ -253,9 +257,8 @@ def scan(backend: Backend) -> Scanned:
         # under one (or a symlink under a symlink): left by a crash between
         # a store move and the record changes that follow it. The store's
         # files win: the record goes, and the restart shows them.
-        above = [path[:i] for i, c in enumerate(path) if c == "/"]
         if rec.kind == "file" or not (path in files or (rec.kind == "symlink" and path in dirs)
-                                      or any(a in files or a in links for a in above)):
+                                      or any(a in files or a in links for a in _above(path))):
             continue
         log.warning("removing the %s record of %s: the store has a file there, above or under it (an earlier crash)", rec.kind, path)
         manifest.delete(backend, path)
@@ -263,6 +266,14 @@ def scan(backend: Backend) -> Scanned:
         del records[path]
     image.packed()  # here, in a worker thread: the daemon keeps it packed
     return Scanned(entries, records, unreadable, image, outside, index is not None)
+
+
+def _above(path: str) -> Iterator[str]:
+    """The directories above `path`, top down."""
+    at = path.find("/")
+    while at != -1:
+        yield path[:at]
+        at = path.find("/", at + 1)
 
 
 def _finish_moves(backend: Backend, entries: list[Entry], records: dict[str, Record], image: manifest.Image) -> list[Entry]:
@@ -297,7 +308,7 @@ def _finish_moves(backend: Backend, entries: list[Entry], records: dict[str, Rec
             filled.add(old)
 
     def in_the_way(path: str) -> set[str]:
-        found = {path[:i] for i, c in enumerate(path) if c == "/"} | {path}
+        found = {*_above(path), path}
         out = {p for p in found if p in is_present}
         i = bisect.bisect_left(present, path + "/")
         while i < len(present) and present[i].startswith(path + "/"):
@@ -328,7 +339,7 @@ def _finish_moves(backend: Backend, entries: list[Entry], records: dict[str, Rec
     files = (is_present - gone) | set(moves)
 
     def stale(e: Entry) -> bool:  # a directory listed where a file is now, or under one
-        return e.path in gone or (e.is_dir and (e.path in files or any(e.path[:i] in files for i, c in enumerate(e.path) if c == "/")))
+        return e.path in gone or (e.is_dir and (e.path in files or any(a in files for a in _above(e.path))))
 
     return [e for e in entries if not stale(e)] + [Entry(p, records[p].current.size, False) for p in sorted(moves)]  # type: ignore[union-attr]
 

@@ -226,7 +226,7 @@ async def _started(tmp_path, kind: str, monkeypatch) -> Rig:
     last one with no margin for the store's clock."""
     monkeypatch.setattr(manifest, "CLOCK_MARGIN_S", 0.0)
     rig = Rig(_store(tmp_path, kind), claim=False)
-    await rig.engine.scan(rig.store.restore)
+    await rig.engine.scan()
     await rig.engine.claim(new_daemon_id(), time.time())
     return rig
 
@@ -546,7 +546,7 @@ async def _restarted_view(tmp_path, store: str | None = None) -> dict:
     view, every file loaded (verified); then a flush, and `verify` is clean."""
     again = Rig(store or tmp_path / "store", claim=False)
     async with trio.open_nursery() as n:
-        await again.engine.scan(again.store.restore)
+        await again.engine.scan()
         await again.engine.claim(new_daemon_id(), time.time())
         await n.start(again.engine.run)
         with trio.fail_after(60):

@@ -195,7 +195,7 @@ async def test_restart_scan_shows_files_and_loads_verified(tmp_path):
     await run_until_flushed(rig)
 
     rig2 = Rig(tmp_path / "store")
-    n = await rig2.engine.scan(rig2.store.restore)
+    n = await rig2.engine.scan()
     assert n == 1
     node = rig2.store.inode_at("ckpt/model")
     assert node.size == 5000 and not node.data.resident
@@ -210,7 +210,7 @@ async def test_corrupt_store_object_reads_as_eio(tmp_path):
     await run_until_flushed(rig)
     (tmp_path / "store" / "model").write_bytes(b"evil" * 1000)
     rig2 = Rig(tmp_path / "store")
-    await rig2.engine.scan(rig2.store.restore)
+    await rig2.engine.scan()
     node = rig2.store.inode_at("model")
     with pytest.raises(OSError):
         await rig2.engine.load(node.ino)
@@ -305,7 +305,7 @@ async def test_prefetch_loads_what_only_the_store_holds(tmp_path):
     rig.write("other", b"O")
     await run_until_flushed(rig)
     rig2 = Rig(tmp_path / "store")
-    await rig2.engine.scan(rig2.store.restore)
+    await rig2.engine.scan()
     assert await rig2.engine.prefetch("ckpt") == 1
     assert rig2.store.inode_at("ckpt/a").data.resident and not rig2.store.inode_at("other").data.resident
 
@@ -318,7 +318,7 @@ async def test_mode_changes_reach_the_manifest_and_come_back(tmp_path):
     await run_until_flushed(rig)
     assert manifest.read(rig.backend, "model.safetensors").mode == 0o600
     rig2 = Rig(tmp_path / "store")
-    await rig2.engine.scan(rig2.store.restore)
+    await rig2.engine.scan()
     assert stat.S_IMODE(rig2.store.inode_at("model.safetensors").mode) == 0o600
 
 

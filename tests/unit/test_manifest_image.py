@@ -19,7 +19,7 @@ from tests.unit.test_engine import Rig, run_until_flushed
 
 async def _started(url) -> Rig:
     rig = Rig(url, claim=False)
-    await rig.engine.scan(rig.store.restore)
+    await rig.engine.scan()
     await rig.engine.claim(new_daemon_id(), time.time())
     return rig
 
@@ -71,7 +71,7 @@ async def test_a_restart_after_a_crash_reads_only_the_records_changed_since_the_
 
     again = Rig(url, claim=False)
     read = _reading(again)
-    await again.engine.scan(again.store.restore)
+    await again.engine.scan()
     # those of the files changed, and the root's (its mtime changed)
     assert sorted(read) == sorted(manifest.record_path(p) for p in ("f1", "f3", "g4", "f20", ""))
     assert await _restarted_view(tmp_path, str(url)) == view  # every file loads, verified, with its mode
@@ -120,7 +120,7 @@ async def test_a_record_change_that_lands_after_a_save_of_the_image_read_it_is_i
     assert manifest.Image.of_index(rig.backend, IMAGE).objects[manifest.record_path("a")].current == changed.current
 
     again = Rig(url, claim=False)
-    await again.engine.scan(again.store.restore)
+    await again.engine.scan()
     assert again.engine.residency._expected[again.store.inode_at("a").ino].current == changed.current
 
 
@@ -132,7 +132,7 @@ async def test_a_clean_exit_leaves_an_exact_index_that_a_claim_turns_into_the_im
 
     again = Rig(url, claim=False)
     read = _reading(again)
-    await again.engine.scan(again.store.restore)
+    await again.engine.scan()
     assert read == []  # exact: no record read
     await again.engine.claim(new_daemon_id(), time.time())
     assert not (url / INDEX).exists() and (url / IMAGE).is_file()
@@ -145,7 +145,7 @@ async def test_a_clean_exit_leaves_an_exact_index_that_a_claim_turns_into_the_im
 
     third = Rig(url, claim=False)
     read = _reading(third)
-    await third.engine.scan(third.store.restore)
+    await third.engine.scan()
     assert manifest.record_path("f1") in read and set(read) <= {manifest.record_path("f1"), manifest.record_path("")}  # and the root's, if recorded again
 
 
@@ -164,7 +164,7 @@ async def test_after_a_write_without_a_daemon_a_restart_reads_every_record(tmp_p
     await rig.engine.save_image(IMAGE)  # the hung daemon goes on
     again = Rig(url, claim=False)
     read = _reading(again)
-    await again.engine.scan(again.store.restore)
+    await again.engine.scan()
     assert manifest.record_path("f1") in read and len(read) >= 6  # every record: the files' and the root's
     assert again.engine.residency._expected[again.store.inode_at("f1").ino].current == manifest.digest_of([b"written by the helpers"])
 
@@ -202,5 +202,5 @@ async def test_objects_with_planted_names_among_the_records_do_not_stop_a_restar
         with open(os.path.join(files, name), "wb") as f:
             f.write(b"{}")
     again = Rig(url, claim=False)
-    assert await again.engine.scan(again.store.restore) == 5
+    assert await again.engine.scan() == 5
     assert manifest.Image.unpacked(again.engine._image).objects.keys() == manifest.Image.of_index(rig.backend, IMAGE).objects.keys()

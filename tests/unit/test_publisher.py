@@ -370,7 +370,7 @@ async def test_restart_refuses_bytes_that_do_not_match_their_record(tmp_path):
         f.write(b"extra")  # same prefix, different size: must not be served
     (tmp_path / "store" / manifest.record_path("norecord")).write_bytes(b"{not json")
     rig2 = Rig(tmp_path / "store")
-    await rig2.engine.scan(rig2.store.restore)
+    await rig2.engine.scan()
     for path in ("appended", "norecord"):
         with pytest.raises(OSError) as exc:
             await rig2.engine.load(rig2.store.inode_at(path).ino)
@@ -397,7 +397,7 @@ async def test_crash_leftovers_are_cleaned_at_the_next_mount_and_real_losses_are
     (store / STAGING / "old-format-file").write_bytes(b"y")
     (store / "lost").unlink()
     rig2 = Rig(store, claim=False)
-    await rig2.engine.scan(rig2.store.restore)
+    await rig2.engine.scan()
     live = open_store(str(store))  # another daemon on the same store, alive
     live.prepare("live-daemon", time.time())
     live_staged = live.stage([b"in flight"], 9)
@@ -659,7 +659,7 @@ async def test_a_small_object_put_whole_is_a_leftover_only_if_its_daemon_crashed
         manifest.write(backend, manifest.Record(name, "file", manifest.Digest(1, "00"), None, source=f"put:{daemon}"))
     backend.retire()
     rig = Rig(store, claim=False)
-    await rig.engine.scan(rig.store.restore)
+    await rig.engine.scan()
     rig.backend.prepare("next-daemon", time.time())
     assert manifest.read(rig.backend, "torn") is None
     assert verify(rig.backend).missing == ["lost"]
@@ -683,7 +683,7 @@ async def test_a_crash_between_deleting_a_file_and_its_record_leaves_no_record_o
     daemon = rig.backend.daemon_id  # dead: its heartbeat stopped long ago
     rig.backend.put(f"{DAEMONS}/{daemon}", json.dumps({"time": time.time() - 3600, "pid": 1}).encode())
     again = Rig(store, claim=False)
-    await again.engine.scan(again.store.restore)
+    await again.engine.scan()
     again.backend.prepare("next-daemon", time.time())
     assert manifest.read(again.backend, "big") is None
     assert verify(again.backend).clean

@@ -383,3 +383,30 @@ def test_restore_creates_evicted_files_and_parents(s):
     assert s.paths_of(f.ino) == ["a/b/model.pt"]
     link = s.restore("last", stat.S_IFLNK | 0o777, target="a/b/model.pt")
     assert s.readlink(link.ino) == b"a/b/model.pt"
+
+
+def _as_restored(s, path):
+    node = s.inode_at(path)
+    return (stat.S_IFMT(node.mode), stat.S_IMODE(node.mode), node.uid, node.gid, node.mtime_ns, node.size, node.generation,
+            node.data.resident if node.data is not None else None, sorted(s.paths_of(node.ino)), node.sealed_version == node.version)
+
+
+def test_restore_files_restores_as_restore_does_one_at_a_time():
+    files = [("a", 0o4755, 10, 5, 1000, 1000), ("b", 0o600, 0, 0, None, None), ("c", 0o644, 7, 9, 0, 0)]
+    one, many = InodeTree(MemoryPool(1 << 30), uid=7, gid=8), InodeTree(MemoryPool(1 << 30), uid=7, gid=8)
+    for tree in (one, many):
+        tree.clock = lambda: 123  # "now", where a record has no mtime
+        tree.restore("d/e", stat.S_IFDIR | 0o2775, uid=3, gid=4)
+        tree.restore("d/e/c", stat.S_IFREG | 0o600, 3, 1, "", 5, 5)  # already there: kept as it is
+    for name, mode, size, mtime_ns, uid, gid in files:
+        one.restore(f"d/e/{name}", stat.S_IFREG | mode, size, mtime_ns, "", uid, gid)
+    made = many.restore_files("d/e", files)
+    assert [sorted(many.paths_of(n.ino)) for n in made] == [["d/e/a"], ["d/e/b"], ["d/e/c"]]
+    for path in ("d/e/a", "d/e/b", "d/e/c"):
+        assert _as_restored(many, path) == _as_restored(one, path)
+    assert [name for name, _, _ in many.readdir(many.inode_at("d/e").ino, 0)] == [b"c", b"a", b"b"]
+    # the parent is made as needed, in the root too; the root's reserved name is refused
+    assert [sorted(many.paths_of(n.ino)) for n in many.restore_files("x/y", [("f", 0o644, 1, 1, None, None)])] == [["x/y/f"]]
+    assert many.restore_files("", [("g", 0o644, 1, 1, None, None)])[0].size == 1
+    assert errno_of(many.restore_files, "", [(".ckptfs", 0o644, 1, 1, None, None)]) == errno.EPERM
+    assert errno_of(many.restore_files, "x", [("n" * 300, 0o644, 1, 1, None, None)]) == errno.ENAMETOOLONG
