@@ -106,48 +106,58 @@ def _dead_here(daemon: str) -> bool:
     return not runtime.pid_alive(int(pid))
 
 
+UNKNOWN = object()  # what a record object holds after a call that failed: it may or may not have landed
+
+
 class Changes:
-    """Record objects changed since they were last taken, and the calls
-    changing them now (manifest.Image). Noted by store calls, which run in
-    threads."""
+    """Record objects changed since they were last taken, each with what
+    the call that changed it left there (the record written, None once
+    deleted, UNKNOWN after a call that failed or overlapped another: read
+    it again), and the calls changing them now (manifest.Image). Noted by
+    store calls, which run in threads."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._paths: set[str] = set()
+        self._noted: dict[str, object] = {}
         self._open: dict[str, int] = {}  # object -> calls changing it now
+        self._overlapped: set[str] = set()  # objects two calls changed at once: the last to land is not known
 
     def __len__(self) -> int:
-        return len(self._paths)
+        return len(self._noted)
 
     def begin(self, objpath: str) -> None:
         with self._lock:
-            self._paths.add(objpath)
-            self._open[objpath] = self._open.get(objpath, 0) + 1
+            self._noted[objpath] = UNKNOWN
+            n = self._open[objpath] = self._open.get(objpath, 0) + 1
+            if n > 1:
+                self._overlapped.add(objpath)
 
-    def end(self, objpath: str) -> None:
+    def end(self, objpath: str, left: object = UNKNOWN) -> None:
         with self._lock:
-            self._paths.add(objpath)
-            left = self._open.get(objpath, 0) - 1
-            if left > 0:
-                self._open[objpath] = left
+            self._noted[objpath] = UNKNOWN if objpath in self._overlapped else left
+            n = self._open.get(objpath, 0) - 1
+            if n > 0:
+                self._open[objpath] = n
             else:
                 self._open.pop(objpath, None)
+                self._overlapped.discard(objpath)
 
     def under_way(self) -> set[str]:
         """The objects a call is changing now."""
         with self._lock:
             return set(self._open)
 
-    def take(self) -> set[str]:
-        """Those noted; from now on, noted anew."""
+    def take(self) -> dict[str, object]:
+        """Those noted, with what each holds; from now on, noted anew."""
         with self._lock:
-            taken, self._paths = self._paths, set()
+            taken, self._noted = self._noted, {}
             return taken
 
-    def give_back(self, taken: set[str]) -> None:
-        """Those taken, when what they were taken for failed."""
+    def give_back(self, taken: dict[str, object]) -> None:
+        """Those taken, when what they were taken for failed (those noted
+        again since keep what was noted last)."""
         with self._lock:
-            self._paths |= taken
+            self._noted = {**taken, **self._noted}
 
 
 class Entry(NamedTuple):

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import xxhash
 
-from .backend import INDEX, META, Backend
+from .backend import INDEX, META, UNKNOWN, Backend
 
 log = logging.getLogger(__name__)
 
@@ -122,10 +122,12 @@ def record_path(path: str) -> str:
 
 def write(backend: Backend, record: Record) -> None:
     objpath = changing(backend, record_path(record.path))
+    left: object = UNKNOWN
     try:
         backend.put(objpath, record.encode())
+        left = record
     finally:
-        changed(backend, objpath)
+        changed(backend, objpath, left)
 
 
 def read(backend: Backend, path: str) -> Record | None:
@@ -137,10 +139,12 @@ def read(backend: Backend, path: str) -> Record | None:
 
 def delete(backend: Backend, path: str) -> None:
     objpath = changing(backend, record_path(path))
+    left: object = UNKNOWN
     try:
         backend.delete(objpath)
+        left = None
     finally:
-        changed(backend, objpath)
+        changed(backend, objpath, left)
 
 
 def changing(backend: Backend, objpath: str) -> str:
@@ -151,9 +155,12 @@ def changing(backend: Backend, objpath: str) -> str:
     return objpath
 
 
-def changed(backend: Backend, objpath: str) -> None:
+def changed(backend: Backend, objpath: str, left: object = UNKNOWN) -> None:
+    """A call that changed `objpath` ended, leaving there `left`: the
+    Record written, None (deleted), or UNKNOWN (it failed: the next image
+    save reads the object again)."""
     if backend.records_changed is not None:
-        backend.records_changed.end(objpath)
+        backend.records_changed.end(objpath, left)
 
 
 def read_all(backend: Backend) -> tuple[dict[str, Record], list[str]]:
@@ -286,19 +293,23 @@ class Image:
         self._packed = None
 
     @staticmethod
-    def saved(backend: Backend, packed: bytes, changed: set[str], since: float | None, name: str) -> tuple[bytes, int]:
+    def saved(backend: Backend, packed: bytes, changed: dict[str, object], since: float | None, name: str) -> tuple[bytes, int]:
         """A daemon's image of every record as of `since` (`image_time`)
         into object `name` (IMAGE, or INDEX at a clean exit): `packed`
         (its image as of its scan or last save) with the record objects
-        noted as `changed` since then read again; returns it packed, and
-        how many records it holds. Those that a call is still changing are
-        left out (a restart reads them): what it changes may land after
-        they are read, and an object store may give it a time before
-        `since` (when its request began). Lines of records that did not
-        change are copied as they are. Store calls."""
+        noted as `changed` since then (`Changes.take`) as the calls that
+        changed them left them, and those whose outcome is not known read
+        again; returns it packed, and how many records it holds. Those that
+        a call is still changing are left out (a restart reads them): what
+        it changes may land later, and an object store may give it a time
+        before `since` (when its request began). Lines of records that did
+        not change are copied as they are. Store calls."""
         unsettled = backend.records_changed.under_way() if backend.records_changed is not None else set()
-        fresh = [_line(objpath, _decoded(raw)) for objpath, raw in backend.read_many(sorted(changed - unsettled))]
-        gone = {objpath.encode() for objpath in changed | unsettled}
+        settled = {objpath: left for objpath, left in changed.items() if objpath not in unsettled}
+        fresh = [_line(objpath, left) for objpath, left in settled.items() if isinstance(left, Record)]
+        unknown = sorted(objpath for objpath, left in settled.items() if left is UNKNOWN)
+        fresh += [_line(objpath, _decoded(raw)) for objpath, raw in backend.read_many(unknown)]
+        gone = {objpath.encode() for objpath in changed.keys() | unsettled}
         _, lines = _lines(packed)
         kept = [line for line in lines if line.partition(b"\t")[0] not in gone]
         out = _pack(since, [*kept, *fresh])

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from . import manifest
-from .backend import DAEMONS, IMAGE, STAGING, Backend, Entry, Staged, parents
+from .backend import DAEMONS, IMAGE, STAGING, UNKNOWN, Backend, Entry, Staged, parents
 from .manifest import Digest, Record
 
 if TYPE_CHECKING:
@@ -96,12 +96,14 @@ def publish_group(backend: Backend, items: list[tuple[Record, Staged, str, Calla
         _refuse_newer(backend, rec)
     items = [(*_staged_now(backend, rec, staged, pieces), path, pieces) for rec, staged, path, pieces in items]
     objpaths = [manifest.changing(backend, manifest.record_path(rec.path)) for rec, _, _, _ in items]
+    done = False
     try:
         backend.publish_group([(objpath, rec.encode()) for objpath, (rec, _, _, _) in zip(objpaths, items, strict=True)],
                               [(staged, path, rec.mode, pieces() if staged.token is None else ()) for rec, staged, path, pieces in items])
+        done = True
     finally:
-        for objpath in objpaths:
-            manifest.changed(backend, objpath)
+        for objpath, (rec, _, _, _) in zip(objpaths, items, strict=True):
+            manifest.changed(backend, objpath, rec if done else UNKNOWN)
 
 
 def _staged_now(backend: Backend, rec: Record, staged: Staged, pieces: Callable[[], Iterable] | None) -> tuple[Record, Staged]:

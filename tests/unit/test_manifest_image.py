@@ -78,12 +78,11 @@ async def test_a_restart_after_a_crash_reads_only_the_records_changed_since_the_
 
 
 @pytest.mark.parametrize("kind", ["local", "object"])
-async def test_a_record_change_that_lands_after_a_save_of_the_image_read_it_is_in_the_next_save(tmp_path, kind, monkeypatch):
+async def test_a_record_change_under_way_while_the_image_is_saved_is_left_out_and_is_in_the_next_save(tmp_path, kind, monkeypatch):
     """A record write under way while the image is saved (begun before the
-    image's time) lands after the save read that record again: the image
-    leaves the record out (an object store may date the write by when its
-    request began, before the image's time), so a restart reads it; and the
-    next save reads it again."""
+    image's time) may land after the save: the image leaves the record out
+    (an object store may date the write by when its request began, before
+    the image's time), so a restart reads it; the next save has it."""
     monkeypatch.setattr(manifest, "CLOCK_MARGIN_S", 0.0)
     url = _store(tmp_path, kind)
     rig = await _started(url)
@@ -102,18 +101,12 @@ async def test_a_record_change_that_lands_after_a_save_of_the_image_read_it_is_i
     rig.backend.put = put
     writer = threading.Thread(target=manifest.write, args=(rig.backend, changed))
     writer.start()
-    while not rig.backend.records_changed:
+    while manifest.record_path("a") not in rig.backend.records_changed.under_way():
         time.sleep(0.001)
-    real_read_many = rig.backend.read_many
-
-    def read_many(paths):  # the save reads what changed, and the write lands right after
-        yield from real_read_many(paths)
-        gate.set()
-        writer.join()
-
-    rig.backend.read_many = read_many
     await rig.engine.save_image(IMAGE)
-    rig.backend.read_many = real_read_many
+    gate.set()  # the write lands after the save
+    writer.join()
+    rig.backend.put = real_put
     assert manifest.record_path("a") not in manifest.Image.of_index(rig.backend, IMAGE).objects
     time.sleep(0.05)
     await rig.engine.save_image(IMAGE)  # the next save
@@ -122,6 +115,45 @@ async def test_a_record_change_that_lands_after_a_save_of_the_image_read_it_is_i
     again = Rig(url, claim=False)
     await again.engine.scan()
     assert again.engine.residency._expected[again.store.inode_at("a").ino].current == changed.current
+
+
+@pytest.mark.parametrize("kind", ["local", "object"])
+async def test_an_image_save_takes_the_records_the_daemon_wrote_and_reads_only_those_whose_write_failed(tmp_path, kind, monkeypatch):
+    """A save does not read back what this daemon's calls wrote: it knows
+    it. A call that failed may or may not have landed (a timeout, a lost
+    answer): that record is read again, and the image holds what landed."""
+    monkeypatch.setattr(manifest, "CLOCK_MARGIN_S", 0.0)
+    url = _store(tmp_path, kind)
+    rig = await _started(url)
+    for i in range(5):
+        rig.write(f"f{i}", b"x" * (i + 1))
+    await run_until_flushed(rig)
+    rig.unlink("f4")
+    await run_until_flushed(rig)
+    read = _reading(rig)
+    await rig.engine.save_image(IMAGE)
+    assert read == []
+    image = manifest.Image.of_index(rig.backend, IMAGE).records()[0]
+    assert sorted(p for p, r in image.items() if r.kind == "file") == ["f0", "f1", "f2", "f3"]
+    assert image == manifest.read_all(rig.backend)[0]
+
+    landed = manifest.Record.of("f1", "file", image["f1"].meta, current=manifest.digest_of([b"landed"]))
+    real_put = rig.backend.put
+
+    def put(path, data):  # lands, then the answer is lost
+        real_put(path, data)
+        if path == manifest.record_path("f1"):
+            raise TimeoutError("the answer was lost")
+
+    rig.backend.put = put
+    with pytest.raises(TimeoutError):
+        manifest.write(rig.backend, landed)
+    rig.backend.put = real_put
+    time.sleep(0.05)
+    read.clear()
+    await rig.engine.save_image(IMAGE)
+    assert read == [manifest.record_path("f1")]
+    assert manifest.Image.of_index(rig.backend, IMAGE).records()[0]["f1"].current == landed.current
 
 
 async def test_a_clean_exit_leaves_an_exact_index_that_a_claim_turns_into_the_image(tmp_path, monkeypatch):
