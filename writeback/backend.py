@@ -728,7 +728,11 @@ class LocalBackend(Backend):
                             try:
                                 if e.is_dir(follow_symlinks=False):
                                     if not (skip_meta and path == META):
-                                        below.append((path, os.open(e.name, _DIR, dir_fd=fd)))
+                                        try:
+                                            below.append((path, os.open(e.name, _DIR, dir_fd=fd)))
+                                        except PermissionError as exc:
+                                            log.warning("cannot list %s in the store (%s): what it holds is not shown", path, exc.strerror)
+                                            continue
                                         if dirs:
                                             yield Entry(path, 0, True)
                                 elif e.is_file(follow_symlinks=False):

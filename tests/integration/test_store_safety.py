@@ -48,3 +48,31 @@ def test_symlinks_planted_in_the_store_are_never_followed(tmp_path):
     finally:
         stop_mount(m)
     assert list(elsewhere.iterdir()) == []
+
+
+def test_a_directory_of_the_store_the_daemon_cannot_read_is_left_out_with_a_warning():
+    """A daemon run by a user who cannot list one directory of a local store
+    shows the rest of the store; that directory is named in a warning."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="ckptfs-unreadable-")  # nobody must reach it: not under the test's 0700 tmp_path
+    try:
+        os.chmod(root, 0o755)
+        for d, mode in (("a", 0o755), ("secret", 0o700), ("b", 0o755)):
+            os.mkdir(os.path.join(root, d))
+            with open(os.path.join(root, d, "f"), "wb") as f:
+                f.write(b"x" * len(d))
+            os.chmod(os.path.join(root, d, "f"), 0o644)
+            os.chmod(os.path.join(root, d), mode)
+        code = ("import logging; logging.basicConfig(); from ckptfs.writeback.backend import LocalBackend; "
+                f"print(sorted((e.path, e.size, e.is_dir) for e in LocalBackend({root!r}, 'file://' + {root!r}).walk()))")
+        r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code],
+                           capture_output=True, text=True, timeout=60, cwd="/")
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == str([("a", 0, True), ("a/f", 1, False), ("b", 0, True), ("b/f", 1, False)])
+        assert "cannot list secret in the store" in r.stderr
+    finally:
+        shutil.rmtree(root)
