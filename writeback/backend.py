@@ -1232,6 +1232,34 @@ def absolute_url(url: str) -> str:
     return url
 
 
+def _fast_timestamps(fs) -> None:
+    """botocore reads every timestamp of a response with dateutil's parser,
+    80 us each on this VM: 0.8 s for a listing of 10,000 objects, most of a
+    restart over S3. S3 lists them in ISO 8601, which `_timestamp` reads in
+    under a microsecond. The session is the one s3fs would make (its own
+    session arguments), with that parser; a session the user gave, or one
+    made already, is left as it is."""
+    if getattr(fs, "session", False) is not None:
+        return
+    import aiobotocore.session
+
+    session = aiobotocore.session.AioSession(**fs.kwargs)
+    session.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=_timestamp)
+    fs.session = session
+
+
+def _timestamp(text: str) -> datetime.datetime:
+    """An ISO 8601 time with its zone (S3's listings: `2026-11-25T03:50:06.417Z`);
+    any other form (HTTP dates in headers, epoch seconds) as botocore reads it."""
+    with contextlib.suppress(ValueError):
+        value = datetime.datetime.fromisoformat(text)
+        if value.tzinfo is not None:
+            return value
+    from botocore.utils import parse_timestamp
+
+    return parse_timestamp(text)
+
+
 def local_root(url: str) -> str | None:
     """The directory of a local store URL; None for other stores."""
     protocol, path = split_protocol(url)
@@ -1283,6 +1311,8 @@ def open_store(url: str, storage_options: dict | None = None, create: bool = Tru
             return LocalBackend(root.rstrip("/") or "/", url)
         except OSError as exc:
             raise StoreError(f"cannot use store directory {root}: {exc.strerror}") from None
+    if protocol in ("s3", "s3a"):
+        _fast_timestamps(fs)
     backend_cls = S3Backend if protocol in ("s3", "s3a") else FsspecBackend
     backend = backend_cls(fs, root, url)
     bucket = backend.root.split("/")[0]

@@ -268,3 +268,27 @@ def test_after_a_crash_on_s3_the_next_mount_reads_only_the_records_changed_since
         assert again.path("f7").read_bytes() == bytes([7]) * 100
     finally:
         stop_mount(again)
+
+
+def test_s3_listings_read_their_times_without_dateutil_and_give_the_same_times(s3):
+    """botocore reads each listed object's time with dateutil (80 us each:
+    most of a restart over S3). The store's session reads S3's ISO 8601
+    times itself, and gives exactly the times botocore's parser gives."""
+    import datetime
+
+    from botocore.utils import parse_timestamp
+    from ckptfs.writeback import backend as backend_module
+
+    url = s3.bucket("listing-times")
+    store = open_store(url, s3.options())
+    for i in range(3):
+        store.put(f"d/f{i}", b"x" * i)
+    parsers = store.fs.session.get_component("response_parser_factory")._defaults
+    assert parsers.get("timestamp_parser") is backend_module._timestamp
+    reference = s3._s3fs()  # a plain s3fs client: botocore's own parser
+    expected = {info["name"].split("/", 1)[1]: info["LastModified"].timestamp() for info in reference.find(f"{url[5:]}/d", detail=True).values()}
+    assert store.stamped("d") == expected and len(expected) == 3
+    for text in ("2026-11-25T03:50:06.417Z", "2026-11-25T03:50:06Z", "2026-11-25T03:50:06.123456+02:00",
+                 "Wed, 25 Nov 2026 03:50:06 GMT", "1700000000", "2026-11-25T03:50:06"):
+        ours, theirs = backend_module._timestamp(text), parse_timestamp(text)
+        assert isinstance(ours, datetime.datetime) and ours.timestamp() == theirs.timestamp(), text
