@@ -705,11 +705,8 @@ class LocalBackend(Backend):
         yield from self._tree(prefix, skip_meta=True)
 
     def _tree(self, prefix: str, skip_meta: bool, dirs: bool = True) -> Iterator[Entry]:
-        """Top down, a directory's entries in listing order: `os.scandir` on
-        a descriptor per directory, each opened from its parent's with
-        O_NOFOLLOW (a symlink swapped in for a directory meanwhile is never
-        followed). Names come with their types; only regular files are
-        stat'ed, for their sizes."""
+        """Top down, a directory's entries in listing order, one directory
+        at a time (`_listed`)."""
         rel = prefix.strip("/")
         if skip_meta and (rel == META or rel.startswith(META + "/")):
             return
@@ -717,40 +714,18 @@ class LocalBackend(Backend):
             top = self._dir(rel)
         except (FileNotFoundError, NotADirectoryError, SymlinkInStore):
             return
-        pending, below = [(rel, top)], []
+        pending = [(rel, top)]
         try:
             while pending:
                 rel, fd = pending.pop()
                 try:
-                    with os.scandir(fd) as listing:
-                        for e in listing:
-                            path = f"{rel}/{e.name}" if rel else e.name
-                            try:
-                                if e.is_dir(follow_symlinks=False):
-                                    if not (skip_meta and path == META):
-                                        try:
-                                            below.append((path, os.open(e.name, _DIR, dir_fd=fd)))
-                                        except PermissionError as exc:
-                                            log.warning("cannot list %s in the store (%s): what it holds is not shown", path, exc.strerror)
-                                            continue
-                                        if dirs:
-                                            yield Entry(path, 0, True)
-                                elif e.is_file(follow_symlinks=False):
-                                    st = os.stat(e.name, dir_fd=fd, follow_symlinks=False)
-                                    if stat.S_ISREG(st.st_mode):
-                                        yield Entry(path, st.st_size, False)
-                            except (FileNotFoundError, NotADirectoryError):
-                                pass  # gone, or another kind now, since it was listed
-                            except OSError as exc:
-                                if exc.errno != errno.ELOOP:
-                                    raise
-                                # a directory replaced by a symlink since it was listed: never followed
+                    found, below = _listed(rel, fd, skip_meta)
                 finally:
                     os.close(fd)
                 pending.extend(reversed(below))  # depth first, each directory's in listing order
-                below.clear()
+                yield from (e for e in found if dirs or not e.is_dir)
         finally:
-            for _, fd in pending + below:
+            for _, fd in pending:
                 os.close(fd)
 
     def find(self, prefix: str) -> list[str]:
@@ -849,6 +824,40 @@ def _address(view: memoryview) -> int:
     if view.readonly:
         return -1
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+def _listed(rel: str, fd: int, skip_meta: bool) -> tuple[list[Entry], list[tuple[str, int]]]:
+    """The directories and regular files in directory `fd` (at `rel`), and
+    a descriptor of each of those directories: `os.scandir` gives each
+    name's type, so only regular files are stat'ed (for their sizes), and
+    each directory is opened from `fd` with O_NOFOLLOW (a symlink swapped in
+    meanwhile is never followed). One the daemon cannot read is left out,
+    with a warning."""
+    found: list[Entry] = []
+    below: list[tuple[str, int]] = []
+    try:
+        with os.scandir(fd) as listing:
+            for e in listing:
+                path = f"{rel}/{e.name}" if rel else e.name
+                try:
+                    if e.is_dir(follow_symlinks=False) and not (skip_meta and path == META):
+                        below.append((path, os.open(e.name, _DIR, dir_fd=fd)))
+                        found.append(Entry(path, 0, True))
+                    elif e.is_file(follow_symlinks=False) and stat.S_ISREG((st := os.stat(e.name, dir_fd=fd, follow_symlinks=False)).st_mode):
+                        found.append(Entry(path, st.st_size, False))
+                except (FileNotFoundError, NotADirectoryError):
+                    pass  # gone, or another kind now, since it was listed
+                except PermissionError as exc:
+                    log.warning("cannot list %s in the store (%s): what it holds is not shown", path, exc.strerror)
+                except OSError as exc:
+                    if exc.errno != errno.ELOOP:
+                        raise
+                    # a directory replaced by a symlink since it was listed: never followed
+    except BaseException:
+        for _, d in below:
+            os.close(d)
+        raise
+    return found, below
 
 
 def _kind(name: str, dir_fd: int) -> int | None:
