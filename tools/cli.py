@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import click
 
@@ -39,7 +40,7 @@ MIN_MEMORY_LIMIT = 16 << 20  # 4 chunks of 4 MiB: less leaves nothing to work wi
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-def _fail(message: str, code: int = 1) -> None:
+def _fail(message: str, code: int = 1) -> NoReturn:
     click.echo(f"ckptfs: error: {printable(message)}", err=True)
     sys.exit(code)
 
@@ -114,20 +115,27 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, reuse_ram: str, fo
     from ckptfs.fs.memory import total_ram
     from ckptfs.writeback.backend import StoreError, absolute_url, open_store
 
+    def refuse(message: str, code: int) -> NoReturn:
+        """Say why there is no mount: on stderr and, in a daemon that `ckptfs
+        mount` started, on the pipe that command waits on."""
+        if ready_fd is not None:
+            os.write(ready_fd, f"{code} {printable(message)}\n".encode(errors="backslashreplace"))
+        _fail(message, code)
+
     try:
         limit = parse_size(memory_limit, total=total_ram())
     except ValueError as exc:
-        _fail(f"--memory-limit: {exc}", 2)
+        refuse(f"--memory-limit: {exc}", 2)
     if limit < MIN_MEMORY_LIMIT:
-        _fail(f"--memory-limit {memory_limit} is {limit} bytes: the least is {MIN_MEMORY_LIMIT >> 20}M", 2)
+        refuse(f"--memory-limit {memory_limit} is {limit} bytes: the least is {MIN_MEMORY_LIMIT >> 20}M", 2)
     try:
         reuse = 0 if reuse_ram.strip() in ("0", "0%") else parse_size(reuse_ram, total=limit)
     except ValueError as exc:
-        _fail(f"--reuse-ram: {exc}", 2)
+        refuse(f"--reuse-ram: {exc}", 2)
     try:
         options = parse_store_options(store_options, os.environ.get("CKPTFS_STORE_OPTIONS"))
     except ValueError as exc:
-        _fail(str(exc), 2)
+        refuse(str(exc), 2)
     store_url = absolute_url(store_url)  # recorded for tools run from anywhere
     try:
         check_fuse(load=foreground)  # the daemon imports pyfuse3 in the foreground: a mount that spawns it need not
@@ -137,17 +145,18 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, reuse_ram: str, fo
         check_no_daemon(mp)
         if log_file is not None:
             check_log_file(log_file)
-        backend = open_store(store_url, options)
-        if cluster is None:
-            check_no_daemon(mp, backend)
-        else:
-            check_cluster(cluster, cluster_password_file, store_url)
+        if foreground:  # a daemon that `ckptfs mount` spawns checks the store and the cluster once, for both, and says why not on the pipe
+            backend = open_store(store_url, options)
+            if cluster is None:
+                check_no_daemon(mp, backend)
+            else:
+                check_cluster(cluster, cluster_password_file, store_url)
         if spill_dir is not None and not os.path.isdir(spill_dir):
             raise PreflightError(f"--spill-dir {spill_dir} is not a directory")
         if metrics_port is not None:
             check_port(metrics_host, metrics_port)
     except (PreflightError, StoreError, runtime.RuntimeDirError) as exc:
-        _fail(str(exc), 2)
+        refuse(str(exc), 2)
     cluster_args = [*(["--cluster", cluster, "--cluster-snapshot-every", str(cluster_snapshot_every)] if cluster else []),
                     *(["--node", node] if node else []),
                     *(["--cluster-password-file", os.path.abspath(cluster_password_file)] if cluster_password_file else [])]
@@ -170,15 +179,17 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, reuse_ram: str, fo
     from ckptfs.daemon.mount import serve
 
     def ready() -> None:
+        nonlocal ready_fd
         if ready_fd is not None:
             os.write(ready_fd, b"ok\n")
             os.close(ready_fd)
+            ready_fd = None
 
     try:
         code = serve(config, ready)
     except (RuntimeError, StoreError) as exc:  # the kernel refused the mount (pyfuse3.init), or the store could not be used
         logging.getLogger("ckptfs").error("cannot mount %s: %s", mp, exc)
-        _fail(f"cannot mount {mp}: {exc}")
+        refuse(f"cannot mount {mp}: {exc}", 1)
     sys.exit(code)
 
 
@@ -204,35 +215,45 @@ def _spawn_daemon(mp: Path, store_url: str, limit: int, log_file: str | None, lo
     finally:
         os.close(err)
     os.close(w)
-    said_ok = wait_ready(proc, r, MOUNT_TIMEOUT_S)
+    said = wait_ready(proc, r, MOUNT_TIMEOUT_S)
     os.close(r)
-    if said_ok:
+    if said == b"ok":
         click.echo(printable(f"ckptfs: mounted {mp} (store {store_url}, pid {proc.pid}, log {log_file})"))
         return
-    if said_ok is None:
+    if said is None:
         proc.kill()
         proc.wait()
         if str(mp) in runtime.all_mountpoints():
             subprocess.run(["fusermount3", "-u", "-z", str(mp)], check=False)
         _fail(f"the daemon did not mount {mp} within {MOUNT_TIMEOUT_S:.0f}s; see {log_file}")
+    code, _, why = said.decode(errors="replace").partition(" ")
+    if code.isdigit() and why.strip():  # the daemon refused, and said why (it checks the store and the cluster)
+        click.echo(f"ckptfs: error: {why.strip()}", err=True)
+        sys.exit(int(code))
     _fail(f"the daemon could not mount {mp}: {_last_error(log_file).removeprefix(f'cannot mount {mp}: ')}")
 
 
-def wait_ready(proc: subprocess.Popen, fd: int, timeout: float) -> bool | None:
-    """Whether the daemon `proc` reported its mount live on pipe `fd`: True;
-    False if it exited first; None if it did neither within `timeout`."""
+def wait_ready(proc: subprocess.Popen, fd: int, timeout: float) -> bytes | None:
+    """What the daemon `proc` said on pipe `fd`: b"ok" once its mount is
+    live; `CODE WHY` when it would not mount; b"" when it exited without a
+    word; None if it did none of these within `timeout`."""
     deadline = time.monotonic() + timeout
+    said = b""
     while time.monotonic() < deadline:
         readable, _, _ = select.select([fd], [], [], 0.2)
         if readable:
-            if os.read(fd, 64).startswith(b"ok"):
-                return True
+            got = os.read(fd, 4096)
+            said += got
+            if said.startswith(b"ok"):
+                return b"ok"
+            if got:
+                continue
             break  # end of file: the daemon is exiting; wait for it below
-        if proc.poll() is not None:
-            return False
+        if proc.poll() is not None and not select.select([fd], [], [], 0)[0]:
+            return said
     try:
         proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        return False
+        return said
     except subprocess.TimeoutExpired:
         return None
 

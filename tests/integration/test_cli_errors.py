@@ -230,11 +230,18 @@ def test_no_access_to_dev_fuse_names_the_fix(tmp_path):
 def test_the_mount_command_waits_for_an_exiting_daemon(tmp_path):
     """A daemon that closes its end of the pipe and exits a moment later is
     reported as exited (with its error), not as "did not mount in time"."""
-    assert _ready_of("os.close({w}); time.sleep(1.0)") is False
-    assert _ready_of("os.write({w}, b'ok'); time.sleep(30)") is True
+    assert _ready_of("os.close({w}); time.sleep(1.0)") == b""
+    assert _ready_of("os.write({w}, b'ok'); time.sleep(30)") == b"ok"
 
 
-def _ready_of(child: str) -> bool | None:
+def test_the_mount_command_hears_why_the_daemon_would_not_mount(tmp_path):
+    """The spawned daemon checks the store and the cluster (once, not in
+    the command as well) and says why it would not mount on the pipe."""
+    assert _ready_of("os.write({w}, b'2 the store '); time.sleep(0.5); os.write({w}, b'is bad\\n'); os.close({w}); time.sleep(1.0)") \
+        == b"2 the store is bad\n"
+
+
+def _ready_of(child: str) -> bytes | None:
     """What `wait_ready` says of a child process running `child` ({w}: its end of the pipe)."""
     from ckptfs.tools.cli import wait_ready
 
