@@ -832,13 +832,15 @@ class Publisher:
             links = [(rel, f) for rel, f in members if isinstance(f, RLink) and f.shown]
             for rel, f in members:
                 if isinstance(f, RLink) and (f.shown or self.live_at(f"{op.dst}/{rel}", f.ino)):
-                    await self.call(f"record {op.dst}/{rel}", manifest.write, backend, Record.of(f"{op.dst}/{rel}", "symlink", f.meta, target=f.target), at=(f"{op.dst}/{rel}",))
+                    rec = Record.of(f"{op.dst}/{rel}", "symlink", f.meta, target=f.target)
+                    await self.call(f"record {op.dst}/{rel}", manifest.write, backend, rec, at=(f"{op.dst}/{rel}",))
                     f.shown = True
             if not await self.call(f"move {base} to {op.dst}", backend.move_dir, base, op.dst, at=(base, op.dst)):
                 log.info("moving %s to %s member by member (the store has something in the way)", base, op.dst)
                 for rel, _f in sorted(shown, key=lambda rf: self._is_marker(rf[0])):
                     assert isinstance(_f, File) and _f.shown is not None
-                    await self.call(f"move {base}/{rel}", storeio.move, backend, f"{base}/{rel}", f"{op.dst}/{rel}", _f.shown.digest, at=(f"{base}/{rel}", f"{op.dst}/{rel}"))
+                    src, dst = f"{base}/{rel}", f"{op.dst}/{rel}"
+                    await self.call(f"move {src}", storeio.move, backend, src, dst, _f.shown.digest, at=(src, dst))
                 for rel, f in sorted(members, key=lambda rf: -rf[0].count("/")):
                     if isinstance(f, Dir):
                         if f.made:  # empty directories persist
