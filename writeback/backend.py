@@ -976,29 +976,31 @@ class FsspecBackend(Backend):
         base = self._abs(prefix)
         try:
             if prefix:
-                found = self.fs.find(base, withdirs=True, detail=True)
+                found = list(self.fs.find(base, detail=True).values())
             else:  # the top level first, so that ckptfs's own objects (a record per file) are never listed
-                found = {}
-                for info in self.fs.ls(base, detail=True):
+                found = []
+                for info in self.fs.ls(base, detail=True):  # an object `a` and objects under `a/`: both listed
                     full = info["name"].rstrip("/")
                     if full.rsplit("/", 1)[-1] == META:
                         continue
-                    found[full] = info
                     if info.get("type") == "directory":
-                        found.update(self.fs.find(full, withdirs=True, detail=True))
+                        found.extend(self.fs.find(full, detail=True).values())
+                    else:
+                        found.append(info)
         except FileNotFoundError:
             return
-        entries = []
-        for full, info in sorted(found.items()):
+        files = {}
+        for info in found:
+            full = info["name"].rstrip("/")
             rel = full[len(self.root) :].lstrip("/") if full.startswith(self.root) else full
-            if not rel or rel == META or rel.startswith(META + "/"):
-                continue
-            entries.append(Entry(rel, int(info.get("size") or 0), info.get("type") == "directory"))
-        # An object store's directories are those its files imply (and those
-        # with records): a store with folders (SeaweedFS) keeps and lists a
-        # folder once its last object is gone, which is no directory of ours.
-        implied = parents(e.path for e in entries if not e.is_dir)
-        yield from (e for e in entries if not e.is_dir or e.path in implied)
+            if info.get("type") == "directory" or not rel or rel == META or rel.startswith(META + "/"):
+                continue  # a store with folders (SeaweedFS) lists an emptied folder: no directory of ours
+            files[rel] = Entry(rel, int(info.get("size") or 0), False)
+        # An object store's directories are those its files imply (and
+        # those with records). An object `a` beside objects under `a/` is
+        # listed as both a file and a directory: `storeio.scan` picks one.
+        entries = [*files.values(), *(Entry(d, 0, True) for d in parents(files))]
+        yield from sorted(entries, key=lambda e: (e.path, not e.is_dir))
 
     def find(self, prefix: str) -> list[str]:
         try:

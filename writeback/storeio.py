@@ -222,11 +222,12 @@ def scan(backend: Backend) -> Scanned:
         entries = listing.result()
     records, unreadable = image.records()
     entries = _finish_moves(backend, entries, records, image)
+    entries, hidden = _one_per_name(entries)
     files = {e.path for e in entries if not e.is_dir}
     moved_to = {r.source[len("move:") :]: p for p, r in records.items() if r.source.startswith("move:") and p in files}
     crashed = None
     for path, rec in list(records.items()):
-        if rec.kind != "file" or path in files:
+        if rec.kind != "file" or path in files or path in hidden:
             continue
         kind, _, where = rec.source.partition(":")
         if path in moved_to and records[moved_to[path]].current == rec.current:
@@ -268,6 +269,19 @@ def scan(backend: Backend) -> Scanned:
         del records[path]
     image.packed()  # here, in a worker thread: the daemon keeps it packed
     return Scanned(entries, records, unreadable, image, outside, index is not None)
+
+
+def _one_per_name(entries: list[Entry]) -> tuple[list[Entry], set[str]]:
+    """An object store can hold an object `a` and objects under `a/` (S3,
+    GCS), which a file system cannot show together: the directory is shown,
+    and the file left out of the mount with a warning (it stays in the
+    store). Returns the entries to show, and the files left out."""
+    dirs = {e.path for e in entries if e.is_dir}
+    hidden = {e.path for e in entries if not e.is_dir and e.path in dirs}
+    for path in sorted(hidden):
+        log.warning("the store holds a file %s and files under %s/: the mount shows the directory, not the file "
+                    "(rename the object in the store to see it)", path, path)
+    return ([e for e in entries if e.is_dir or e.path not in hidden] if hidden else entries), hidden
 
 
 def _above(path: str) -> Iterator[str]:

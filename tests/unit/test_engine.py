@@ -204,6 +204,28 @@ async def test_restart_scan_shows_files_and_loads_verified(tmp_path):
     assert rig2.store.readlink(rig2.store.inode_at("last").ino) == b"ckpt/model"
 
 
+async def test_an_object_beside_objects_under_its_name_shows_the_directory_with_a_warning(tmp_path, caplog):
+    """S3 and GCS can hold an object `d/a` and objects under `d/a/`, which a
+    file system cannot show together: the mount shows the directory and
+    leaves the file out, saying so; the file stays in the store."""
+    import fsspec
+    from fsspec.implementations.memory import MemoryFile
+
+    mem = fsspec.filesystem("memory")
+    root = f"/{tmp_path.name}/obj"
+    for path, data in (("d/a", b"file"), ("d/a/b", b"under"), ("d/c", b"beside")):
+        mem.store[f"{root}/{path}"] = MemoryFile(mem, f"{root}/{path}", data)  # as S3 holds them (memory:// refuses to write this)
+    try:
+        rig = Rig(f"memory:/{root}", claim=False)
+        assert await rig.engine.scan() == 2
+        assert rig.store.inode_at("d/a").is_dir and rig.store.inode_at("d/a/b").size == 5
+        assert rig.store.inode_at("d/c").size == 6
+        assert any("holds a file d/a and files under d/a/" in r.getMessage() for r in caplog.records)
+        assert mem.cat_file(f"{root}/d/a") == b"file"
+    finally:
+        mem.rm(f"/{tmp_path.name}", recursive=True)
+
+
 async def test_corrupt_store_object_reads_as_eio(tmp_path):
     rig = Rig(tmp_path / "store")
     rig.write("model", b"good" * 1000)
