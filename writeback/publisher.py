@@ -256,22 +256,27 @@ class Publisher:
         failed."""
         failed = set()
         async with self.syncing:
-            for d in sorted(self.dirty, key=lambda n: -len(self.replica.path_of(n) or "")):
-                self.dirty.discard(d)
-                path = self.replica.path_of(d)
-                meta = self.e.meta_of(d.ino)
-                if path is None or meta is None or meta == d.recorded:
-                    continue
-                try:
-                    await self._fenced(f"record {path or '/'}", manifest.write, self.e.backend, Record.of(path, "dir", meta), at=(path,))
-                    if d.made and path:
-                        await self._fenced(f"chmod {path}", self.e.backend.chmod, path, meta.mode & 0o1777, at=(path,))
-                except Exception as exc:
-                    log.warning("cannot record the attributes of directory %s yet: %s", path or "/", exc)
-                    failed.add(d)
-                    continue
-                d.recorded = meta
-            self.dirty |= failed
+            try:
+                for d in sorted(self.dirty, key=lambda n: -len(self.replica.path_of(n) or "")):
+                    self.dirty.discard(d)  # first: a change while its record is written makes it dirty again
+                    path = self.replica.path_of(d)
+                    meta = self.e.meta_of(d.ino)
+                    if path is None or meta is None or meta == d.recorded:
+                        continue
+                    try:
+                        await self._fenced(f"record {path or '/'}", manifest.write, self.e.backend, Record.of(path, "dir", meta), at=(path,))
+                        if d.made and path:
+                            await self._fenced(f"chmod {path}", self.e.backend.chmod, path, meta.mode & 0o1777, at=(path,))
+                    except Exception as exc:
+                        log.warning("cannot record the attributes of directory %s yet: %s", path or "/", exc)
+                        failed.add(d)
+                        continue
+                    except BaseException:  # cancelled halfway (an unmount's end): still to do
+                        failed.add(d)
+                        raise
+                    d.recorded = meta
+            finally:
+                self.dirty |= failed
         return not failed
 
     async def _attrs(self, op: Attrs) -> None:

@@ -1001,6 +1001,37 @@ async def test_a_directory_whose_record_cannot_be_written_does_not_hold_a_flush(
     assert rig.engine.publisher.dirty  # left for a later sync
 
 
+async def test_a_directory_sync_cut_short_keeps_the_directory_dirty(tmp_path):
+    """A sync of directories' records cancelled while one is written (the
+    end of a run, after a flush gave up on it) leaves that directory dirty:
+    it was taken out of the dirty set first and never put back."""
+    import threading
+
+    rig = Rig(tmp_path / "store")
+    d = rig.mkdir("d")
+    rig.store.setattr(d.ino, mode=0o750)
+    go = threading.Event()
+    inner = rig.backend
+
+    class _Stalling:
+        def __getattr__(self, name):
+            attr = getattr(inner, name)
+            if name != "chmod":
+                return attr
+            return lambda *args: (go.wait(20), attr(*args))[1]
+
+    rig.engine.backend = _Stalling()
+    try:
+        async with trio.open_nursery() as n:
+            await n.start(rig.engine.run)
+            with trio.move_on_after(1):
+                await rig.engine.flush()  # waits on the stalled chmod
+            n.cancel_scope.cancel()  # cancels the sync while the chmod is in flight
+    finally:
+        go.set()
+    assert "d" in [rig.engine.publisher.replica.path_of(x) for x in rig.engine.publisher.dirty]
+
+
 class _FailingAt(_Failing):
     """The named calls fail, for good, on paths under `prefix` only."""
 
