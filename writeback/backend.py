@@ -375,11 +375,10 @@ class Backend:
         return self._staging_name()
 
     def exchange(self, a: str, b: str) -> None:
-        """Swap two files (atomically where the store can)."""
-        tmp = self._staging_name()
-        self.copy(a, tmp)
-        self.move(b, a)
-        self.move(tmp, b)
+        """Swap two entries in one step: stores with directories only (an
+        object store's exchange moves every file through a hidden name:
+        `Publisher._exchange`)."""
+        raise NotImplementedError
 
     def mkdir(self, path: str) -> None:
         """Create a directory where directories exist (local stores only)."""

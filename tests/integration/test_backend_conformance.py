@@ -204,6 +204,8 @@ def test_empty_file(store):
 
 
 def test_exchange_swaps_two_files(store):
+    if not store.dirs:
+        pytest.skip("an object store's exchange is the publisher's, through hidden names")
     store.put("x", b"XXX")
     store.put("y", b"y")
     store.exchange("x", "y")
