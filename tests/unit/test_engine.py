@@ -358,7 +358,7 @@ class FaultyBackend:
 
     def __getattr__(self, name):
         attr = getattr(self.inner, name)
-        if name in ("dirs", "staging", "daemon_id") or not callable(attr):
+        if name in ("dirs", "staging", "daemon_id", "hidden_name") or not callable(attr):  # names, not store calls
             return attr
 
         def call(*args, **kwargs):
