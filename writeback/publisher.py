@@ -851,6 +851,8 @@ class Publisher:
                         if f.made:  # empty directories persist
                             await self.call(f"mkdir {op.dst}/{rel}", backend.mkdir, f"{op.dst}/{rel}", at=(f"{op.dst}/{rel}",))
                         await self.call(f"rmdir {base}/{rel}", backend.rmdir, f"{base}/{rel}", at=(f"{base}/{rel}",))
+                if node.made:  # empty directories persist (and one the store lost comes back)
+                    await self.call(f"mkdir {op.dst}", backend.mkdir, op.dst, at=(op.dst,))
                 await self.call(f"rmdir {base}", backend.rmdir, base, at=(base,))
             if base == op.src:
                 for rel, _f in shown + links:

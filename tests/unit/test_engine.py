@@ -1032,6 +1032,21 @@ async def test_a_directory_sync_cut_short_keeps_the_directory_dirty(tmp_path):
     assert "d" in [rig.engine.publisher.replica.path_of(x) for x in rig.engine.publisher.dirty]
 
 
+async def test_a_directory_renamed_after_the_store_lost_it_is_made_at_its_new_name(tmp_path):
+    """The store's directory went missing (removed by hand) before its
+    rename was published: the move finds nothing to move, and the directory
+    is made at its new name, so its record and mode can be written there."""
+    rig = Rig(tmp_path / "store")
+    rig.mkdir("a")
+    await run_until_flushed(rig)
+    os.rmdir(tmp_path / "store" / "a")
+    rig.rename("a", "b")
+    rig.store.setattr(rig.store.inode_at("b").ino, mode=0o700)
+    await run_until_flushed(rig)
+    assert stat.S_IMODE(os.stat(tmp_path / "store" / "b").st_mode) == 0o700
+    assert not rig.engine.publisher.dirty
+
+
 class _FailingAt(_Failing):
     """The named calls fail, for good, on paths under `prefix` only."""
 
