@@ -5,9 +5,10 @@ import os
 
 import pytest
 from ckptfs.fs.memory import CHUNK, FileData, Loading, MemoryPool
-from ckptfs.holes import zeros
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from ckptfs.holes import zeros
 
 
 def test_write_read_across_chunks():

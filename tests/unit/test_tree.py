@@ -6,9 +6,9 @@ import stat
 
 import pytest
 from ckptfs.fs.memory import MemoryPool
+from ckptfs.fs.tree import RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT, InodeTree
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ckptfs.fs.tree import RENAME_EXCHANGE, RENAME_NOREPLACE, ROOT, InodeTree
 
 W = os.O_WRONLY
 RW = os.O_RDWR
