@@ -62,6 +62,7 @@ PART_SIZE = 16 << 20  # grown for huge files to stay under S3's 10,000 parts
 PART_CONCURRENCY = 4  # S3: parts of one file in flight at once (each held as one copy meanwhile)
 SMALL_PUT = 8 << 20  # object stores: up to this size, one PUT at publish time
 READ_MANY_BATCH = 500  # object stores: records fetched concurrently per batch
+READ_MANY_TRIES = 4  # a record a burst of reads could not get (an overloaded store's 503 or 500) is read again, alone
 # Local stores: a staged file this big is fsynced at once, by its upload worker
 # (in parallel with others); a smaller one at publication, where a group of
 # them shares one syncfs (`LocalBackend.publish_group`).
@@ -909,6 +910,8 @@ def _renameat2(dir_a: int, a: str, dir_b: int, b: str, flags: int) -> None:
 class FsspecBackend(Backend):
     """Any fsspec file system: stage to a hidden object, publish by moving it."""
 
+    WHOLE: dict = {}  # options of `cat_file` when a small object is read whole
+
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str) -> None:
         self.fs = fs
         self.root = root.rstrip("/")
@@ -940,6 +943,9 @@ class FsspecBackend(Backend):
             while chunk := f.read(8 << 20):
                 yield chunk
 
+    def read_all(self, path: str) -> bytes:
+        return self.fs.cat_file(self._abs(path), **self.WHOLE)
+
     def open_source(self, path: str) -> Source:
         return _ObjectSource(self.fs, self._abs(path))
 
@@ -948,14 +954,29 @@ class FsspecBackend(Backend):
         each, in flight together on async stores such as S3)."""
         for i in range(0, len(paths), READ_MANY_BATCH):
             batch = paths[i : i + READ_MANY_BATCH]
-            found = self.fs.cat([self._abs(p) for p in batch], on_error="return")
+            got: dict[str, object] = {}
+            todo = batch
+            for tries in range(1, READ_MANY_TRIES + 1):
+                found = self.fs.cat([self._abs(p) for p in todo], on_error="return", **self.WHOLE)
+                again = []
+                for path in todo:
+                    data = found.get(self._abs(path))
+                    if isinstance(data, Exception) and not isinstance(data, FileNotFoundError | PermissionError) and tries < READ_MANY_TRIES:
+                        again.append(path)
+                    else:
+                        got[path] = data
+                if not again:
+                    break
+                log.info("reading %d records again (try %d): %s", len(again), tries + 1, found.get(self._abs(again[0])))
+                time.sleep(0.1 * 2**tries)
+                todo = again
             for path in batch:
-                data = found.get(self._abs(path))
+                data = got.get(path)
                 if isinstance(data, FileNotFoundError) or data is None:
                     continue
                 if isinstance(data, BaseException):
                     raise data
-                yield path, data
+                yield path, data  # type: ignore[misc]
 
     def delete(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -1039,6 +1060,12 @@ class S3Backend(FsspecBackend):
     renamed before its turn can be uploaded again only by its node, which
     holds the bytes: the publishing node aborts the upload and asks that
     node to stage the file again, under a hidden key (`Publisher._staged_again`)."""
+
+    # s3fs asks for an object's size (a HEAD request) before reading it whole,
+    # to fetch a large one in ranges side by side; ckptfs reads whole only its
+    # records and manifests: one GET each (a restart that reads every record
+    # made twice the requests).
+    WHOLE = {"max_concurrency": 1}
 
     def _bucket_key(self, path: str) -> tuple[str, str]:
         bucket, _, key = self._abs(path).partition("/")

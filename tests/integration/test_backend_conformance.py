@@ -5,6 +5,7 @@ real S3 server on loopback."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import os
 import time
@@ -325,3 +326,30 @@ def test_a_source_reads_any_range_in_any_order(store):
             assert bytes(buf) == payload[1 << 20 : 2 << 20]  # read in place
     with pytest.raises(FileNotFoundError):
         store.open_source("missing")
+
+
+def test_records_a_burst_of_reads_could_not_get_are_read_again(tmp_path):
+    """An object store under a burst of reads (a restart reading every
+    record) can answer some with an error (S3's 503 Slow Down, SeaweedFS's
+    500 while its volumes register): those are read again, not the whole
+    scan failed."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    class Overloaded(MemoryFileSystem):
+        refused: set[str] = set()
+
+        def cat_file(self, path, start=None, end=None, **kwargs):
+            if not path.endswith("/r1") and path not in self.refused:  # every object's first read but one
+                self.refused.add(path)
+                raise OSError(errno.EIO, "slow down")
+            return super().cat_file(path, start, end, **kwargs)
+
+    fs = Overloaded()
+    root = f"/{tmp_path.name}-overloaded"
+    try:
+        for i in range(5):
+            fs.pipe_file(f"{root}/r{i}", b"%d" % i)
+        backend = backend_mod.FsspecBackend(fs, root, f"memory:/{root}")
+        assert dict(backend.read_many([f"r{i}" for i in range(6)])) == {f"r{i}": b"%d" % i for i in range(5)}  # r5: missing
+    finally:
+        fs.rm(root, recursive=True)
