@@ -62,7 +62,7 @@ PART_SIZE = 16 << 20  # grown for huge files to stay under S3's 10,000 parts
 PART_CONCURRENCY = 4  # S3: parts of one file in flight at once (each held as one copy meanwhile)
 SMALL_PUT = 8 << 20  # object stores: up to this size, one PUT at publish time
 READ_MANY_BATCH = 500  # object stores: records fetched concurrently per batch
-READ_MANY_TRIES = 4  # a record a burst of reads could not get (an overloaded store's 503 or 500) is read again, alone
+READ_MANY_TRIES = 4  # records a burst of reads could not get (an overloaded store's 503 or 500) are read again, together
 # Local stores: a staged file this big is fsynced at once, by its upload worker
 # (in parallel with others); a smaller one at publication, where a group of
 # them shares one syncfs (`LocalBackend.publish_group`).
@@ -1011,10 +1011,13 @@ class FsspecBackend(Backend):
             return
         files = {}
         for info in found:
-            full = info["name"].rstrip("/")
+            full = info["name"]
             rel = full[len(self.root) :].lstrip("/") if full.startswith(self.root) else full
-            if info.get("type") == "directory" or not rel or rel == META or rel.startswith(META + "/"):
-                continue  # a store with folders (SeaweedFS) lists an emptied folder: no directory of ours
+            # A store with folders (SeaweedFS) lists an emptied folder, and a
+            # console's "create folder" leaves a key `d/`: no file, and no
+            # directory of ours.
+            if info.get("type") == "directory" or full.endswith("/") or not rel or rel == META or rel.startswith(META + "/"):
+                continue
             files[rel] = Entry(rel, int(info.get("size") or 0), False)
         # An object store's directories are those its files imply (and
         # those with records). An object `a` beside objects under `a/` is

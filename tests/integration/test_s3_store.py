@@ -292,3 +292,23 @@ def test_s3_listings_read_their_times_without_dateutil_and_give_the_same_times(s
                  "Wed, 25 Nov 2026 03:50:06 GMT", "1700000000", "2026-11-25T03:50:06"):
         ours, theirs = backend_module._timestamp(text), parse_timestamp(text)
         assert isinstance(ours, datetime.datetime) and ours.timestamp() == theirs.timestamp(), text
+
+
+def test_folder_keys_and_an_object_beside_objects_under_its_name_on_s3(s3, tmp_path):
+    """What other tools leave in a bucket: a console's folder keys (`d/`,
+    an empty `e/`) are no files; an object `a` beside objects under `a/`
+    leaves the file out, with a warning, and shows the directory."""
+    fs = s3._s3fs()
+    s3.bucket("foreign")
+    for key, body in (("d/", b""), ("d/x", b"x"), ("e/", b""), ("a", b"file"), ("a/b", b"under")):
+        fs.call_s3("put_object", Bucket="foreign", Key=key, Body=body)
+    m = start_mount(tmp_path, extra=("--store", s3.bucket("foreign"), *s3.cli_options()))
+    m.allowed_log_errors += ["the store holds a file a and files under a/"]
+    try:
+        assert m.path("d", "x").read_bytes() == b"x" and sorted(p.name for p in m.path("d").iterdir()) == ["x"]
+        assert m.path("a").is_dir() and m.path("a", "b").read_bytes() == b"under"
+        assert not m.path("e").exists()
+        assert "the store holds a file a and files under a/" in m.log_text()
+        assert "holds a file d " not in m.log_text()
+    finally:
+        stop_mount(m)
