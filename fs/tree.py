@@ -194,9 +194,23 @@ class InodeTree:
             return [""]
         out = []
         for parent, name in sorted(inode.links):
-            for prefix in self.paths_of(parent):
+            prefix = self._dir_path(parent)
+            if prefix is not None:
                 out.append(f"{prefix}/{os.fsdecode(name)}" if prefix else os.fsdecode(name))
         return out
+
+    def _dir_path(self, ino: int) -> str | None:
+        """The path of directory `ino` ("" the root; None once unlinked).
+        A loop up its parents, not a recursion: a tree may be deeper than
+        Python's recursion limit (a directory has one name)."""
+        names: list[bytes] = []
+        while ino != ROOT:
+            inode = self.inodes.get(ino)
+            if inode is None or not inode.links:
+                return None
+            ino, name = min(inode.links)
+            names.append(name)
+        return "/".join(os.fsdecode(n) for n in reversed(names))
 
     def inode_at(self, path: str) -> Inode | None:
         node = self.inodes[ROOT]

@@ -153,10 +153,20 @@ class Replica:
         node.parent = None
 
     def walk(self, node: Node, prefix: str = "") -> Iterator[tuple[str, Node]]:
-        """Every node under `node` (itself excluded), with its path relative to it."""
-        if isinstance(node, Dir):
-            for name, child in list(node.children.items()):
-                rel = f"{prefix}/{name}" if prefix else name
+        """Every node under `node` (itself excluded), with its path relative
+        to it: each directory's entries, each followed by what is under it.
+        A loop, not a recursion: a tree may be deeper than Python's recursion limit."""
+        if not isinstance(node, Dir):
+            return
+        below = [(prefix, iter(list(node.children.items())))]
+        while below:
+            base, entries = below[-1]
+            for name, child in entries:
+                rel = f"{base}/{name}" if base else name
                 yield rel, child
-                yield from self.walk(child, rel)
+                if isinstance(child, Dir):
+                    below.append((rel, iter(list(child.children.items()))))
+                break
+            else:
+                below.pop()
 

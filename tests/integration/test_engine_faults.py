@@ -9,6 +9,7 @@ import ctypes
 import json
 import os
 import shutil
+import subprocess
 import threading
 import time
 
@@ -208,6 +209,47 @@ def test_a_path_longer_than_path_max_in_the_store_is_published(tmp_path):
         assert r.returncode == 0 and r.stdout.startswith("2 ok"), r.stdout + r.stderr
     finally:
         stop_mount(mount)
+
+
+def test_a_tree_deeper_than_python_recursion_is_published_and_comes_back(tmp_path):
+    """1,500 directories deep (one `mkdir -p`; Python's recursion limit is
+    1,000): every mkdir succeeds, the file is published under its final name
+    after its top directory is renamed, and a remount shows it."""
+    try:
+        _deep_tree_round_trip(tmp_path, 1500)
+    finally:
+        subprocess.run(["rm", "-rf", str(tmp_path / "store")], check=False)  # pytest's own cleanup of old runs recurses: too deep for it
+
+
+def _deep_tree_round_trip(tmp_path, depth: int) -> None:
+    mount = start_mount(tmp_path)
+    try:
+        subprocess.run(["mkdir", "-p", "/".join(["a"] * depth)], cwd=mount.mountpoint, check=True)
+        deep = "/".join(["a"] * (depth - 1))
+        top = os.open(mount.mountpoint, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fd = os.open(deep, os.O_RDONLY | os.O_DIRECTORY, dir_fd=top)
+        finally:
+            os.close(top)
+        try:
+            with open(os.open("a/model.pt", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd), "wb") as f:
+                f.write(b"m" * 100)
+        finally:
+            os.close(fd)
+        mount.path("a").rename(mount.path("b"))
+        assert umount(mount).returncode == 0  # 0: everything published
+        assert mount.unexpected_log_errors() == []
+        r = run_cli("verify", str(mount.store))
+        assert r.returncode == 0 and r.stdout.startswith("1 ok"), r.stdout + r.stderr
+    finally:
+        stop_mount(mount)
+    again = start_mount(tmp_path)
+    try:
+        path = "/".join(["b"] + ["a"] * (depth - 1)) + "/model.pt"
+        assert subprocess.run(["cat", path], cwd=again.mountpoint, capture_output=True, check=True).stdout == b"m" * 100
+        assert again.unexpected_log_errors() == []
+    finally:
+        stop_mount(again)
 
 
 def test_bytes_changed_in_the_store_are_refused_after_a_restart(tmp_path):

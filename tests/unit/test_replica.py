@@ -24,3 +24,19 @@ def test_binding_over_a_name_detaches_what_was_there():
     assert r.bind("latest", new) is old
     assert not r.attached(old) and r.nodes_of(5) == [] and r.path_of(new) == "latest"
     assert [rel for rel, _ in r.walk(r.root)] == ["latest"]
+
+
+def test_walk_gives_each_entry_then_what_is_under_it_at_any_depth():
+    r = Replica()
+    r.bind("a", Dir(2))
+    r.bind("a/x", File(3))
+    r.bind("a/d", Dir(4))
+    r.bind("a/d/y", File(5))
+    r.bind("b", File(6))
+    assert [rel for rel, _ in r.walk(r.root)] == ["a", "a/x", "a/d", "a/d/y", "b"]
+    assert [rel for rel, _ in r.walk(r.lookup("a"), "a")] == ["a/x", "a/d", "a/d/y"]
+    deep = "/".join(["c"] * 3000)  # deeper than Python's recursion limit
+    for i in range(1, 3001):
+        r.bind("/".join(["c"] * i), Dir(100 + i))
+    r.bind(f"{deep}/z", File(7))
+    assert [rel for rel, _ in r.walk(r.root)][-1] == f"{deep}/z"

@@ -410,3 +410,13 @@ def test_restore_files_restores_as_restore_does_one_at_a_time():
     assert many.restore_files("", [("g", 0o644, 1, 1, None, None)])[0].size == 1
     assert errno_of(many.restore_files, "", [(".ckptfs", 0o644, 1, 1, None, None)]) == errno.EPERM
     assert errno_of(many.restore_files, "x", [("n" * 300, 0o644, 1, 1, None, None)]) == errno.ENAMETOOLONG
+
+
+def test_paths_of_a_file_deeper_than_python_recursion(s):
+    d = ROOT
+    for _ in range(3000):
+        d = s.mkdir(d, b"a", 0o755, 0, 0).ino
+    f = new_file(s, b"f", b"x", parent=d)
+    s.link(f.ino, ROOT, b"top")
+    s.rename(ROOT, b"a", ROOT, b"b")
+    assert sorted(s.paths_of(f.ino)) == ["/".join(["b"] + ["a"] * 2999) + "/f", "top"]
