@@ -207,7 +207,10 @@ class Operations(pyfuse3.Operations):
 
     @_errors
     async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return self._entry(await self._change("mknod", parent_inode, name, mode, ctx.uid, ctx.gid, rdev))
+        inode = await self._change("mknod", parent_inode, name, mode, ctx.uid, ctx.gid, rdev)
+        if inode.is_reg:  # no handle of it will close: it is whole as made (empty)
+            self.tree.seal(inode)
+        return self._entry(inode)
 
     @_errors
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:

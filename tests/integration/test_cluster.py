@@ -106,10 +106,12 @@ def test_names_and_files_are_shared_and_each_node_reads_the_others_files(tmp_pat
         b.path("ckpt", "shard-b").write_bytes(b"B" * 70_000)
         big = os.urandom(72 << 20)
         b.path("ckpt", "optim-b").write_bytes(big)  # staged while written, by b
+        os.mknod(b.path("ckpt", "made-b"), 0o644 | 0o100000)  # no handle of it closes: sealed as made
         wait_until(lambda: a.path("ckpt", "shard-b").exists(), VISIBLE_S, "b's file on a")
         assert a.path("ckpt", "shard-b").read_bytes() == b"B" * 70_000
         assert os.stat(a.path("ckpt", "shard-b")).st_ino == os.stat(b.path("ckpt", "shard-b")).st_ino
-        wait_store_matches(tmp_path / "store", {"ckpt/shard-a": b"A" * 300_000, "ckpt/shard-b": b"B" * 70_000, "ckpt/optim-b": big})
+        wait_store_matches(tmp_path / "store", {"ckpt/shard-a": b"A" * 300_000, "ckpt/shard-b": b"B" * 70_000, "ckpt/optim-b": big,
+                                                "ckpt/made-b": b""})
         assert "ckpt/optim-b: staged while it was written" in b.log_text()
         assert a.path("ckpt", "optim-b").read_bytes() == big
         assert "loaded ckpt/shard-a from the store (300000 bytes, verified)" in b.log_text()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -359,6 +360,31 @@ def test_C8_store_holds_plain_files_readable_without_ckptfs(m):
     loaded = torch.load(m.store / "run" / "model.pt")  # straight from the store
     assert torch.equal(loaded["w"], sd["w"])
     assert sorted(os.listdir(m.store)) == [".ckptfs", "run"]
+
+
+def test_C5_a_file_made_by_mknod_is_published_and_comes_back(tmp_path):
+    """mknod(2) of a regular file: no handle of it ever closes, yet it is a
+    file like any other (it used to stay dirty forever while flush and
+    unmount said everything was published, and a remount lost it)."""
+    first = start_mount(tmp_path)
+    try:
+        os.mknod(first.path("made"), 0o600 | 0o100000)
+        os.mknod(first.path("filled"), 0o644 | 0o100000)
+        first.path("filled").write_bytes(b"x" * 10)
+        assert run_cli("flush", str(first.mountpoint)).returncode == 0
+        assert sorted(store_files(first.store)) == ["filled", "made"]
+        assert (first.store / "filled").read_bytes() == b"x" * 10
+        r = run_cli("status", str(first.mountpoint), "--json")
+        assert json.loads(r.stdout)["totals"]["by_state"]["dirty"]["files"] == 0, r.stdout
+        assert umount(first).returncode == 0
+    finally:
+        stop_mount(first)
+    second = start_mount(tmp_path)
+    try:
+        assert second.path("made").read_bytes() == b"" and (second.path("made").stat().st_mode & 0o7777) == 0o600
+        assert second.path("filled").read_bytes() == b"x" * 10
+    finally:
+        stop_mount(second)
 
 
 # -- C9 -------------------------------------------------------------------------------
