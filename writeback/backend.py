@@ -918,7 +918,18 @@ class FsspecBackend(Backend):
         self.url = url
 
     def _abs(self, path: str) -> str:
-        return f"{self.root}/{path}" if path else self.root
+        if not path:
+            return self.root
+        full = f"{self.root}/{path}"
+        # Object stores' file systems read some names as URLs: s3fs takes
+        # `x?versionId=1` for a version of `x` (and would write `x`), gcsfs
+        # `x#1` for a generation. Such a name is one this store cannot take.
+        split = getattr(self.fs, "split_path", None)
+        if ("?" in path or "#" in path) and split is not None:
+            bucket, key = split(full)[:2]
+            if f"{bucket}/{key}" != full:
+                raise OSError(errno.EINVAL, f"the store cannot take this name: {type(self.fs).__name__} reads it as {bucket}/{key}", path)
+        return full
 
     def stage(self, pieces: Iterable[memoryview | bytes], size: int, name: str | None = None, elsewhere: bool = False) -> Staged:
         tmp = self._staging_name()

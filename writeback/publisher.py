@@ -1084,6 +1084,9 @@ class Publisher:
             if node.shown is not None:
                 await self._keep_copies(node)
                 await self.call(f"delete {path}", storeio.delete, backend, path, node.shown, at=(path,))
+            elif node.held is not None and node.held.tries and not path.startswith(META + "/"):
+                # A failed try (a parked file) may have left its record with no file under it
+                await self.call(f"record {path}", manifest.delete, backend, path, at=(path,))
         elif isinstance(node, RLink):
             if node.shown:
                 await self.call(f"record {path}", manifest.delete, backend, path, at=(path,))

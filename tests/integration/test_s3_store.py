@@ -312,3 +312,29 @@ def test_folder_keys_and_an_object_beside_objects_under_its_name_on_s3(s3, tmp_p
         assert "holds a file d " not in m.log_text()
     finally:
         stop_mount(m)
+
+
+def test_a_name_s3fs_would_read_as_another_object_is_parked_and_clobbers_nothing(s3, tmp_path):
+    """s3fs reads `v?versionId=1` as a version of `v`: publishing it would
+    overwrite `v`. It is a name this store cannot take: parked, loudly;
+    glob-like names are taken as they are. Deleted in the mount, it leaves
+    no record behind (its failed tries wrote one)."""
+    url = s3.bucket("odd-names")
+    m = start_mount(tmp_path, extra=("--store", url, *s3.cli_options()))
+    m.allowed_log_errors += ["failed (try", "failed for good", "the store cannot take this name"]
+    try:
+        m.path("v").write_bytes(b"the real v")
+        for name in ("q?", "a[1].pt", "x*", "h#1"):
+            m.path(name).write_bytes(name.encode())
+        assert run_cli("flush", str(m.mountpoint)).returncode == 0
+        m.path("v?versionId=1").write_bytes(b"not v")
+        wait_until(lambda: "the store cannot take this name" in m.log_text() and "failed for good" in m.log_text(), 60, "the file parked")
+        assert objects(s3, "odd-names") == {"v": b"the real v", "q?": b"q?", "a[1].pt": b"a[1].pt", "x*": b"x*", "h#1": b"h#1"}
+        m.path("v?versionId=1").unlink()
+        r = run_cli("umount", str(m.mountpoint))
+        assert r.returncode == 0, r.stderr
+    finally:
+        stop_mount(m)
+    report = verify(open_store(url, s3.options()))
+    assert report.clean, report
+    assert objects(s3, "odd-names")["v"] == b"the real v"
