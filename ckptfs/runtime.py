@@ -20,6 +20,7 @@ import json
 import os
 import re
 import stat
+import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -132,6 +133,24 @@ def remove(mountpoint: str | os.PathLike[str], pid: int | None = None) -> None:
             (d / name).unlink()
     with contextlib.suppress(OSError):  # unless a log or exit report is still there
         d.rmdir()
+
+
+def daemon_gone(mountpoint: str) -> bool:
+    """Whether the daemon of ckptfs mount `mountpoint` is gone (killed, or
+    crashed): its details name no live process. Nothing here touches the mount."""
+    info = MountInfo.read(mountpoint)
+    return info is None or not pid_alive(info.pid)
+
+
+def remove_stale(mountpoint: str) -> str | None:
+    """Remove the mount entry a dead daemon left at `mountpoint` (every
+    access to it fails with ENOTCONN; its RAM is gone with the daemon, so
+    nothing is lost) and forget its details. None, or why it stays."""
+    r = subprocess.run(["fusermount3", "-u", "-z", mountpoint], check=False, capture_output=True, text=True)
+    if r.returncode != 0 and mountpoint in all_mountpoints():
+        return r.stderr.strip() or f"fusermount3 exited with status {r.returncode}"
+    remove(mountpoint)
+    return None
 
 
 def write_exit_report(mountpoint: str | os.PathLike[str], unpublished: list[str]) -> None:

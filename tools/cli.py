@@ -139,6 +139,7 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, reuse_ram: str, fo
     store_url = absolute_url(store_url)  # recorded for tools run from anywhere
     try:
         check_fuse(load=foreground)  # the daemon imports pyfuse3 in the foreground: a mount that spawns it need not
+        _remove_stale(mountpoint)
         mp = check_mountpoint(mountpoint)
         check_places(mp, store_url, spill_dir)
         runtime.private_dir(mp)  # the daemon's details and default log go there: the user's own, or refused
@@ -191,6 +192,18 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, reuse_ram: str, fo
         logging.getLogger("ckptfs").error("cannot mount %s: %s", mp, exc)
         refuse(f"cannot mount {mp}: {exc}", 1)
     sys.exit(code)
+
+
+def _remove_stale(mountpoint: str) -> None:
+    """A mount whose daemon was killed or crashed is in the way of a new
+    one, and of nothing else: this user's is removed, with a word."""
+    mp = os.path.realpath(mountpoint)  # lstat only: a dead mount answers ENOTCONN, never hangs
+    if mp not in runtime.ckptfs_mounts() or runtime.mount_owner(mp) != os.getuid() or not runtime.daemon_gone(mp):
+        return
+    why = runtime.remove_stale(mp)
+    if why is not None:
+        raise PreflightError(f"{mp} is a ckptfs mount whose daemon is gone, and it could not be removed: {why}")
+    click.echo(printable(f"ckptfs: {mp}: removed the stale mount its dead daemon left"), err=True)
 
 
 def _setup_logging(config: MountConfig) -> None:
@@ -280,15 +293,14 @@ def umount(mountpoint: str, timeout: float) -> None:
     if owner is not None and owner != os.getuid():
         _fail(f"{mp} was mounted by uid {owner}: only that user can unmount it with ckptfs "
               "(its daemon's details are in that user's runtime directory)", 2)
-    info = runtime.MountInfo.read(mp)
-    if info is None or not runtime.pid_alive(info.pid):
-        # The daemon is gone; what is left is a dead mount entry.
-        r = subprocess.run(["fusermount3", "-u", "-z", mp], check=False, capture_output=True, text=True)
-        if r.returncode != 0 and mp in runtime.all_mountpoints():
-            _fail(f"{mp}: its daemon is not running, and the stale mount could not be removed: {r.stderr.strip()}", 1)
-        runtime.remove(mp)
+    if runtime.daemon_gone(mp):  # what is left is a dead mount entry
+        why = runtime.remove_stale(mp)
+        if why is not None:
+            _fail(f"{mp}: its daemon is not running, and the stale mount could not be removed: {why}", 1)
         click.echo(f"ckptfs: {printable(mp)}: daemon was not running; removed the stale mount")
         return
+    info = runtime.MountInfo.read(mp)
+    assert info is not None
     runtime.take_exit_report(mp)  # a stale one from an earlier daemon
     os.kill(info.pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout

@@ -68,6 +68,9 @@ def check_places(mp: Path, store_url: str, spill_dir: str | None) -> None:
     store before it serves, and would walk into its own mount)."""
     from ckptfs.writeback.backend import local_root
 
+    if store_url.split("://", 1)[0] == "memory":
+        raise PreflightError(f"the store {store_url} would live in the daemon's own memory and be gone when it exits: "
+                             "name durable storage (a directory, s3://, gs://)")
     mount = str(mp)
     for what, where in (("the store", local_root(store_url)), ("--spill-dir", spill_dir and os.path.abspath(spill_dir))):
         if where is None:

@@ -65,6 +65,34 @@ def test_umount_of_a_dead_daemon_cleans_up(tmp_path):
         stop_mount(m)
 
 
+def test_a_mount_over_the_stale_mount_of_a_killed_daemon_replaces_it(tmp_path):
+    """After a kill -9 of the daemon, its mount entry answers ENOTCONN; the
+    next `ckptfs mount` there (a restarted job) removes it, with a word, and
+    shows what the store holds. A live daemon's mount is never touched."""
+    m = start_mount(tmp_path)
+    try:
+        m.path("f").write_bytes(b"published")
+        assert run_cli("flush", str(m.mountpoint)).returncode == 0
+        os.kill(m.pid, signal.SIGKILL)
+        m.proc.wait()
+        assert is_mounted(m.mountpoint)
+        r = run_cli("mount", str(m.mountpoint), "--store", str(m.store))
+        try:
+            assert r.returncode == 0, r.stderr
+            assert "removed the stale mount" in r.stderr
+            assert m.path("f").read_bytes() == b"published"
+            again = run_cli("mount", str(m.mountpoint), "--store", str(m.store))
+            assert again.returncode == 2 and "already a mount point" in again.stderr, again.stderr
+        finally:
+            info = runtime.MountInfo.read(m.mountpoint)
+            if run_cli("umount", str(m.mountpoint)).returncode != 0:
+                subprocess.run(["fusermount3", "-u", "-z", str(m.mountpoint)])
+                if info is not None and runtime.pid_alive(info.pid):
+                    os.kill(info.pid, signal.SIGKILL)
+    finally:
+        stop_mount(m)
+
+
 def test_sigterm_unmounts(tmp_path):
     m = start_mount(tmp_path)
     try:

@@ -56,6 +56,7 @@ CASES = [
     ("store inside another ckptfs mount", ["mount", "{mp}", "--store", "{ckptfs}/store"], {}, 2, "ckptfs mount"),
     ("spill directory inside the mount point", ["mount", "{mp}", "--store", "{store}", "--spill-dir", "{mp}"], {}, 2, "inside the mount"),
     ("s3 URL without a bucket", ["mount", "{mp}", "--store", "s3://"], {}, 2, "bucket"),
+    ("a store in the daemon's own memory", ["mount", "{mp}", "--store", "memory://ckpt"], {}, 2, "durable storage"),
     ("status --interval negative", ["status", "--watch", "--interval", "-1"], {}, 2, "--interval"),
     ("status --interval nan", ["status", "--watch", "--interval", "nan"], {}, 2, "--interval"),
     ("flush --timeout negative", ["flush", "{ckptfs}", "--timeout", "-1"], {}, 2, "--timeout"),
