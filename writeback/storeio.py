@@ -221,6 +221,7 @@ def scan(backend: Backend) -> Scanned:
             image = manifest.Image.of_store(backend, index)
         entries = listing.result()
     records, unreadable = image.records()
+    entries, records = _nameable(entries, records)
     entries = _finish_moves(backend, entries, records, image)
     entries, hidden = _one_per_name(entries)
     files = {e.path for e in entries if not e.is_dir}
@@ -269,6 +270,33 @@ def scan(backend: Backend) -> Scanned:
         del records[path]
     image.packed()  # here, in a worker thread: the daemon keeps it packed
     return Scanned(entries, records, unreadable, image, outside, index is not None)
+
+
+NAME_MAX = 255  # bytes in one name, on Linux
+
+
+def _nameable(entries: list[Entry], records: dict[str, Record]) -> tuple[list[Entry], dict[str, Record]]:
+    """An object store takes keys no file system can name: `a//b`, `./a`,
+    `a/..`, a name over NAME_MAX bytes (S3 keys run to 1,024 bytes), a NUL.
+    Such an object (written by another tool) is left out of the mount with
+    a warning, and stays in the store; one would stop every restart."""
+    if not any(map(_suspect, (e.path for e in entries))) and not any(map(_suspect, records)):
+        return entries, records
+    for e in entries:
+        if not e.is_dir and not _is_nameable(e.path):
+            log.warning("the store holds %s, which no file system can name: left out of the mount (it stays in the store)", e.path)
+    return ([e for e in entries if not _suspect(e.path) or _is_nameable(e.path)],
+            {p: r for p, r in records.items() if not _suspect(p) or _is_nameable(p)})
+
+
+def _suspect(path: str) -> bool:
+    """Cheap: False for a path that is surely nameable (almost all of them)."""
+    return "//" in path or "/." in path or path[:1] in ("", ".", "/") or path[-1:] == "/" or "\0" in path or len(path) > NAME_MAX
+
+
+def _is_nameable(path: str) -> bool:
+    return all(part not in ("", ".", "..") and "\0" not in part and len(part.encode(errors="surrogateescape")) <= NAME_MAX
+               for part in path.split("/"))
 
 
 def _one_per_name(entries: list[Entry]) -> tuple[list[Entry], set[str]]:

@@ -226,6 +226,31 @@ async def test_an_object_beside_objects_under_its_name_shows_the_directory_with_
         mem.rm(f"/{tmp_path.name}", recursive=True)
 
 
+async def test_objects_no_file_system_can_name_are_left_out_and_do_not_stop_the_restart(tmp_path, caplog):
+    """S3 takes keys such as `a//b`, `..`, `e/../f` or a name over 255
+    bytes, which another tool may have written: one used to fail every
+    restart (EINVAL from the tree). They are left out, with a warning, and
+    stay in the store; the rest is shown."""
+    import fsspec
+    from fsspec.implementations.memory import MemoryFile
+
+    mem = fsspec.filesystem("memory")
+    root = f"/{tmp_path.name}/obj"
+    odd = ["a//b", "c/./d", "e/../f", "..", ".", "g/..", "k/" + "z" * 256, "n\0x"]
+    for path in [*odd, "ok", "m/" + "y" * 255]:
+        mem.store[f"{root}/{path}"] = MemoryFile(mem, f"{root}/{path}", path.encode())  # as S3 holds them
+    try:
+        rig = Rig(f"memory:/{root}", claim=False)
+        assert await rig.engine.scan() == 2
+        assert rig.store.inode_at("ok").size == 2 and rig.store.inode_at("m/" + "y" * 255).size == 257
+        warned = " ".join(r.getMessage() for r in caplog.records)
+        for path in odd:
+            assert f"the store holds {path}, which no file system can name" in warned
+        assert mem.cat_file(f"{root}/a//b") == b"a//b"
+    finally:
+        mem.rm(f"/{tmp_path.name}", recursive=True)
+
+
 async def test_corrupt_store_object_reads_as_eio(tmp_path):
     rig = Rig(tmp_path / "store")
     rig.write("model", b"good" * 1000)
