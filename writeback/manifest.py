@@ -106,10 +106,39 @@ class Record:
         for k in ("current", "previous"):
             if d.get(k) is not None:
                 d[k] = Digest(d[k]["size"], d[k]["xxh3"], tuple(d[k].get("blocks", ())))
-        return cls(**d)
+        return checked(cls(**d))
 
 
 _FIELDS = {f for f in Record.__dataclass_fields__}
+UNREADABLE = (ValueError, TypeError, KeyError, AttributeError)  # what decoding a record that is not one raises
+KINDS = frozenset({"file", "symlink", "dir"})
+_NS = 1 << 63  # times are signed 64-bit nanoseconds
+_ID = 1 << 32  # uids and gids
+
+
+def checked(rec: Record) -> Record:
+    """`rec` if every field has the type and range ckptfs writes, else
+    ValueError. A store is input: an object another tool, a torn write or
+    someone hostile left must not stop a restart, nor give the mount a mode,
+    owner or time it cannot show (such a record reads as unreadable)."""
+    _check(rec.path, rec.kind, rec.mode, rec.mtime_ns, rec.written_ns, rec.target, rec.source, rec.uid, rec.gid)
+    if not (_digest_ok(rec.current) and _digest_ok(rec.previous)):
+        raise ValueError(f"a record with a digest ckptfs never writes: {rec.path!r:.200}")
+    return rec
+
+
+def _check(path, kind, mode, mtime_ns, written_ns, target, source, uid, gid) -> None:
+    if not (type(path) is str and kind in KINDS and type(mode) is int and 0 <= mode <= 0o7777 and type(mtime_ns) is int
+            and -_NS <= mtime_ns < _NS and type(written_ns) is int and type(target) is str and type(source) is str
+            and (uid is None or (type(uid) is int and 0 <= uid < _ID)) and (gid is None or (type(gid) is int and 0 <= gid < _ID))):
+        raise ValueError(f"a record with fields ckptfs never writes: {path!r:.200}")
+
+
+def _digest_ok(d: Digest | None) -> bool:
+    if d is None:
+        return True
+    size, blocks = d.size, d.blocks
+    return type(size) is int and 0 <= size < _NS and type(d.xxh3) is str and (not blocks or all(type(b) is str for b in blocks))
 
 
 _RECORD_OBJECT = re.compile(re.escape(PREFIX) + r"/[0-9a-f]{2}/[0-9a-f]{32}\.json")  # what `record_path` makes
@@ -347,7 +376,7 @@ def image_time(backend: Backend) -> float | None:
 def _decoded(raw: bytes) -> Record | None:
     try:
         return Record.decode(raw)
-    except (ValueError, TypeError, KeyError, AttributeError):
+    except UNREADABLE:
         return None
 
 
@@ -368,14 +397,18 @@ def _of_row(row: list) -> Record:
     # A restart makes one Record per file: built without the frozen
     # dataclass's __init__ (one object.__setattr__ per field, 5x the cost).
     path, kind, cur, prev, mode, mtime_ns, target, written_ns, source, uid, gid = row
-    if not (isinstance(path, str) and isinstance(kind, str) and isinstance(mode, int)):
-        raise ValueError(f"bad index row for {path!r}")
+    _check(path, kind, mode, mtime_ns, written_ns, target, source, uid, gid)
     return _built(Record, {"path": path, "kind": kind, "current": _of_digest_row(cur), "previous": _of_digest_row(prev), "mode": mode,
                            "mtime_ns": mtime_ns, "target": target, "written_ns": written_ns, "source": source, "uid": uid, "gid": gid})
 
 
 def _of_digest_row(row: list | None) -> Digest | None:
-    return None if row is None else _built(Digest, {"size": row[0], "xxh3": row[1], "blocks": tuple(row[2])})
+    if row is None:
+        return None
+    d = _built(Digest, {"size": row[0], "xxh3": row[1], "blocks": tuple(row[2])})
+    if not _digest_ok(d):
+        raise ValueError(f"an index row with a digest ckptfs never writes: {row!r:.200}")
+    return d
 
 
 def _built(cls, fields: dict):

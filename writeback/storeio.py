@@ -122,7 +122,10 @@ def _staged_now(backend: Backend, rec: Record, staged: Staged, pieces: Callable[
 def _refuse_newer(backend: Backend, rec: Record) -> None:
     """NewerInStore if the store holds a newer file at `rec.path`, written
     there directly after this generation was sealed."""
-    there = manifest.read(backend, rec.path)
+    try:
+        there = manifest.read(backend, rec.path)
+    except manifest.UNREADABLE:  # no record, only garbage where it goes: this publication writes one over it
+        return
     if there is not None and there.kind == "file" and there.current not in (rec.previous, rec.current) and there.written_ns > rec.written_ns:
         raise NewerInStore(there)
 
@@ -406,7 +409,10 @@ def write_file(backend: Backend, path: str, data: bytes | memoryview, mode: int 
     pieces = (view[i : i + PIECE] for i in range(0, len(view), PIECE))
     staged, digest = stage(backend, pieces, len(view), name=path)
     try:
-        old = manifest.read(backend, path)
+        try:
+            old = manifest.read(backend, path)
+        except manifest.UNREADABLE:  # garbage where the record goes: replaced
+            old = None
         rec = Record(path, "file", digest, old.current if old is not None and old.kind == "file" else None, mode, time.time_ns(),
                      written_ns=time.time_ns(), source=f"staged:{staged.token}" if staged.token else f"put:{backend.daemon_id}")
         publish(backend, rec, staged, path, digest, lambda: (view[i : i + PIECE] for i in range(0, len(view), PIECE)))
