@@ -11,6 +11,7 @@ its manifest cannot vouch for.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import re
@@ -275,6 +276,11 @@ class Image:
             return None
         except (ValueError, TypeError, KeyError, IndexError, zlib.error) as exc:
             log.warning("the store's manifest %s cannot be read (%s): reading every record instead", name, exc)
+            return None
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.EISDIR):
+                raise  # the store failing: tried again
+            log.warning("the store's manifest %s is no file (%s; ckptfs never follows a symlink): reading every record instead", name, exc)
             return None
 
     def packed(self) -> bytes:

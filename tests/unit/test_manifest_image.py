@@ -288,3 +288,23 @@ async def test_records_with_fields_ckptfs_never_writes_read_as_unreadable(tmp_pa
     again.write("mode", b"saved again")
     await run_until_flushed(again)
     assert manifest.read(again.backend, "mode").mode == 0o644
+
+
+async def test_an_index_that_is_a_symlink_is_not_followed_and_every_record_is_read(tmp_path, caplog):
+    """A local store's index replaced by a symlink (to a file of someone
+    else's): never followed, and no reason to refuse the mount: the index
+    only saves reading the record objects."""
+    url = tmp_path / "store"
+    rig = await _started(url)
+    rig.write("f", b"bytes")
+    await run_until_flushed(rig)
+    await rig.engine.leave_index()
+    elsewhere = tmp_path / "elsewhere"
+    (url / INDEX).rename(elsewhere)
+    (url / INDEX).symlink_to(elsewhere)
+    again = Rig(url, claim=False)
+    read = _reading(again)
+    assert await again.engine.scan() == 1
+    assert manifest.record_path("f") in read
+    assert "is no file" in caplog.text
+    await again.engine.load(again.store.inode_at("f").ino)
