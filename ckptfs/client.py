@@ -88,6 +88,15 @@ class Client:
             raise AccessDenied(f"{self.mountpoint} was mounted by uid {owner}; only that user (or root) may control it")
         self.socket_path = runtime.control_socket(self.mountpoint)
 
+    @classmethod
+    def unmounting(cls, mountpoint: str, timeout: float = IO_TIMEOUT_S) -> Client:
+        """The daemon of `mountpoint` after its unmount, while it drains: no
+        longer in the mount table, it still answers (status, never paths)."""
+        client = cls.__new__(cls)
+        client.mountpoint, client.relpath, client.timeout = mountpoint, "", timeout
+        client.socket_path = runtime.control_socket(mountpoint)
+        return client
+
     def _rel(self, path: str | os.PathLike[str] | None) -> str:
         if path is None:
             return self.relpath

@@ -16,6 +16,7 @@ from typing import NoReturn
 import click
 
 from ckptfs import __version__, runtime
+from ckptfs.client import CkptfsError, Client
 from ckptfs.config import MountConfig, parse_store_options
 from ckptfs.escape import EscapingFormatter, printable
 
@@ -32,9 +33,10 @@ from .preflight import (
     check_places,
     check_port,
 )
-from .units import Number, parse_size
+from .units import Number, format_size, parse_size
 
 MOUNT_TIMEOUT_S = 60.0
+UMOUNT_PROGRESS_S = 5.0  # while `umount` waits for the drain: a line this often
 DEFAULT_REUSE_RAM = "25%"  # of the budget: a checkpoint or two kept warm; bounded so that evict returns RAM to the OS
 MIN_MEMORY_LIMIT = 16 << 20  # 4 chunks of 4 MiB: less leaves nothing to work with
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -305,9 +307,14 @@ def umount(mountpoint: str, timeout: float) -> None:
     os.kill(info.pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
     click.echo(printable(f"ckptfs: unmounting {mp}; waiting for write-back to publish everything (see {info.log_file})"))
+    draining = Client.unmounting(mp, timeout=2.0)
+    report_at = time.monotonic() + UMOUNT_PROGRESS_S
     while runtime.pid_alive(info.pid):
         if time.monotonic() > deadline:
             _fail(f"daemon {info.pid} did not exit within {timeout:.0f}s; see {info.log_file}")
+        if time.monotonic() >= report_at:  # a long drain (a slow or failing store) must not look hung
+            _say_left(draining)
+            report_at = time.monotonic() + UMOUNT_PROGRESS_S
         time.sleep(0.05)
     left = runtime.take_exit_report(mp)
     if left:
@@ -316,6 +323,20 @@ def umount(mountpoint: str, timeout: float) -> None:
             click.echo(f"  {printable(line)}", err=True)
         sys.exit(1)
     click.echo(printable(f"ckptfs: unmounted {mp}; everything is published"))
+
+
+def _say_left(draining: Client) -> None:
+    """One line on what the draining daemon has left to publish (nothing
+    when it does not answer: it may be exiting)."""
+    try:
+        t = draining.status()["totals"]
+    except CkptfsError:
+        return
+    left = [c for state, c in t["by_state"].items() if state != "published"]
+    n = sum(c["files"] for c in left)
+    what = f"{n} files ({format_size(sum(c['bytes'] for c in left))})" if n else f"{t['queue']} namespace changes"
+    failing = f"; failing: {printable(t['last_error'])}" if t["failing"] and t["last_error"] else ""
+    click.echo(f"ckptfs: umount: still publishing: {what} left{failing}", err=True)
 
 
 EXIT_CORRUPT, EXIT_MISSING, EXIT_EXTRA = 8, 16, 32

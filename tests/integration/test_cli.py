@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from ckptfs import runtime
 from tests.mountutil import is_mounted, run_cli, start_mount, stop_mount
+from tests.storeutil import begin_outage, end_outage, wait_until
 
 
 def assert_clean_error(r: subprocess.CompletedProcess, *needles: str) -> None:
@@ -89,6 +92,40 @@ def test_a_mount_over_the_stale_mount_of_a_killed_daemon_replaces_it(tmp_path):
                 subprocess.run(["fusermount3", "-u", "-z", str(m.mountpoint)])
                 if info is not None and runtime.pid_alive(info.pid):
                     os.kill(info.pid, signal.SIGKILL)
+    finally:
+        stop_mount(m)
+
+
+def test_umount_says_what_is_left_while_a_failing_store_holds_the_drain(tmp_path):
+    """`umount` waits for the drain; while a store outage holds it, a line
+    every few seconds says what is left and why (silence looked hung)."""
+    m = start_mount(tmp_path)
+    m.allowed_log_errors += ["failed (try", "retrying"]
+    try:
+        begin_outage(m.store)
+        try:
+            m.path("model.pt").write_bytes(b"m" * 100_000)
+            wait_until(lambda: "failed (try" in m.log_text(), 30, "a failed publication")
+            umount = subprocess.Popen([sys.executable, "-m", "ckptfs.tools.cli", "umount", str(m.mountpoint)],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            try:
+                lines: list[str] = []
+                deadline = time.monotonic() + 30
+                while not any("still publishing: 1 files" in ln for ln in lines):
+                    assert select.select([umount.stderr], [], [], max(0.0, deadline - time.monotonic()))[0], \
+                        f"umount said nothing of what is left within 30 s: {lines}"
+                    ln = umount.stderr.readline()
+                    assert ln, f"umount ended before saying what is left: {lines}"
+                    lines.append(ln)
+            finally:
+                end_outage(m.store)
+            out, err = umount.communicate(timeout=120)
+        finally:
+            if umount.poll() is None:
+                umount.kill()
+                umount.wait()
+        assert umount.returncode == 0, err
+        assert "failing:" in " ".join(lines) and "everything is published" in out
     finally:
         stop_mount(m)
 
