@@ -263,6 +263,9 @@ class Backend:
             if owner not in live:
                 self.delete(path)
         self._clean_uploads(live, started, sole)
+        for path in self.find(DAEMONS):  # last: until the claim, a dead daemon's heartbeat tells its records apart (storeio.scan)
+            if path.rsplit("/", 1)[-1] not in live:
+                self.delete(path)
 
     def heartbeat(self) -> None:
         self.put(f"{DAEMONS}/{self.daemon_id}", json.dumps({"time": time.time(), "pid": os.getpid()}).encode())
@@ -275,7 +278,8 @@ class Backend:
 
     def live_daemons(self) -> set[str]:
         """Daemons using this store: a recent heartbeat, and on this host a
-        running process (a daemon killed a second ago has a fresh heartbeat)."""
+        running process (a daemon killed a second ago has a fresh heartbeat).
+        A question only: the dead ones' heartbeats go at the claim (`prepare`)."""
         live = set()
         now = time.time()
         for path in self.find(DAEMONS):
@@ -286,8 +290,6 @@ class Backend:
                 continue
             if now - beat < HEARTBEAT_DEAD_S and not _dead_here(daemon):
                 live.add(daemon)
-            else:
-                self.delete(path)
         return live
 
     def _clean_uploads(self, live: set[str], started: float, named: bool) -> None:

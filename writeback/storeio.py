@@ -245,7 +245,7 @@ def scan(backend: Backend) -> Scanned:
             # one that exited cleanly removed its heartbeat, so its files
             # missing now are real losses.
             if crashed is None:
-                beating = {p.rsplit("/", 1)[-1] for p in backend.find(DAEMONS)}  # before live_daemons() clears the dead
+                beating = {p.rsplit("/", 1)[-1] for p in backend.find(DAEMONS)}  # the claim, after the scan, clears the dead
                 crashed = beating - backend.live_daemons()
             leftover = where in crashed
         else:

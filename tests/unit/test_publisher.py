@@ -9,6 +9,7 @@ import errno
 import functools
 import json
 import os
+import socket
 import threading
 import time
 
@@ -663,6 +664,30 @@ async def test_a_small_object_put_whole_is_a_leftover_only_if_its_daemon_crashed
     rig.backend.prepare("next-daemon", time.time())
     assert manifest.read(rig.backend, "torn") is None
     assert verify(rig.backend).missing == ["lost"]
+
+
+async def test_a_daemon_killed_a_moment_ago_is_known_dead_to_the_scan_after_the_mount_checked_the_store(tmp_path):
+    """kill -9, then a mount at once: the dead daemon's heartbeat is fresh,
+    and only its pid (gone, on this host) tells it dead. The mount first
+    asks whether a live daemon uses the store; that question used to delete
+    the dead heartbeat, so the scan then took the record of a small file
+    PUT whole, its data never written, for a file lost (verify: missing)."""
+    import subprocess
+    import sys
+
+    store = tmp_path / "store"
+    backend = open_store(str(store))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    daemon = f"{socket.gethostname()}-{gone.stdout.strip()}-{time.time_ns():x}"
+    backend.put(f"{DAEMONS}/{daemon}", json.dumps({"time": time.time(), "pid": int(gone.stdout)}).encode())
+    manifest.write(backend, manifest.Record("torn", "file", manifest.Digest(1, "00"), None, source=f"put:{daemon}"))
+    rig = Rig(store, claim=False)
+    assert rig.backend.live_daemons() == set()  # the mount's check (preflight.check_no_daemon)
+    await rig.engine.scan()
+    rig.backend.prepare("next-daemon", time.time())
+    assert manifest.read(rig.backend, "torn") is None
+    assert verify(rig.backend).clean
+    assert rig.backend.find(DAEMONS) == [f"{DAEMONS}/next-daemon"]
 
 
 async def test_a_crash_between_deleting_a_file_and_its_record_leaves_no_record_of_a_lost_file(tmp_path):
