@@ -198,9 +198,14 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, reuse_ram: str, fo
 
 def _remove_stale(mountpoint: str) -> None:
     """A mount whose daemon was killed or crashed is in the way of a new
-    one, and of nothing else: this user's is removed, with a word."""
+    one, and of nothing else: this user's is removed, with a word. Only on
+    proof: its daemon's details name a process that is gone (details lost,
+    say to a cleaner of /tmp, prove nothing: the mount may be live)."""
     mp = os.path.realpath(mountpoint)  # lstat only: a dead mount answers ENOTCONN, never hangs
-    if mp not in runtime.ckptfs_mounts() or runtime.mount_owner(mp) != os.getuid() or not runtime.daemon_gone(mp):
+    if mp not in runtime.ckptfs_mounts() or runtime.mount_owner(mp) != os.getuid():
+        return
+    info = runtime.MountInfo.read(mp)
+    if info is None or runtime.pid_alive(info.pid):
         return
     why = runtime.remove_stale(mp)
     if why is not None:

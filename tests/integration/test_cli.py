@@ -96,6 +96,22 @@ def test_a_mount_over_the_stale_mount_of_a_killed_daemon_replaces_it(tmp_path):
         stop_mount(m)
 
 
+def test_a_live_mount_whose_daemon_details_are_lost_is_never_taken_for_stale(tmp_path):
+    """Its daemon's details gone (a cleaner of /tmp, say) prove nothing:
+    `mount` there refuses, and the live mount stays."""
+    m = start_mount(tmp_path)
+    try:
+        (runtime.mount_dir(m.mountpoint) / "mount.json").unlink()
+        r = run_cli("mount", str(m.mountpoint), "--store", str(tmp_path / "other"))
+        assert r.returncode == 2 and "already a mount point" in r.stderr, r.stderr
+        m.path("still").write_bytes(b"live")
+        assert m.path("still").read_bytes() == b"live" and m.proc.poll() is None
+    finally:
+        stop_mount(m)
+        if is_mounted(m.mountpoint):  # a second daemon, mounted where it must not be
+            subprocess.run(["fusermount3", "-u", "-z", str(m.mountpoint)])
+
+
 def test_umount_says_what_is_left_while_a_failing_store_holds_the_drain(tmp_path):
     """`umount` waits for the drain; while a store outage holds it, a line
     every few seconds says what is left and why (silence looked hung)."""
