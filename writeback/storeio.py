@@ -293,8 +293,9 @@ def _nameable(entries: list[Entry], records: dict[str, Record]) -> tuple[list[En
 
 
 def _suspect(path: str) -> bool:
-    """Cheap: False for a path that is surely nameable (almost all of them)."""
-    return "//" in path or "/." in path or path[:1] in ("", ".", "/") or path[-1:] == "/" or "\0" in path or len(path) > NAME_MAX
+    """Cheap: False for a path that is surely nameable (almost all of them;
+    "" is the root, whose directory record the store keeps too)."""
+    return path != "" and ("//" in path or "/." in path or path[0] in "./" or path[-1] == "/" or "\0" in path or len(path) > NAME_MAX)
 
 
 def _is_nameable(path: str) -> bool:

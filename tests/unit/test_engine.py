@@ -241,8 +241,10 @@ async def test_objects_no_file_system_can_name_are_left_out_and_do_not_stop_the_
         mem.store[f"{root}/{path}"] = MemoryFile(mem, f"{root}/{path}", path.encode())  # as S3 holds them
     try:
         rig = Rig(f"memory:/{root}", claim=False)
+        manifest.write(rig.backend, manifest.Record("", "dir", mode=0o750, mtime_ns=123))  # the root's record: "" names it
         assert await rig.engine.scan() == 2
         assert rig.store.inode_at("ok").size == 2 and rig.store.inode_at("m/" + "y" * 255).size == 257
+        assert rig.store.inodes[ROOT].mode & 0o7777 == 0o750 and rig.store.inodes[ROOT].mtime_ns == 123
         warned = " ".join(r.getMessage() for r in caplog.records)
         for path in odd:
             assert f"the store holds {path}, which no file system can name" in warned
