@@ -135,13 +135,6 @@ def remove(mountpoint: str | os.PathLike[str], pid: int | None = None) -> None:
         d.rmdir()
 
 
-def daemon_gone(mountpoint: str) -> bool:
-    """Whether the daemon of ckptfs mount `mountpoint` is gone (killed, or
-    crashed): its details name no live process. Nothing here touches the mount."""
-    info = MountInfo.read(mountpoint)
-    return info is None or not pid_alive(info.pid)
-
-
 def remove_stale(mountpoint: str) -> str | None:
     """Remove the mount entry a dead daemon left at `mountpoint` (every
     access to it fails with ENOTCONN; its RAM is gone with the daemon, so

@@ -300,14 +300,13 @@ def umount(mountpoint: str, timeout: float) -> None:
     if owner is not None and owner != os.getuid():
         _fail(f"{mp} was mounted by uid {owner}: only that user can unmount it with ckptfs "
               "(its daemon's details are in that user's runtime directory)", 2)
-    if runtime.daemon_gone(mp):  # what is left is a dead mount entry
+    info = runtime.MountInfo.read(mp)  # read once: a daemon exiting now removes it
+    if info is None or not runtime.pid_alive(info.pid):  # what is left is a dead mount entry
         why = runtime.remove_stale(mp)
         if why is not None:
             _fail(f"{mp}: its daemon is not running, and the stale mount could not be removed: {why}", 1)
         click.echo(f"ckptfs: {printable(mp)}: daemon was not running; removed the stale mount")
         return
-    info = runtime.MountInfo.read(mp)
-    assert info is not None
     runtime.take_exit_report(mp)  # a stale one from an earlier daemon
     os.kill(info.pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
