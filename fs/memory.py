@@ -583,5 +583,44 @@ def _slice(buf: mmap.mmap | bytearray, lo: int, hi: int) -> bytes:
     return bytes(memoryview(buf)[lo:hi])
 
 
-def total_ram() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+def total_ram(proc_cgroup: str = "/proc/self/cgroup", cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """The memory this process may use: the machine's, or less where a
+    cgroup caps it (a container's limit: Kubernetes, Docker, systemd). Past
+    that, the kernel kills the daemon for memory, with every file it has
+    not published yet."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min([physical, *_cgroup_limits(proc_cgroup, cgroup_root)])
+
+
+def _cgroup_limits(proc_cgroup: str, cgroup_root: str) -> list[int]:
+    """The memory limits of this process's cgroup and of each cgroup above
+    it, those this process can see (cgroup v2's memory.max, v1's
+    memory.limit_in_bytes; in a container the cgroup's own path is often not
+    visible, and its limit is at the root of what is)."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    limits = []
+    for line in lines:
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
+        if controllers == "":
+            base, name = cgroup_root, "memory.max"  # v2
+        elif "memory" in controllers.split(","):
+            base, name = os.path.join(cgroup_root, "memory"), "memory.limit_in_bytes"  # v1
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            try:
+                with open(os.path.join(base, *parts[:depth], name)) as f:
+                    text = f.read().strip()
+            except OSError:
+                continue
+            if text.isdigit():  # v2 writes "max" for none; v1 a number near 2^63
+                limits.append(int(text))
+    return limits

@@ -114,6 +114,24 @@ def stop_mount(m: Mount) -> None:
             subprocess.run(["fusermount3", "-u", "-z", str(m.mountpoint)], capture_output=True, timeout=20)
 
 
+def stop_background_mount(mp: Path) -> None:
+    """Unmount what `ckptfs mount` (its daemon in the background) left at
+    `mp`, if anything, and reap that daemon by pid: lazy unmount, then
+    terminate, then kill."""
+    info = runtime.MountInfo.read(mp)
+    if is_mounted(mp):
+        subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True, timeout=20)
+    if info is None:
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if not runtime.pid_alive(info.pid):
+            return
+        os.kill(info.pid, sig)
+        deadline = time.monotonic() + 5
+        while runtime.pid_alive(info.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
 def drop_caches() -> None:
     """Make the next reads go through the daemon, not the page cache."""
     os.sync()

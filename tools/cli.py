@@ -73,7 +73,8 @@ def main() -> None:
 @main.command()
 @click.argument("mountpoint", type=click.Path())
 @click.option("--store", "store_url", required=True, metavar="URL", help="Durable store: a local directory or any fsspec URL (file://, s3://, gs://).")
-@click.option("--memory-limit", default="50%", show_default=True, metavar="SIZE", help="RAM budget for file data: 512M, 8G, or a percentage of RAM.")
+@click.option("--memory-limit", default="50%", show_default=True, metavar="SIZE",
+              help="RAM budget for file data: 512M, 8G, or a percentage of the memory this machine has (or its cgroup: a container's limit).")
 @click.option("--reuse-ram", default=DEFAULT_REUSE_RAM, show_default=True, metavar="SIZE",
               help="Freed RAM (deleted, truncated or evicted files) kept for the next save to write into, which is "
                    "faster than fresh memory; the rest goes back to the OS at once. A size or a percentage of the budget; 0 keeps none.")
@@ -124,12 +125,17 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, reuse_ram: str, fo
             os.write(ready_fd, f"{code} {printable(message)}\n".encode(errors="backslashreplace"))
         _fail(message, code)
 
+    ram = total_ram()
     try:
-        limit = parse_size(memory_limit, total=total_ram())
+        limit = parse_size(memory_limit, total=ram)
     except ValueError as exc:
         refuse(f"--memory-limit: {exc}", 2)
     if limit < MIN_MEMORY_LIMIT:
         refuse(f"--memory-limit {memory_limit} is {limit} bytes: the least is {MIN_MEMORY_LIMIT >> 20}M", 2)
+    if limit > ram:
+        refuse(f"--memory-limit {memory_limit} is more than the {format_size(ram)} of memory this machine (or its cgroup) has: "
+               "the daemon would be killed for memory, with every file not yet published, before the budget sends saves "
+               "to the store; give less (50% is the default)", 2)
     try:
         reuse = 0 if reuse_ram.strip() in ("0", "0%") else parse_size(reuse_ram, total=limit)
     except ValueError as exc:

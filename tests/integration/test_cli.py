@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
 import subprocess
 import sys
 import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from ckptfs import runtime
-from tests.mountutil import is_mounted, run_cli, start_mount, stop_mount
+from tests.mountutil import is_mounted, run_cli, start_mount, stop_background_mount, stop_mount
 from tests.storeutil import begin_outage, end_outage, wait_until
 
 
@@ -27,10 +30,13 @@ def assert_clean_error(r: subprocess.CompletedProcess, *needles: str) -> None:
 
 
 @pytest.fixture
-def dirs(tmp_path: Path) -> tuple[Path, Path]:
+def dirs(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     mp = tmp_path / "mnt"
     mp.mkdir()
-    return mp, tmp_path / "store"
+    try:
+        yield mp, tmp_path / "store"
+    finally:  # a mount that should have been refused was made
+        stop_background_mount(mp)
 
 
 def test_background_mount_and_umount(dirs):
@@ -180,10 +186,59 @@ def test_mountpoint_already_mounted(tmp_path):
         stop_mount(m)
 
 
-@pytest.mark.parametrize("size", ["lots", "-1G", "0", "12Q", "150%"])
+@pytest.mark.parametrize("size", ["lots", "-1G", "0", "12Q", "150%", "1000T"])
 def test_bad_memory_limit(dirs, size):
     mp, store = dirs
     assert_clean_error(run_cli("mount", str(mp), "--store", str(store), "--memory-limit", size), "--memory-limit")
+
+
+@contextlib.contextmanager
+def memory_cgroup(limit: int) -> Iterator[Path]:
+    """A real memory cgroup (v1 or v2) capped at `limit` bytes, as a
+    container's is; its cgroup.procs is yielded, and it is removed after."""
+    v1, v2 = Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")
+    name = f"ckptfs-test-{uuid.uuid4().hex[:8]}"
+    if (v1 / "memory.limit_in_bytes").exists():
+        group, knob = v1 / name, "memory.limit_in_bytes"
+    elif (v2 / "cgroup.subtree_control").exists() and "memory" in (v2 / "cgroup.subtree_control").read_text().split():
+        group, knob = v2 / name, "memory.max"
+    else:
+        pytest.skip("no memory cgroup controller this test can use")
+    group.mkdir()
+    try:
+        (group / knob).write_text(str(limit))
+        yield group / "cgroup.procs"
+    finally:
+        deadline = time.monotonic() + 10
+        while True:  # empty once the processes started in it have exited
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+
+def test_memory_limit_is_of_the_cgroups_memory(dirs):
+    """In a container, the machine's RAM is not what the daemon may use: a
+    budget of half the host's RAM in a pod capped far lower gets the daemon
+    killed for memory, with every file not yet published. A percentage is of
+    the cgroup's limit, and a size over it is refused."""
+    mp, store = dirs
+
+    def in_cgroup(procs: Path, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh", sys.executable, "-m", "ckptfs.tools.cli", *args],
+                              capture_output=True, text=True, timeout=120)
+
+    with memory_cgroup(1 << 30) as procs:
+        try:
+            assert_clean_error(in_cgroup(procs, "mount", str(mp), "--store", str(store), "--memory-limit", "2G"), "--memory-limit 2G", "cgroup")
+            r = in_cgroup(procs, "mount", str(mp), "--store", str(store))  # the default: 50%
+            assert r.returncode == 0, r.stderr
+            assert os.statvfs(mp).f_blocks * os.statvfs(mp).f_frsize == 512 << 20
+        finally:
+            stop_background_mount(mp)  # its daemon gone, the cgroup can go
 
 
 @pytest.mark.parametrize("every", ["0", "-5", "many"])

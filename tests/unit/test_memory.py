@@ -4,7 +4,7 @@ import errno
 import os
 
 import pytest
-from ckptfs.fs.memory import CHUNK, FileData, Loading, MemoryPool
+from ckptfs.fs.memory import CHUNK, FileData, Loading, MemoryPool, total_ram
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -368,3 +368,36 @@ def test_the_frontier_follows_a_writer_going_in_order_from_the_start():
     assert g.frontier == 100
     g.clear()
     assert g.frontier == 0
+
+
+def _cgroups(tmp_path, proc_lines: list[str], files: dict[str, str]):
+    (tmp_path / "cgroup").write_text("".join(line + "\n" for line in proc_lines))
+    for rel, text in files.items():
+        (tmp_path / "sys" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "sys" / rel).write_text(text + "\n")
+    return str(tmp_path / "cgroup"), str(tmp_path / "sys")
+
+
+@pytest.mark.parametrize("proc_lines, files, expected", [
+    # v2: the cgroup's own limit, or its parent's where it has none ("max")
+    (["0::/kubepods/pod1/c1"], {"kubepods/pod1/c1/memory.max": "max", "kubepods/pod1/memory.max": str(2 << 30)}, 2 << 30),
+    (["0::/a/b"], {"a/b/memory.max": str(1 << 30), "a/memory.max": str(4 << 30)}, 1 << 30),
+    # v2 in a container: its own path is not visible, its limit is at the root of what is
+    (["0::/"], {"memory.max": str(3 << 30)}, 3 << 30),
+    (["0::/docker/abc"], {"memory.max": str(3 << 30)}, 3 << 30),
+    # v1, the memory controller on a line of its own or beside others
+    (["4:memory:/docker/abc", "3:cpu:/docker/abc"], {"memory/docker/abc/memory.limit_in_bytes": str(5 << 30)}, 5 << 30),
+    (["7:cpuacct,memory:/x"], {"memory/memory.limit_in_bytes": str(6 << 30)}, 6 << 30),
+    # no limit
+    (["0::/"], {"memory.max": "max"}, None),
+    (["4:memory:/"], {"memory/memory.limit_in_bytes": "9223372036854771712"}, None),
+    (["0::/gone"], {}, None),
+    (["garbage"], {}, None),
+])
+def test_total_ram_is_capped_by_the_cgroup(tmp_path, proc_lines, files, expected):
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert total_ram(*_cgroups(tmp_path, proc_lines, files)) == (physical if expected is None else min(physical, expected))
+
+
+def test_total_ram_without_cgroups(tmp_path):
+    assert total_ram(str(tmp_path / "none"), str(tmp_path)) == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
