@@ -295,13 +295,24 @@ def _last_error(log_file: str) -> str:
 
 @main.command()
 @click.argument("mountpoint", type=click.Path())
-@click.option("--timeout", default=600.0, show_default=True, help="Seconds to wait for the daemon to finish and exit.")
+@click.option("--timeout", default=600.0, show_default=True,
+              help="Seconds to wait for the daemon to publish everything and exit (it goes on publishing after; umount again waits again).")
 def umount(mountpoint: str, timeout: float) -> None:
     """Unmount MOUNTPOINT and stop its daemon."""
     try:
         mp = check_mounted_ckptfs(mountpoint)
     except PreflightError as exc:
-        _fail(str(exc), 2)
+        draining = _still_draining(mountpoint)
+        if draining is None:
+            _fail(str(exc), 2)
+        # An earlier umount was interrupted (^C, a lost session, a timeout):
+        # the daemon, unmounted, still publishes what it holds. Wait with it;
+        # a second SIGTERM would make it stop waiting for the store.
+        info, client = draining
+        click.echo(printable(f"ckptfs: {info.mountpoint} is unmounted; its daemon (pid {info.pid}) is still publishing what it holds: "
+                             f"waiting for it (see {info.log_file})"))
+        _wait_until_exited(info, client, timeout)
+        return
     owner = runtime.mount_owner(mp)
     if owner is not None and owner != os.getuid():
         _fail(f"{mp} was mounted by uid {owner}: only that user can unmount it with ckptfs "
@@ -315,9 +326,29 @@ def umount(mountpoint: str, timeout: float) -> None:
         return
     runtime.take_exit_report(mp)  # a stale one from an earlier daemon
     os.kill(info.pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
     click.echo(printable(f"ckptfs: unmounting {mp}; waiting for write-back to publish everything (see {info.log_file})"))
-    draining = Client.unmounting(mp, timeout=2.0)
+    _wait_until_exited(info, Client.unmounting(mp, timeout=2.0), timeout)
+
+
+def _still_draining(mountpoint: str) -> tuple[runtime.MountInfo, Client] | None:
+    """The daemon of `mountpoint`, no longer mounted, that still publishes
+    what it holds (it answers on its control socket: not a stale record of a
+    pid since reused)."""
+    info = runtime.MountInfo.read(os.path.abspath(mountpoint))
+    if info is None or not runtime.pid_alive(info.pid):
+        return None
+    client = Client.unmounting(info.mountpoint, timeout=2.0)
+    try:
+        client.ping()
+    except CkptfsError:
+        return None
+    return info, client
+
+
+def _wait_until_exited(info: runtime.MountInfo, draining: Client, timeout: float) -> None:
+    """Until the daemon, told to unmount, has published everything and
+    exited; what it could not publish is an error."""
+    deadline = time.monotonic() + timeout
     report_at = time.monotonic() + UMOUNT_PROGRESS_S
     while runtime.pid_alive(info.pid):
         if time.monotonic() > deadline:
@@ -326,13 +357,13 @@ def umount(mountpoint: str, timeout: float) -> None:
             _say_left(draining)
             report_at = time.monotonic() + UMOUNT_PROGRESS_S
         time.sleep(0.05)
-    left = runtime.take_exit_report(mp)
+    left = runtime.take_exit_report(info.mountpoint)
     if left:
         click.echo(f"ckptfs: error: {len(left)} files were NOT published to the store:", err=True)
         for line in left:
             click.echo(f"  {printable(line)}", err=True)
         sys.exit(1)
-    click.echo(printable(f"ckptfs: unmounted {mp}; everything is published"))
+    click.echo(printable(f"ckptfs: unmounted {info.mountpoint}; everything is published"))
 
 
 def _say_left(draining: Client) -> None:

@@ -152,6 +152,44 @@ def test_umount_says_what_is_left_while_a_failing_store_holds_the_drain(tmp_path
         stop_mount(m)
 
 
+def test_umount_again_after_an_interrupted_one_waits_for_the_drain(tmp_path):
+    """An umount cut short (^C, a lost session, its --timeout) leaves the
+    daemon unmounted and publishing what it holds. Running umount again
+    waits for that drain and says how it ended: "not a ckptfs mount" made it
+    look done while files were not in the store yet (and a second SIGTERM
+    would stop the drain)."""
+    m = start_mount(tmp_path)
+    m.allowed_log_errors += ["failed (try", "retrying"]
+    again = None
+    try:
+        begin_outage(m.store)
+        try:
+            m.path("model.pt").write_bytes(b"m" * 100_000)
+            wait_until(lambda: "failed (try" in m.log_text(), 30, "a failed publication")
+            r = run_cli("umount", str(m.mountpoint), "--timeout", "1")
+            assert r.returncode != 0 and "did not exit" in r.stderr, r.stderr
+            assert not is_mounted(m.mountpoint) and m.proc.poll() is None  # unmounted, draining
+            again = subprocess.Popen([sys.executable, "-m", "ckptfs.tools.cli", "umount", str(m.mountpoint)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            try:
+                time.sleep(1)
+                assert again.poll() is None, again.communicate()  # waiting, not "not a ckptfs mount"
+            finally:
+                end_outage(m.store)
+            out, err = again.communicate(timeout=120)
+        finally:
+            if again is not None and again.poll() is None:
+                again.kill()
+                again.wait()
+        assert again.returncode == 0, err
+        assert "still publishing" in out and "everything is published" in out, out
+        assert (m.store / "model.pt").read_bytes() == b"m" * 100_000
+        assert m.proc.wait(timeout=10) == 0
+        assert run_cli("umount", str(m.mountpoint)).returncode == 2  # nothing there now
+    finally:
+        stop_mount(m)
+
+
 def test_sigterm_unmounts(tmp_path):
     m = start_mount(tmp_path)
     try:
