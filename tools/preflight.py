@@ -100,7 +100,8 @@ def check_no_daemon(mp: Path, backend=None) -> None:
     info = runtime.MountInfo.read(mp)
     if info is not None and info.pid != os.getpid() and runtime.pid_alive(info.pid):
         raise PreflightError(f"a ckptfs daemon (pid {info.pid}) for {mp} is still running, probably still publishing "
-                             f"after an unmount; wait for it to exit (log: {info.log_file}) or stop it (kill {info.pid})")
+                             f"after an unmount; `ckptfs umount {mp}` waits for it and says how it ends (log: {info.log_file}); "
+                             f"killing it (kill {info.pid}) drops what it has not published")
     if backend is None:
         return
     others = sorted(backend.live_daemons())  # this process has no heartbeat yet

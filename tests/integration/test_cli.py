@@ -169,6 +169,7 @@ def test_umount_again_after_an_interrupted_one_waits_for_the_drain(tmp_path):
             r = run_cli("umount", str(m.mountpoint), "--timeout", "1")
             assert r.returncode != 0 and "did not exit" in r.stderr, r.stderr
             assert not is_mounted(m.mountpoint) and m.proc.poll() is None  # unmounted, draining
+            assert_clean_error(run_cli("mount", str(m.mountpoint), "--store", str(m.store)), "still publishing", f"ckptfs umount {m.mountpoint}")
             again = subprocess.Popen([sys.executable, "-m", "ckptfs.tools.cli", "umount", str(m.mountpoint)],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             try:
