@@ -58,3 +58,4 @@ class MountConfig:
     cluster_password_file: str | None = None  # its password (else $CKPTFS_REDIS_PASSWORD)
     node: str | None = None  # this node's name in the cluster (default: the host name)
     cluster_snapshot_every: int = 10_000  # log entries between snapshots of the namespace (cluster.snapshot)
+    oom_score_adj: int | None = None  # the kernel's OOM killer picks this daemon less (negative) or more; None: as inherited

@@ -58,6 +58,8 @@ def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
     """Mount, serve until unmounted or signalled, drain write-back, unmount.
     Returns 0, or 1 if anything was left unpublished."""
     faulthandler.enable()  # a crash in native code (FUSE, mmap) leaves its tracebacks on stderr, not silence
+    if config.oom_score_adj is not None:
+        _set_oom_score_adj(config.oom_score_adj)
     backend = open_store(config.store_url, config.storage_options)
     spill_dir = config.spill_dir or DEFAULT_SPILL_DIR
     tree = InodeTree(MemoryPool(config.memory_limit, config.reuse_ram), uid=os.getuid(), gid=os.getgid(), spill_dir=spill_dir)
@@ -209,6 +211,19 @@ async def _main(config: MountConfig, tree: InodeTree, engine: Engine, control: C
             await engine.calls.run("retire", engine.backend.retire)
         nursery.cancel_scope.cancel()
     return left
+
+
+def _set_oom_score_adj(value: int) -> None:
+    """How readily the kernel's OOM killer picks this daemon (its RSS is
+    the RAM budget in use: the biggest process, the first picked, with every
+    file it has not published). Lowering it needs root or CAP_SYS_RESOURCE;
+    without, it stays as inherited, said in the log."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write(str(value))
+    except OSError as exc:
+        log.info("oom_score_adj stays as inherited, not %d (%s): when memory runs out, the kernel may kill this daemon first",
+                 value, exc.strerror or exc)
 
 
 class _Signals:

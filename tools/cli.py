@@ -105,11 +105,15 @@ def main() -> None:
 @click.option("--cluster-snapshot-every", default=10_000, show_default=True, type=click.IntRange(1), metavar="N",
               help="Cluster mode, on the node that publishes: keep a snapshot of the namespace in Redis every N changes, "
                    "and trim the log of changes before it (nodes that join later load the snapshot).")
+@click.option("--oom-score-adj", default=-500, show_default=True, type=click.IntRange(-1000, 1000), metavar="N",
+              help="The daemon's oom_score_adj (-1000 to 1000): when memory runs out, the kernel kills the process with the highest "
+                   "score. The daemon holds the only copy of what it has not published, while a trainer killed instead restarts "
+                   "from the daemon's RAM; lowering it needs root (or CAP_SYS_RESOURCE), otherwise it is left as it is.")
 @click.option("--ready-fd", type=int, hidden=True)
 def mount(mountpoint: str, store_url: str, memory_limit: str, reuse_ram: str, foreground: bool, log_file: str | None, log_level: str,
           fsync_mode: str, drain_timeout: float, store_timeout: float, store_options: tuple[str, ...], spill_dir: str | None,
           metrics_port: int | None, metrics_host: str, cluster: str | None, cluster_password_file: str | None, node: str | None,
-          cluster_snapshot_every: int, ready_fd: int | None) -> None:
+          cluster_snapshot_every: int, oom_score_adj: int, ready_fd: int | None) -> None:
     """Mount a ckptfs file system at MOUNTPOINT, backed by the store at URL.
 
     Returns once the mount is live; the daemon keeps running in the background
@@ -176,6 +180,7 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, reuse_ram: str, fo
                        *[a for o in store_options for a in ("--store-option", o)],
                        *(["--spill-dir", os.path.abspath(spill_dir)] if spill_dir else []),
                        *(["--metrics-port", str(metrics_port), "--metrics-host", metrics_host] if metrics_port else []),
+                       "--oom-score-adj", str(oom_score_adj),
                        *cluster_args])
         return
 
@@ -183,7 +188,7 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, reuse_ram: str, fo
                          fsync=fsync_mode, drain_timeout=drain_timeout, store_timeout=store_timeout, storage_options=options,
                          spill_dir=os.path.abspath(spill_dir) if spill_dir else None, metrics_port=metrics_port, metrics_host=metrics_host,
                          cluster=cluster, cluster_password_file=os.path.abspath(cluster_password_file) if cluster_password_file else None,
-                         node=node, cluster_snapshot_every=cluster_snapshot_every)
+                         node=node, cluster_snapshot_every=cluster_snapshot_every, oom_score_adj=oom_score_adj)
     _setup_logging(config)
     from ckptfs.daemon.mount import serve
 

@@ -231,6 +231,32 @@ def test_bad_memory_limit(dirs, size):
     assert_clean_error(run_cli("mount", str(mp), "--store", str(store), "--memory-limit", size), "--memory-limit")
 
 
+@pytest.mark.parametrize("given, expected", [(None, -500), ("300", 300), ("-1000", -1000)])
+def test_the_daemon_asks_the_oom_killer_to_pick_it_last(dirs, given, expected):
+    """Out of memory, the kernel kills the process it scores highest, and the
+    daemon holding the RAM budget is the biggest: killed, every file it has
+    not published is gone, while a trainer killed instead restarts from its
+    RAM. The daemon lowers its score (--oom-score-adj, default -500). Where
+    the kernel refuses (lowering needs CAP_SYS_RESOURCE; some sandboxes
+    refuse any negative value), the daemon says so in its log and goes on."""
+    mp, store = dirs
+    r = run_cli("mount", str(mp), "--store", str(store), *(["--oom-score-adj", given] if given else []))
+    assert r.returncode == 0, r.stderr
+    info = runtime.MountInfo.read(mp)
+    assert info is not None
+    now = int(Path(f"/proc/{info.pid}/oom_score_adj").read_text())
+    if now != expected:
+        assert expected < 0 and now == int(Path("/proc/self/oom_score_adj").read_text())  # as inherited
+        assert f"oom_score_adj stays as inherited, not {expected}" in Path(info.log_file).read_text()
+    assert run_cli("umount", str(mp)).returncode == 0
+
+
+@pytest.mark.parametrize("value", ["-1001", "1001", "low"])
+def test_bad_oom_score_adj(dirs, value):
+    mp, store = dirs
+    assert_clean_error(run_cli("mount", str(mp), "--store", str(store), "--oom-score-adj", value), "--oom-score-adj")
+
+
 @contextlib.contextmanager
 def memory_cgroup(limit: int) -> Iterator[Path]:
     """A real memory cgroup (v1 or v2) capped at `limit` bytes, as a
