@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import re
+import resource
 import stat
 import subprocess
 import time
@@ -163,6 +164,16 @@ def take_exit_report(mountpoint: str | os.PathLike[str]) -> list[str] | None:
         return list(data["unpublished"])
     except (OSError, ValueError, KeyError):
         return None
+
+
+def raise_open_files_limit() -> None:
+    """Up to the hard limit: the soft one (often 1,024) is a limit for
+    programs that leak descriptors, and a store walk holds one per level of
+    depth, an upload or a load several (what Go programs do at start)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def pid_alive(pid: int) -> bool:

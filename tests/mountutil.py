@@ -8,6 +8,7 @@ the daemon we started, by pid.
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -68,7 +69,8 @@ class Mount:
 
 
 def start_mount(base: Path, memory_limit: str = "4G", extra: tuple[str, ...] = (), env: dict | None = None,
-                store: Path | None = None) -> Mount:
+                store: Path | None = None, open_files: int | None = None) -> Mount:
+    """A daemon in the foreground; `open_files`: its descriptor limit, soft and hard."""
     mountpoint = base / "mnt"
     store = store or base / "store"
     mountpoint.mkdir(parents=True, exist_ok=True)
@@ -79,6 +81,7 @@ def start_mount(base: Path, memory_limit: str = "4G", extra: tuple[str, ...] = (
          "--log-level", os.environ.get("CKPTFS_TEST_LOG_LEVEL", "INFO"), *extra],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(base / "daemon.stderr", "wb"),
         env=None if env is None else {**os.environ, **env},
+        preexec_fn=None if open_files is None else lambda: limit_open_files(open_files),
     )
     m = Mount(mountpoint, store, log, proc)
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -93,6 +96,11 @@ def start_mount(base: Path, memory_limit: str = "4G", extra: tuple[str, ...] = (
             stop_mount(m)
             raise RuntimeError(f"mount did not come up: {(base / 'daemon.stderr').read_text()} {m.log_text()}")
         time.sleep(0.05)
+
+
+def limit_open_files(n: int) -> None:
+    """This process's descriptor limit, soft and hard (it cannot raise it)."""
+    resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
 
 
 def stop_mount(m: Mount) -> None:

@@ -68,6 +68,7 @@ class _Commands(click.Group):
 @click.version_option(__version__, prog_name="ckptfs")
 def main() -> None:
     """ckptfs: a RAM-backed checkpoint file system, persisted in the background."""
+    runtime.raise_open_files_limit()  # the daemon's store walks, verify's
 
 
 @main.command()

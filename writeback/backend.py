@@ -23,6 +23,7 @@ removes only the staging (and S3 multipart uploads) of daemons that are not.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import ctypes
@@ -424,6 +425,34 @@ class Backend:
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
+class _OpenDirs:
+    """Descriptors of the directories a run of calls goes to, opened once
+    each when the calls come a directory at a time, and only the last few
+    kept open: never one per directory of thousands (the daemon ran out of
+    descriptors)."""
+
+    KEEP = 16
+
+    def __init__(self, opener: Callable[[str], int]) -> None:
+        self._open = opener
+        self._fds: collections.OrderedDict[str, int] = collections.OrderedDict()
+
+    def get(self, head: str) -> int:
+        """Valid until the next call."""
+        fd = self._fds.get(head)
+        if fd is not None:
+            self._fds.move_to_end(head)
+            return fd
+        if len(self._fds) >= self.KEEP:
+            os.close(self._fds.popitem(last=False)[1])
+        fd = self._fds[head] = self._open(head)
+        return fd
+
+    def close(self) -> None:
+        while self._fds:
+            os.close(self._fds.popitem()[1])
+
+
 class SymlinkInStore(OSError):
     """A symlink where a local store should have a directory (ELOOP)."""
 
@@ -516,13 +545,18 @@ class LocalBackend(Backend):
         record and file is renamed into place, and a second syncfs makes the
         renames durable: two syncs for the group, not three fsyncs a file.
         Each directory is opened once for the group."""
-        dirs: dict[str, int] = {}
+        dirs: dict[str, int] = {}  # where files are written, then renamed from: open until the end
+        dests = _OpenDirs(lambda head: self._dir(head, create=True))  # where they go: the last few open
 
         def at(path: str) -> tuple[int, str]:
             head, _, name = path.rpartition("/")
             if head not in dirs:
                 dirs[head] = self._dir(head, create=True)
             return dirs[head], name
+
+        def to(path: str) -> tuple[int, str]:
+            head, _, name = path.rpartition("/")
+            return dests.get(head), name
 
         written: list[tuple[int, str]] = []  # not renamed into place yet: removed if the group fails
         try:
@@ -541,7 +575,7 @@ class LocalBackend(Backend):
             moves = [(src, path, None) for src, (path, _data) in zip(written, records, strict=False)]  # records stay 0600
             moves += [(src, path, mode) for src, (_staged, path, mode, _pieces) in zip(sources, files, strict=True)]
             for (sd, sname), path, mode in moves:
-                dd, dname = at(path)
+                dd, dname = to(path)
                 if mode is not None:
                     os.chmod(sname, mode & 0o777, dir_fd=sd)  # never set-ID bits in the store
                 try:
@@ -556,6 +590,7 @@ class LocalBackend(Backend):
                     os.unlink(name, dir_fd=d)
             for fd in dirs.values():
                 os.close(fd)
+            dests.close()
         self.sync()
 
     def sync(self) -> None:
@@ -613,15 +648,15 @@ class LocalBackend(Backend):
 
     def read_many(self, paths: list[str]) -> Iterator[tuple[str, bytes]]:
         """Each directory is opened once, not once per file (a restart reads
-        one record per file in the store)."""
-        heads: dict[str, int] = {}
+        one record per file in the store), when `paths` come a directory at
+        a time (sorted): the last few directories stay open, never all of
+        them (thousands ran the daemon out of descriptors)."""
+        heads = _OpenDirs(self._dir)
         try:
             for path in paths:
                 head, _, name = path.rpartition("/")
                 try:
-                    if head not in heads:
-                        heads[head] = self._dir(head)
-                    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=heads[head])
+                    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=heads.get(head))
                 except (FileNotFoundError, NotADirectoryError):
                     continue
                 with open(fd, "rb", buffering=0) as f:
@@ -629,8 +664,7 @@ class LocalBackend(Backend):
                         raise OSError(errno.EINVAL, "not a regular file", path)
                     yield path, f.read()
         finally:
-            for fd in heads.values():
-                os.close(fd)
+            heads.close()
 
     def delete(self, path: str) -> None:
         # Under a symlink or a file nothing of ours can be: nothing to delete.
@@ -707,8 +741,12 @@ class LocalBackend(Backend):
         yield from self._tree(prefix, skip_meta=True)
 
     def _tree(self, prefix: str, skip_meta: bool, dirs: bool = True) -> Iterator[Entry]:
-        """Top down, a directory's entries in listing order, one directory
-        at a time (`_listed`)."""
+        """Top down, depth first: each directory (one the daemon cannot
+        open is left out, with a warning), then its files in listing order
+        (`_listed`), then its directories the same way. Descriptors held: one per level
+        of depth (each directory's, while its subdirectories are walked),
+        never one per subdirectory: a directory of thousands of them ran the
+        daemon out of descriptors, and the mount failed."""
         rel = prefix.strip("/")
         if skip_meta and (rel == META or rel.startswith(META + "/")):
             return
@@ -716,18 +754,37 @@ class LocalBackend(Backend):
             top = self._dir(rel)
         except (FileNotFoundError, NotADirectoryError, SymlinkInStore):
             return
-        pending = [(rel, top)]
+        stack = [(rel, top, iter(()))]  # a directory, its descriptor, its subdirectories not yet walked (closed below)
         try:
-            while pending:
-                rel, fd = pending.pop()
+            found, below = _listed(rel, top, skip_meta)
+            stack[-1] = (rel, top, iter(below))
+            yield from found
+            while stack:
+                parent, fd, rest = stack[-1]
+                name = next(rest, None)
+                if name is None:
+                    os.close(stack.pop()[1])
+                    continue
                 try:
-                    found, below = _listed(rel, fd, skip_meta)
-                finally:
-                    os.close(fd)
-                pending.extend(reversed(below))  # depth first, each directory's in listing order
-                yield from (e for e in found if dirs or not e.is_dir)
+                    sub = os.open(name, _DIR, dir_fd=fd)
+                except (FileNotFoundError, NotADirectoryError):
+                    continue  # gone, or another kind now, since it was listed
+                except PermissionError as exc:
+                    log.warning("cannot list %s in the store (%s): what it holds is not shown", f"{parent}/{name}" if parent else name, exc.strerror)
+                    continue
+                except OSError as exc:
+                    if exc.errno != errno.ELOOP:
+                        raise
+                    continue  # a directory replaced by a symlink since it was listed: never followed
+                path = f"{parent}/{name}" if parent else name
+                stack.append((path, sub, iter(())))
+                found, below = _listed(path, sub, skip_meta)
+                stack[-1] = (path, sub, iter(below))
+                if dirs:
+                    yield Entry(path, 0, True)
+                yield from found
         finally:
-            for _, fd in pending:
+            for _, fd, _ in stack:
                 os.close(fd)
 
     def find(self, prefix: str) -> list[str]:
@@ -828,37 +885,24 @@ def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
-def _listed(rel: str, fd: int, skip_meta: bool) -> tuple[list[Entry], list[tuple[str, int]]]:
-    """The directories and regular files in directory `fd` (at `rel`), and
-    a descriptor of each of those directories: `os.scandir` gives each
-    name's type, so only regular files are stat'ed (for their sizes), and
-    each directory is opened from `fd` with O_NOFOLLOW (a symlink swapped in
-    meanwhile is never followed). One the daemon cannot read is left out,
-    with a warning."""
+def _listed(rel: str, fd: int, skip_meta: bool) -> tuple[list[Entry], list[str]]:
+    """The regular files in directory `fd` (at `rel`), and the names of its
+    directories: `os.scandir` gives each name's type, so only regular files
+    are stat'ed (for their sizes)."""
     found: list[Entry] = []
-    below: list[tuple[str, int]] = []
-    try:
-        with os.scandir(fd) as listing:
-            for e in listing:
-                path = f"{rel}/{e.name}" if rel else e.name
-                try:
-                    if e.is_dir(follow_symlinks=False) and not (skip_meta and path == META):
-                        below.append((path, os.open(e.name, _DIR, dir_fd=fd)))
-                        found.append(Entry(path, 0, True))
-                    elif e.is_file(follow_symlinks=False) and stat.S_ISREG((st := os.stat(e.name, dir_fd=fd, follow_symlinks=False)).st_mode):
-                        found.append(Entry(path, st.st_size, False))
-                except (FileNotFoundError, NotADirectoryError):
-                    pass  # gone, or another kind now, since it was listed
-                except PermissionError as exc:
-                    log.warning("cannot list %s in the store (%s): what it holds is not shown", path, exc.strerror)
-                except OSError as exc:
-                    if exc.errno != errno.ELOOP:
-                        raise
-                    # a directory replaced by a symlink since it was listed: never followed
-    except BaseException:
-        for _, d in below:
-            os.close(d)
-        raise
+    below: list[str] = []
+    with os.scandir(fd) as listing:
+        for e in listing:
+            path = f"{rel}/{e.name}" if rel else e.name
+            try:
+                if e.is_dir(follow_symlinks=False) and not (skip_meta and path == META):
+                    below.append(e.name)
+                elif e.is_file(follow_symlinks=False) and stat.S_ISREG((st := os.stat(e.name, dir_fd=fd, follow_symlinks=False)).st_mode):
+                    found.append(Entry(path, st.st_size, False))
+            except (FileNotFoundError, NotADirectoryError):
+                pass  # gone, or another kind now, since it was listed
+            except PermissionError as exc:
+                log.warning("cannot list %s in the store (%s): what it holds is not shown", path, exc.strerror)
     return found, below
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import select
 import signal
 import subprocess
@@ -248,6 +249,24 @@ def test_the_daemon_asks_the_oom_killer_to_pick_it_last(dirs, given, expected):
     if now != expected:
         assert expected < 0 and now == int(Path("/proc/self/oom_score_adj").read_text())  # as inherited
         assert f"oom_score_adj stays as inherited, not {expected}" in Path(info.log_file).read_text()
+    assert run_cli("umount", str(mp)).returncode == 0
+
+
+def test_the_daemon_raises_its_descriptor_limit_to_the_hard_one(dirs):
+    """A soft limit of 1,024 descriptors (a common default) is for programs
+    that leak them; the daemon's store walks and uploads may need more."""
+    mp, store = dirs
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 4096))
+
+    r = subprocess.run([sys.executable, "-m", "ckptfs.tools.cli", "mount", str(mp), "--store", str(store)],
+                       capture_output=True, text=True, timeout=120, preexec_fn=limit)
+    assert r.returncode == 0, r.stderr
+    info = runtime.MountInfo.read(mp)
+    assert info is not None
+    line = next(ln for ln in Path(f"/proc/{info.pid}/limits").read_text().splitlines() if ln.startswith("Max open files"))
+    assert line.split()[3:5] == ["4096", "4096"], line
     assert run_cli("umount", str(mp)).returncode == 0
 
 

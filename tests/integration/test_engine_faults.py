@@ -10,12 +10,13 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
-from tests.mountutil import drop_caches, run_cli, start_mount, stop_mount
+from tests.mountutil import drop_caches, limit_open_files, run_cli, start_mount, stop_mount
 from tests.storeutil import StoreWatcher, store_files, store_outage, verify_store, wait_store_matches, wait_until
 
 RETRY_LOG = ("failed (try", "retrying", "NOT PUBLISHED", "not published", "heartbeat", "failed for good", "parked",
@@ -219,6 +220,34 @@ def test_a_tree_deeper_than_python_recursion_is_published_and_comes_back(tmp_pat
         _deep_tree_round_trip(tmp_path, 1500)
     finally:
         subprocess.run(["rm", "-rf", str(tmp_path / "store")], check=False)  # pytest's own cleanup of old runs recurses: too deep for it
+
+
+def test_a_store_directory_of_thousands_of_directories_needs_few_descriptors(tmp_path):
+    """The store walk held a descriptor for every subdirectory of the
+    directory it listed: 1,500 step directories failed every restart of a
+    daemon limited to 1,024 descriptors (EMFILE: the mount failed), and
+    `verify` too; reading every record and a group commit held one for
+    every directory they went to. Now a walk holds one per level of depth,
+    the others the last few."""
+    mount = start_mount(tmp_path, open_files=256)
+    try:
+        for i in range(1500):
+            mount.path(f"step-{i}").mkdir()
+            mount.path(f"step-{i}", "model.pt").write_bytes(b"%d" % i)
+        assert umount(mount).returncode == 0
+    finally:
+        stop_mount(mount)
+    again = start_mount(tmp_path, open_files=256)
+    try:
+        assert sorted(p.name for p in again.mountpoint.iterdir()) == sorted(f"step-{i}" for i in range(1500))
+        assert again.path("step-1499", "model.pt").read_bytes() == b"1499"
+        assert umount(again).returncode == 0
+        assert again.unexpected_log_errors() == []
+    finally:
+        stop_mount(again)
+    r = subprocess.run([sys.executable, "-m", "ckptfs.tools.cli", "verify", str(mount.store)], capture_output=True, text=True,
+                       preexec_fn=lambda: limit_open_files(256))
+    assert r.returncode == 0 and r.stdout.startswith("1500 ok"), r.stdout + r.stderr
 
 
 def _deep_tree_round_trip(tmp_path, depth: int) -> None:
