@@ -29,9 +29,11 @@ READ_BATCH = 1000
 PASSWORD_ENV = "CKPTFS_REDIS_PASSWORD"
 
 # KEYS: head, log. ARGV: the position the appender has applied, the entry.
-# Returns the entry's position, or -1 if someone appended after `after`.
+# Returns the entry's position, -1 if someone appended after `after`, or -2
+# if the log ends before `after` (Redis lost it).
 _APPEND = """
 local head = tonumber(redis.call('GET', KEYS[1]) or '0')
+if head < tonumber(ARGV[1]) then return -2 end
 if head ~= tonumber(ARGV[1]) then return -1 end
 head = head + 1
 redis.call('SET', KEYS[1], head)
@@ -73,6 +75,15 @@ return keep + 1
 
 class ClusterError(RuntimeError):
     """Redis cannot be used as this cluster's metadata engine; the message says why, in one line."""
+
+
+class LogLost(RuntimeError):
+    """The log in Redis ends before what this node has applied: Redis lost
+    it (restarted without persistence, flushed, or evicting keys)."""
+
+    def __init__(self, head: int, applied: int) -> None:
+        super().__init__(f"the cluster's log in Redis ends at {head}, before the {applied} changes this node applied: Redis lost it "
+                         "(restarted without persistence, flushed, or evicting keys under maxmemory)")
 
 
 @dataclass(frozen=True)
@@ -141,9 +152,19 @@ class SharedLog:
             raise ClusterError(f"the cluster at {_describe(self.where)} keeps the namespace of store {there.decode()}, not {store_url}")
 
     def append(self, after: int, entry: bytes) -> int | None:
-        """Append `entry` if the log ends at `after`; its position, or None if it does not."""
+        """Append `entry` if the log ends at `after`; its position, or None if
+        it ends later. LogLost if it ends before."""
         got = int(self._append(keys=[self.head_key, self.log_key], args=[after, entry]))
+        if got == -2:
+            raise LogLost(self.head(), after)
         return None if got < 0 else got
+
+    def check(self, applied: int) -> None:
+        """LogLost if the log ends before `applied` (no entry will ever come
+        after it: a node waiting for one must hear why)."""
+        head = self.head()
+        if head < applied:
+            raise LogLost(head, applied)
 
     def read(self, after: int) -> list[tuple[int, bytes]]:
         """Entries after position `after`, in order (at most READ_BATCH)."""

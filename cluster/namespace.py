@@ -42,7 +42,7 @@ import trio
 from ckptfs.fs.tree import Handle, InodeTree, Journal
 
 from . import snapshot
-from .log import READ_BATCH, SharedLog
+from .log import READ_BATCH, LogLost, SharedLog
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,9 @@ class SharedNamespace:
                     if self.behind:
                         raise OSError(errno.EIO, self.behind)
                     assert appended is None or n in self._outcomes
+                except LogLost as exc:
+                    self._lost(exc)
+                    raise OSError(errno.EIO, self.behind) from None
                 except redis.RedisError as exc:
                     if trio.current_time() > deadline:
                         raise OSError(errno.EIO, f"the cluster's Redis is unreachable: {exc}") from None
@@ -279,6 +282,11 @@ class SharedNamespace:
                 continue
             try:
                 got = await trio.to_thread.run_sync(self.log.wait, self.position, FOLLOW_BLOCK_S, abandon_on_cancel=True)
+                if not got:  # quiet: is there a log to wait on still?
+                    await trio.to_thread.run_sync(self.log.check, self.position)
+            except LogLost as exc:
+                self._lost(exc)
+                continue
             except redis.RedisError as exc:
                 self._unreachable(f"cannot read the cluster's log ({exc}): trying again")
                 await trio.sleep(APPEND_RETRY_S * 5)
@@ -288,6 +296,15 @@ class SharedNamespace:
                 self._warned.clear()
             await self._not_snapshotting()
             self._apply_all(got)
+
+    def _lost(self, exc: LogLost) -> None:
+        """Redis lost the log: this replica cannot be kept in step with any
+        other any more. Namespace changes fail from now on (EIO); reads go
+        on with what this node has."""
+        if not self.behind:
+            self.behind = (f"{exc}; this node's namespace can no longer be shared, so changes to it fail: "
+                           "unmount every node of the cluster and mount again (keep Redis persistent: appendonly yes)")
+            log.error("%s", self.behind)
 
     def _apply_all(self, entries: list[tuple[int, bytes]]) -> int:
         n = 0

@@ -169,6 +169,29 @@ async def _save_snapshot(r: SharedNamespace) -> int:
     return pipe.execute()[0]
 
 
+async def test_a_log_that_redis_lost_is_said_and_changes_fail_instead_of_spinning(redis_db):
+    """Redis restarted without persistence (or flushed, or evicting keys):
+    the log ends before what the nodes applied. An append went on trying
+    after the end it could never reach, a node's CPU spinning and its
+    caller hung for good; a node only following waited for entries that
+    never come. Both now say why, and changes fail with EIO."""
+    a, b = _replica(redis_db, "a"), _replica(redis_db, "b")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(b.follow)
+        await a.change("mkdir", ROOT, b"ckpt", 0o755, 0, 0)
+        await _settled(a, b)
+        a.log.redis.flushdb()
+        with trio.fail_after(5), pytest.raises(OSError) as got:
+            await a.change("mkdir", ROOT, b"after", 0o755, 0, 0)
+        assert got.value.errno == errno.EIO and "Redis lost it" in str(got.value) and "mount again" in str(got.value)
+        with trio.fail_after(5):
+            while not b.behind:
+                await trio.sleep(0.05)
+        assert "Redis lost it" in b.behind
+        assert b.tree.inode_at("ckpt") is not None  # what it has, it still shows
+        nursery.cancel_scope.cancel()
+
+
 async def test_the_log_is_trimmed_to_a_snapshot_that_late_joiners_load_but_never_past_a_beating_node(redis_db):
     a, b, c = (_replica(redis_db, n) for n in "abc")
     async with trio.open_nursery() as nursery:
