@@ -277,7 +277,7 @@ class _Noted:
         self.tree = tree
         self.entries: list[list] = []  # [path, mode, size, mtime_ns, target, uid, gid]
 
-    def restore(self, path, mode, size=0, mtime_ns=0, target="", uid=None, gid=None):
+    def restore(self, path, mode, size=0, mtime_ns=None, target="", uid=None, gid=None):
         self.entries.append([path, mode, size, mtime_ns, target, uid, gid])
         return self.tree.restore(path, mode, size, mtime_ns, target, uid, gid)
 

@@ -653,7 +653,7 @@ class InodeTree:
         inode = self.inodes.get(ino)
         return None if inode is None else (inode.mode, inode.uid, inode.gid, inode.mtime_ns)
 
-    def restore(self, path: str, mode: int, size: int = 0, mtime_ns: int = 0, target: str = "", uid: int | None = None,
+    def restore(self, path: str, mode: int, size: int = 0, mtime_ns: int | None = None, target: str = "", uid: int | None = None,
                 gid: int | None = None) -> Inode:
         """Recreate an entry found in the store (restart), with exactly the
         given mode, owner (None: the mount's owner) and mtime. Regular files
@@ -692,16 +692,16 @@ class InodeTree:
             if not stat.S_ISLNK(mode):
                 inode.mode = stat.S_IFMT(inode.mode) | (mode & 0o7777)  # as recorded, whatever the parent's set-group-ID says
             inode.uid, inode.gid = owner
-            if mtime_ns:
+            if mtime_ns is not None:  # None: not recorded (0 is 1970)
                 inode.mtime_ns = mtime_ns
             return inode
         finally:
             self.journal = journal
 
-    def restore_files(self, parent: str, files: Iterable[tuple[str, int, int, int, int | None, int | None]]) -> list[Inode]:
+    def restore_files(self, parent: str, files: Iterable[tuple[str, int, int, int | None, int | None, int | None]]) -> list[Inode]:
         """`restore` of many regular files in one directory, `parent` (made
-        as needed, "" the root): (name, mode, size, mtime_ns, uid, gid)
-        each. A restart restores every file of the store: this is the loop
+        as needed, "" the root): (name, mode, size, mtime_ns or None, uid,
+        gid) each. A restart restores every file of the store: this is the loop
         over them, with the directory found once. A name taken already keeps
         what holds it (as `restore`)."""
         d = self.inode_at(parent)
@@ -724,7 +724,7 @@ class InodeTree:
             if d.ino == ROOT and key == RESERVED:
                 raise _err(errno.EPERM, "reserved name")
             inode = Inode(self._next_ino, stat.S_IFREG | (mode & 0o7777), root.uid if uid is None else uid, root.gid if gid is None else gid,
-                          atime_ns=now, mtime_ns=mtime_ns or now, ctime_ns=now, generation=1, sealed_version=0)
+                          atime_ns=now, mtime_ns=now if mtime_ns is None else mtime_ns, ctime_ns=now, generation=1, sealed_version=0)
             self._next_ino += 1
             inode.data = data = FileData(self.pool)
             data.size, data.resident = size, False

@@ -73,7 +73,7 @@ class Restorer(Protocol):
     """Where a restart puts what the store holds (the mount's tree; see
     `fs.tree.InodeTree.restore`)."""
 
-    def restore(self, path: str, mode: int, size: int = 0, mtime_ns: int = 0, target: str = "", uid: int | None = None,
+    def restore(self, path: str, mode: int, size: int = 0, mtime_ns: int | None = None, target: str = "", uid: int | None = None,
                 gid: int | None = None) -> Node: ...  # one entry, as recorded
     def restore_files(self, parent: str, files: list[tuple[str, int, int, int, int | None, int | None]]) -> list[Node]: ...
 

@@ -56,7 +56,7 @@ class Meta(NamedTuple):  # a tuple: a restart makes one per file in the store
     mode: int = 0o644  # permission bits, set-ID and sticky bits included (S_IMODE)
     uid: int | None = None  # None: not recorded (a restart gives the mount's owner, and no set-ID bits)
     gid: int | None = None
-    mtime_ns: int = 0
+    mtime_ns: int | None = None  # None: not recorded (a restart gives the time of the restart); 0 is 1970
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class Record:
     current: Digest | None = None
     previous: Digest | None = None
     mode: int = 0o644
-    mtime_ns: int = 0
+    mtime_ns: int | None = None  # None: not recorded
     target: str = ""  # symlinks
     written_ns: int = 0  # when the bytes were sealed (daemon) or written (store fallback): the newer wins
     # where the bytes come from while being published: "staged:<path>", "move:<path>", "copy:<path>", "put:<daemon>",
@@ -129,8 +129,9 @@ def checked(rec: Record) -> Record:
 
 
 def _check(path, kind, mode, mtime_ns, written_ns, target, source, uid, gid) -> None:
-    if not (type(path) is str and kind in KINDS and type(mode) is int and 0 <= mode <= 0o7777 and type(mtime_ns) is int
-            and -_NS <= mtime_ns < _NS and type(written_ns) is int and type(target) is str and type(source) is str
+    if not (type(path) is str and kind in KINDS and type(mode) is int and 0 <= mode <= 0o7777
+            and (mtime_ns is None or (type(mtime_ns) is int and -_NS <= mtime_ns < _NS))
+            and type(written_ns) is int and type(target) is str and type(source) is str
             and (uid is None or (type(uid) is int and 0 <= uid < _ID)) and (gid is None or (type(gid) is int and 0 <= gid < _ID))):
         raise ValueError(f"a record with fields ckptfs never writes: {path!r:.200}")
 

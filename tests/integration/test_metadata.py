@@ -47,6 +47,15 @@ def test_modes_owners_and_mtimes_come_back_exactly(tmp_path):
         os.utime(mp / "run" / "checkpoint-25", ns=(1_000_000_000, 1_700_000_000_123_456_789))
         os.utime(mp / "theirs", ns=(1, 1_600_000_000_000_000_001))
         os.utime(mp / "latest", ns=(1, 1_650_000_000_000_000_000), follow_symlinks=False)
+        # 1970 itself (reproducible builds: SOURCE_DATE_EPOCH=0) and before it: a time of 0 came back as the restart's
+        (mp / "epoch").write_bytes(b"e")
+        os.utime(mp / "epoch", ns=(0, 0))
+        (mp / "before-1970").write_bytes(b"b")
+        os.utime(mp / "before-1970", ns=(0, -86_400_000_000_123))
+        (mp / "epoch-dir").mkdir()
+        os.utime(mp / "epoch-dir", ns=(0, 0))
+        os.symlink("epoch", mp / "epoch-link")
+        os.utime(mp / "epoch-link", ns=(0, 0), follow_symlinks=False)
         os.chown(mp / "run", 1000, 1000)
         os.utime(mp / "run", ns=(1, 1_690_000_000_000_000_000))  # last: later entries would change it
         before = attrs(mp)
