@@ -417,7 +417,10 @@ def verify(target: str, path: str, store_options: tuple[str, ...]) -> None:
         _fail(str(exc), 2)
     if not backend.exists(META):
         _fail(f"{url} is not a ckptfs store (it has no {META}/): neither a store a ckptfs mount ever used nor a ckptfs mount", 2)
-    prefix = path.strip("/")
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        _fail(f"{path}: a PATH in the store cannot go up ('..'): it names a place in the store, from its top", 2)
+    prefix = "/".join(parts)
     report = _verify_with_progress(run_verify, backend, prefix)
     if prefix and not (report.ok or report.corrupt or report.missing or report.extra):
         _fail(f"{path}: no such file or directory in the store {url} or its manifest", 2)

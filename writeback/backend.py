@@ -482,7 +482,9 @@ class LocalBackend(Backend):
 
     def _dir(self, path: str, create: bool = False) -> int:
         """A descriptor of directory `path`, reached without following a
-        symlink; missing components are made if `create`."""
+        symlink, and never above the store's root; missing components are
+        made if `create`."""
+        _below_root(path)
         fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         if path.strip("/"):
             below = _open_beneath(fd, path, _DIR)  # one call for the whole path, where the kernel can
@@ -517,6 +519,7 @@ class LocalBackend(Backend):
     def _at(self, path: str, create: bool = False) -> Iterator[tuple[int, str]]:
         """(descriptor of the parent directory, last component) of `path`."""
         head, _, name = path.rpartition("/")
+        _below_root(name)
         fd = self._dir(head, create)
         try:
             yield fd, name
@@ -929,6 +932,15 @@ _SYS_OPENAT2 = 437  # the same number on every architecture (Linux 5.6)
 # No symlink, no magic link, no ".." above the root, no other mount.
 _RESOLVE = 0x01 | 0x02 | 0x04 | 0x08  # RESOLVE_NO_XDEV | NO_MAGICLINKS | NO_SYMLINKS | BENEATH
 _openat2_works = True
+
+
+def _below_root(path: str) -> None:
+    """EINVAL for a path with a `.` or `..` component: every path the
+    daemon and the tools give a store is relative to its root and clean; one
+    that is not must never reach above the root (openat2's RESOLVE_BENEATH
+    refuses it, the walk by components would not)."""
+    if "." in path and any(part in (".", "..") for part in path.split("/")):
+        raise OSError(errno.EINVAL, "a store path with '.' or '..' in it", path)
 
 
 def _open_beneath(dir_fd: int, path: str, flags: int) -> int | None:

@@ -70,6 +70,8 @@ CASES = [
     ("verify a store that does not exist", ["verify", "{tmp}/nostore"], {}, 2, "does not exist"),
     ("verify a directory that is no store", ["verify", "{mp}"], {}, 2, "not a ckptfs store"),
     ("verify a path that is not there", ["verify", "{ckptfs}", "no/such/path"], {}, 2, "no such"),
+    ("verify a path above the store", ["verify", "{ckptfs}", "../.."], {}, 2, "cannot go up"),
+    ("verify a path that goes up inside it", ["verify", "{ckptfs}", "a/./../b"], {}, 2, "cannot go up"),
     ("umount of a directory that is no mount", ["umount", "{mp}"], {}, 2, "not a ckptfs mount"),
 ]
 

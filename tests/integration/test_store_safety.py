@@ -76,3 +76,30 @@ def test_a_directory_of_the_store_the_daemon_cannot_read_is_left_out_with_a_warn
         assert "cannot list secret in the store" in r.stderr
     finally:
         shutil.rmtree(root)
+
+
+def test_no_store_call_reaches_above_the_store_root(tmp_path):
+    """`verify STORE ../..` walked and reported the store's parent's parent
+    (openat2 refuses `..` beneath the root, and the walk by components
+    that redoes what it refuses followed it). No path given to a store
+    may hold `.` or `..`: every call refuses it (EINVAL), whatever the
+    caller."""
+    import errno
+
+    import pytest
+    from ckptfs.writeback.backend import LocalBackend
+
+    (tmp_path / "outside").write_bytes(b"not the store's")
+    store = tmp_path / "a" / "store"
+    store.mkdir(parents=True)
+    (store / "f").write_bytes(b"the store's")
+    b = LocalBackend(str(store), f"file://{store}")
+    for call in (lambda: list(b.walk("../..")), lambda: b.find(".."), lambda: b.read_all("../../outside"),
+                 lambda: b.exists("./f"), lambda: b.put("../escaped", b"x"), lambda: b.delete("../../outside"),
+                 lambda: list(b.read_many(["../../outside"]))):
+        with pytest.raises(OSError) as got:
+            call()
+        assert got.value.errno == errno.EINVAL
+    assert (tmp_path / "outside").read_bytes() == b"not the store's" and not (tmp_path / "a" / "escaped").exists()
+    assert b.read_all("f") == b"the store's"
+    assert run_cli("verify", str(store), "../..").returncode == 2
