@@ -127,12 +127,12 @@ class ControlServer:
         out: dict[str, Any] = {"mount": {**self.mount, "uptime_s": time.time() - self.mount["started"]},
                                "totals": self.ledger.totals().as_dict()}
         if with_files:
-            self._check_exists(path)
+            path = self._resolved(path)
             out["files"] = [_row(f) for f in status.files(self.tree, self.engine, path)]
         return out
 
     async def flush(self, stream: trio.SocketStream, path: str, timeout: float) -> dict:
-        self._check_exists(path)
+        path = self._resolved(path)
         ops = self.engine.barrier(path)
         total_files, total_bytes = _left(ops)
         waiting = Left(self.engine, ops)
@@ -159,7 +159,7 @@ class ControlServer:
         return {"path": op.path, "size": 0, "state": f"{kind(op)} pending", "error": op.error, "tries": op.tries}
 
     async def prefetch(self, stream: trio.SocketStream, path: str) -> dict:
-        self._check_exists(path)
+        path = self._resolved(path)
         c = self.engine.counters
         files0, bytes0 = c.loads, c.loaded_bytes
 
@@ -176,7 +176,7 @@ class ControlServer:
         return {"loaded": n, "bytes": c.loaded_bytes - bytes0}
 
     def evict(self, path: str) -> dict:
-        self._check_exists(path)
+        path = self._resolved(path)
         evicted, freed, refused = 0, 0, []
         for f in status.files(self.tree, self.engine, path):
             if f.state != "published":
@@ -188,9 +188,19 @@ class ControlServer:
                     freed += got
         return {"evicted": evicted, "bytes": freed, "refused": refused}
 
-    def _check_exists(self, path: str) -> None:
-        if path and self.tree.inode_at(path) is None:
-            raise RequestError(f"{path}: no such file or directory in the mount")
+    def _resolved(self, path: str) -> str:
+        """The path of what `path` names in the mount, symlinks followed (a
+        `latest` link to the newest checkpoint names that checkpoint)."""
+        if not path:
+            return path
+        try:
+            return self.tree.resolve(path, self.mount["mountpoint"])
+        except FileNotFoundError:
+            raise RequestError(f"{path}: no such file or directory in the mount") from None
+        except ValueError as exc:
+            raise RequestError(f"{path}: {exc}") from None
+        except OSError as exc:
+            raise RequestError(f"{path}: {exc.strerror}") from None
 
 
 def _row(f: status.FileStatus) -> dict:

@@ -39,6 +39,7 @@ XATTR_SIZE_MAX = 65536
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 LISTINGS_KEPT = 64  # directories whose listing in progress is kept for resuming
+MAX_SYMLINKS = 40  # followed in one path resolution, as Linux allows
 RESERVED = b".ckptfs"  # the store's hidden prefix: not a name at the root
 _FS_ENCODING, _FS_ERRORS = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
 
@@ -219,6 +220,41 @@ class InodeTree:
                 return None
             node = self.inodes[ino]
         return node
+
+    def resolve(self, path: str, mountpoint: str) -> str:
+        """The path of what `path` (from the root) names, every symlink on
+        the way followed as the kernel would through the mount at
+        `mountpoint`: FileNotFoundError if nothing is there, ValueError if a
+        symlink leads out of the mount, OSError(ELOOP) past MAX_SYMLINKS."""
+        todo = [p for p in path.split("/") if p][::-1]  # the components left, the next last
+        done: list[str] = []
+        hops = 0
+        while todo:
+            part = todo.pop()
+            if part == ".":
+                continue
+            if part == "..":
+                if not done:
+                    raise ValueError("it leads out of the mount")
+                done.pop()
+                continue
+            node = self.inode_at("/".join([*done, part]))
+            if node is None:
+                raise FileNotFoundError(errno.ENOENT, "no such file or directory", path)
+            if not stat.S_ISLNK(node.mode):
+                done.append(part)
+                continue
+            hops += 1
+            if hops > MAX_SYMLINKS:
+                raise OSError(errno.ELOOP, "too many levels of symbolic links")
+            target = os.fsdecode(node.target)
+            if target.startswith("/"):
+                top = mountpoint.rstrip("/")
+                if target != top and not target.startswith(top + "/"):
+                    raise ValueError(f"a symlink in it leads out of the mount (to {target})")
+                target, done = target[len(top):], []
+            todo.extend(p for p in reversed(target.split("/")) if p)
+        return "/".join(done)
 
     def _path(self, parent: int, name: bytes) -> str:
         prefix = self.paths_of(parent)

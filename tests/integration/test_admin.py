@@ -257,6 +257,28 @@ def test_evict_and_prefetch(fresh_mount):
         assert m.path(p).read_bytes() == d
 
 
+def test_admin_paths_follow_symlinks_in_the_mount(fresh_mount):
+    """`ckptfs evict /mnt/ckpt/latest/model.pt` (a `latest` link to the
+    newest checkpoint, as Lightning's save_last="link" and many scripts
+    keep) named no file for the daemon; a link in the path, or at its end,
+    is followed as the kernel would, and one leading out of the mount is
+    a one-line error."""
+    m = fresh_mount
+    write(m.path("step-3", "model.pt"), os.urandom(1 << 20))
+    os.symlink("step-3", m.path("latest"))
+    os.symlink(str(m.path("step-3")), m.path("latest-absolute"))
+    os.symlink("/etc", m.path("outside"))
+    assert run_cli("flush", str(m.path("latest"))).returncode == 0
+    r = run_cli("evict", str(m.path("latest", "model.pt")))
+    assert r.returncode == 0 and "evicted 1 files" in r.stdout, r.stdout + r.stderr
+    r = run_cli("prefetch", str(m.path("latest-absolute")))
+    assert r.returncode == 0 and "loaded 1 files" in r.stdout, r.stdout + r.stderr
+    r = run_cli("evict", str(m.path("latest")))
+    assert r.returncode == 0 and "evicted 1 files" in r.stdout, r.stdout + r.stderr
+    r = run_cli("evict", str(m.path("outside", "passwd")))
+    assert r.returncode != 0 and "leads out of the mount" in r.stderr and "Traceback" not in r.stderr
+
+
 def rss(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):

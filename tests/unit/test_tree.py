@@ -420,3 +420,28 @@ def test_paths_of_a_file_deeper_than_python_recursion(s):
     s.link(f.ino, ROOT, b"top")
     s.rename(ROOT, b"a", ROOT, b"b")
     assert sorted(s.paths_of(f.ino)) == ["/".join(["b"] + ["a"] * 2999) + "/f", "top"]
+
+
+def test_resolve_follows_symlinks_as_the_kernel_would(s):
+    d = s.mkdir(ROOT, b"step-3", 0o755, 0, 0)
+    new_file(s, b"model.pt", b"m", parent=d.ino)
+    s.symlink(ROOT, b"latest", b"step-3", 0, 0)
+    s.symlink(ROOT, b"abs", b"/mnt/ckpt/step-3/model.pt", 0, 0)
+    s.symlink(d.ino, b"up", b"../latest", 0, 0)
+    s.symlink(ROOT, b"out", b"/etc", 0, 0)
+    s.symlink(ROOT, b"above", b"..", 0, 0)
+    s.symlink(ROOT, b"loop", b"loop", 0, 0)
+    s.symlink(ROOT, b"dangling", b"nothing", 0, 0)
+    assert s.resolve("latest/model.pt", "/mnt/ckpt") == "step-3/model.pt"
+    assert s.resolve("latest", "/mnt/ckpt/") == "step-3"
+    assert s.resolve("abs", "/mnt/ckpt") == "step-3/model.pt"
+    assert s.resolve("step-3/up/model.pt", "/mnt/ckpt") == "step-3/model.pt"
+    assert s.resolve("step-3/./model.pt", "/mnt/ckpt") == "step-3/model.pt"
+    assert s.resolve("", "/mnt/ckpt") == ""
+    for path in ("out/passwd", "above", "step-3/../.."):
+        with pytest.raises(ValueError):
+            s.resolve(path, "/mnt/ckpt")
+    assert errno_of(s.resolve, "loop", "/mnt/ckpt") == errno.ELOOP
+    for path in ("dangling", "latest/nothing", "nothing"):
+        with pytest.raises(FileNotFoundError):
+            s.resolve(path, "/mnt/ckpt")
