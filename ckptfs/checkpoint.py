@@ -87,7 +87,8 @@ class CheckpointManager:
 
     def wait_until_published(self, timeout: float | None = None) -> None:
         """Until every checkpoint saved so far is in the store (a no-op
-        outside ckptfs). Raises ckptfs.client.FlushIncomplete on timeout."""
+        outside ckptfs). Raises ckptfs.client.FlushIncomplete on timeout,
+        or when what is left can never be published as it is (parked)."""
         client = self._client()
         if client is not None:
             client.flush(self.directory, timeout=timeout)

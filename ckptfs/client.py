@@ -56,11 +56,15 @@ class RequestFailed(CkptfsError):
 
 
 class FlushIncomplete(CkptfsError):
-    """A flush ended (timeout) with files not yet published; `left` names them."""
+    """A flush ended with files not yet published, `left` names them: its
+    timeout passed (`timed_out`), or all that is left can never be published
+    as it is (parked: a name or a file the store refuses) and waits for the
+    user to change or delete it."""
 
-    def __init__(self, message: str, left: list[dict]) -> None:
+    def __init__(self, message: str, left: list[dict], timed_out: bool) -> None:
         super().__init__(message)
         self.left = left
+        self.timed_out = timed_out
 
 
 def find_mount(path: str | os.PathLike[str]) -> tuple[str, str]:
@@ -118,13 +122,16 @@ class Client:
               progress: Callable[[dict], None] | None = None, cluster: bool = False) -> dict:
         """Wait until everything sealed before the call (under `path`) is
         published; with `cluster`, everything sealed anywhere in the cluster
-        before the call. Raises FlushIncomplete when `timeout` passes first."""
+        before the call. Raises FlushIncomplete when `timeout` passes first,
+        or when what is left is parked (it would wait for ever)."""
         # Progress lines arrive every PROGRESS_EVERY_S: silence, not length, means hung.
         result = self.call("flush", path=self._rel(path), timeout=timeout, progress=progress, cluster=cluster,
                            deadline=math.inf if timeout is None else timeout + self.timeout)
         if not result["published"]:
             left = result["left"]
-            raise FlushIncomplete(f"{len(left)} files not published after {timeout:g}s", left)
+            if result.get("timed_out") and timeout is not None:
+                raise FlushIncomplete(f"{len(left)} files not published after {timeout:g}s", left, True)
+            raise FlushIncomplete(f"{len(left)} files can never be published as they are (parked: change or delete them)", left, False)
         return result
 
     def prefetch(self, path: str | os.PathLike[str] | None = None) -> dict:

@@ -137,7 +137,7 @@ class ControlServer:
         total_files, total_bytes = _left(ops)
         waiting = Left(self.engine, ops)
         reported = -math.inf
-        with trio.move_on_after(timeout):
+        with trio.move_on_after(timeout) as waited:
             # Checked at every change (cheap: see Left), reported every PROGRESS_EVERY_S.
             while not waiting.settled():  # else nothing left, or only what waits for a parked file: never by itself
                 if trio.current_time() - reported >= PROGRESS_EVERY_S:
@@ -150,7 +150,7 @@ class ControlServer:
                     await self.engine.wait_change()
             await self.engine.sync_dirs()  # and the directories' attributes as they are now
         left = [self._describe(op) for op in waiting.now()]
-        return {"published": not left, "files": total_files, "bytes": total_bytes, "left": left}
+        return {"published": not left, "files": total_files, "bytes": total_bytes, "left": left, "timed_out": waited.cancelled_caught}
 
     def _describe(self, op: Op) -> dict:
         if isinstance(op, FileGen):

@@ -207,7 +207,8 @@ def flush(path: str, timeout: float | None, cluster: bool) -> None:
     try:
         result = _flush_with_progress(client, timeout, cluster)
     except FlushIncomplete as exc:
-        click.echo(f"ckptfs: error: not published after {timeout:g}s: {len(exc.left)} left under {printable(where)}", err=True)
+        why = f"not published after {timeout:g}s" if exc.timed_out else "never published as they are (parked: change or delete them)"
+        click.echo(f"ckptfs: error: {why}: {len(exc.left)} left under {printable(where)}", err=True)
         for f in exc.left:
             tail = f" ({f['tries']} tries, last error: {printable(f['error'])})" if f["error"] else ""
             click.echo(f"  {printable(f['path'])}: {f['state']}, {format_size(f['size'])}{tail}", err=True)

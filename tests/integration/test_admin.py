@@ -158,7 +158,7 @@ def test_flush_times_out_while_the_store_is_down_then_succeeds(fresh_mount):
         assert "not published after 2s" in r.stderr and "ck/model.pt" in r.stderr and "staging" in r.stderr
         with pytest.raises(FlushIncomplete) as exc:
             Client(m.mountpoint).flush(timeout=0.5)
-        assert [f["path"] for f in exc.value.left] == ["ck/model.pt"]
+        assert [f["path"] for f in exc.value.left] == ["ck/model.pt"] and exc.value.timed_out
     r = run_cli("flush", str(m.path("ck")))
     assert r.returncode == 0, r.stderr
     assert "flushed" in r.stdout and "1 files" in r.stdout

@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from ckptfs.client import Client, FlushIncomplete
 from tests.mountutil import drop_caches, limit_open_files, run_cli, start_mount, stop_mount
 from tests.storeutil import StoreWatcher, store_files, store_outage, verify_store, wait_store_matches, wait_until
 
@@ -180,6 +181,13 @@ def test_a_name_the_store_cannot_take_is_parked_and_does_not_block_the_rest(tmp_
         files = files()
         assert files["model.pt"]["state"] == "failed" and "symlink" in files["model.pt"]["error"]
         assert files["after.pt"]["state"] == "published"
+        # flush with no timeout: what is left can never be published as it is, so it says so and ends (a traceback before)
+        r = run_cli("flush", str(mount.mountpoint), timeout=60)
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert "never published as they are (parked" in r.stderr and "model.pt" in r.stderr
+        with pytest.raises(FlushIncomplete) as got:
+            Client(mount.mountpoint).flush()
+        assert not got.value.timed_out and [f["path"] for f in got.value.left] == ["deep/model.pt"]
         r = umount(mount)
         assert r.returncode != 0 and "model.pt" in r.stderr
         assert list(elsewhere.iterdir()) == []
