@@ -25,6 +25,7 @@ from .advise import advise
 from .preflight import (
     PreflightError,
     check_cluster,
+    check_cluster_url,
     check_fuse,
     check_log_file,
     check_mounted_ckptfs,
@@ -151,6 +152,8 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, reuse_ram: str, fo
         refuse(str(exc), 2)
     store_url = absolute_url(store_url)  # recorded for tools run from anywhere
     try:
+        if cluster is not None:
+            check_cluster_url(cluster)
         check_fuse(load=foreground)  # the daemon imports pyfuse3 in the foreground: a mount that spawns it need not
         _remove_stale(mountpoint)
         mp = check_mountpoint(mountpoint)

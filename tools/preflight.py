@@ -111,6 +111,21 @@ def check_no_daemon(mp: Path, backend=None) -> None:
                              "one store serves one mount; unmount that one first")
 
 
+def check_cluster_url(url: str) -> None:
+    """A Redis URL with a password in it is refused: on the daemon's
+    command line and in `status`, every user of the machine would read it."""
+    from urllib.parse import urlsplit
+
+    try:
+        secret = urlsplit(url).password
+    except ValueError:
+        return  # malformed: the connection check says so
+    if secret:
+        raise PreflightError("--cluster: the Redis URL holds a password, which every user of this machine could read "
+                             "(in `ps` and `ckptfs status`): leave it out of the URL and set $CKPTFS_REDIS_PASSWORD "
+                             "or --cluster-password-file FILE")
+
+
 def check_cluster(url: str, password_file: str | None, store_url: str) -> None:
     """Cluster mode: its Redis answers, takes the password, and keeps this store's namespace."""
     from ckptfs.cluster.log import ClusterError, SharedLog, Where
