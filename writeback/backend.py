@@ -62,6 +62,7 @@ HEARTBEAT_DEAD_S = 4 * HEARTBEAT_S  # older than this: the daemon is gone
 PART_SIZE = 16 << 20  # grown for huge files to stay under S3's 10,000 parts
 PART_CONCURRENCY = 4  # S3: parts of one file in flight at once (each held as one copy meanwhile)
 SMALL_PUT = 8 << 20  # object stores: up to this size, one PUT at publish time
+MAX_OBJECT = 5 << 40  # S3: the largest object
 READ_MANY_BATCH = 500  # object stores: records fetched concurrently per batch
 READ_MANY_TRIES = 4  # records a burst of reads could not get (an overloaded store's 503 or 500) are read again, together
 # Local stores: a staged file this big is fsynced at once, by its upload worker
@@ -1144,6 +1145,8 @@ class S3Backend(FsspecBackend):
         return bucket, key
 
     def stage(self, pieces: Iterable[memoryview | bytes], size: int, name: str | None = None, elsewhere: bool = False) -> Staged:
+        if size > MAX_OBJECT:  # refused before a byte is read or sent (a sparse `truncate -s 1P` costs nothing in RAM)
+            raise OSError(errno.EFBIG, f"S3 takes objects of at most {MAX_OBJECT >> 40} TiB; this file has {size} bytes", name)
         if elsewhere and 0 <= size <= SMALL_PUT:
             tmp = self._staging_name()
             self.fs.pipe_file(self._abs(tmp), b"".join(bytes(p) for p in pieces))

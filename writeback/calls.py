@@ -57,7 +57,8 @@ class StoreTimeout(OSError):
 # Errors that retrying cannot fix: the name can never exist in this store, or
 # the store refuses the request itself. Anything else (timeouts, connection
 # errors, throttling, 5xx, a full disk) is transient and retried.
-PERMANENT_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.EINVAL, errno.EILSEQ, errno.EACCES, errno.EPERM, errno.EROFS, errno.ELOOP})
+PERMANENT_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.EINVAL, errno.EILSEQ, errno.EACCES, errno.EPERM, errno.EROFS, errno.ELOOP,
+                              errno.EFBIG})
 
 
 def permanent(exc: BaseException) -> bool:

@@ -314,6 +314,27 @@ def test_folder_keys_and_an_object_beside_objects_under_its_name_on_s3(s3, tmp_p
         stop_mount(m)
 
 
+def test_a_file_larger_than_s3_takes_is_parked_at_once_and_holds_nothing_back(s3, tmp_path):
+    """`truncate -s 6T` costs nothing in RAM, but S3 takes objects of at
+    most 5 TiB: its upload would send terabytes of zeros, then fail, and
+    hold back every file after it meanwhile. It is parked before a byte is
+    sent; the file after it is published."""
+    url = s3.bucket("too-big")
+    m = start_mount(tmp_path, extra=("--store", url, *s3.cli_options()))
+    m.allowed_log_errors += ["failed (try", "failed for good", "NOT PUBLISHED", "not published", "at most 5 TiB"]
+    try:
+        with open(m.path("huge"), "wb") as f:
+            f.truncate(6 << 40)
+        m.path("after.pt").write_bytes(b"after")
+        wait_until(lambda: "after.pt" in objects(s3, "too-big"), 60, "the file after the huge one published")
+        wait_until(lambda: "failed for good" in m.log_text(), 60, "the huge file parked")
+        assert "at most 5 TiB" in m.log_text() and "huge" not in objects(s3, "too-big")
+        r = run_cli("umount", str(m.mountpoint))
+        assert r.returncode == 1 and "huge" in r.stderr, r.stderr
+    finally:
+        stop_mount(m)
+
+
 def test_a_name_s3fs_would_read_as_another_object_is_parked_and_clobbers_nothing(s3, tmp_path):
     """s3fs reads `v?versionId=1` as a version of `v`: publishing it would
     overwrite `v`. It is a name this store cannot take: parked, loudly;
