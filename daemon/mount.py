@@ -46,8 +46,9 @@ DEFAULT_SPILL_DIR = "/var/tmp"  # local disk, and never the store: a write must 
 
 
 def fuse_options(name: str) -> set[str]:
-    # The option string is comma-separated: a comma in the name (from the store URL) would split it.
-    name = "".join(c if c.isprintable() and c not in ",\\" else "_" for c in name)
+    # The option string is comma-separated: a comma in the name (from the store URL) would split it;
+    # and pyfuse3 encodes it as ASCII (a store at /data/José failed the mount).
+    name = "".join(c if c.isprintable() and c.isascii() and c not in ",\\" else "_" for c in name)
     options = set(pyfuse3.default_options) | {f"fsname={name}", "subtype=ckptfs"}
     if os.getuid() == 0:
         options.add("allow_other")  # with default_permissions: kernel checks modes

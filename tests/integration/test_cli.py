@@ -202,6 +202,23 @@ def test_sigterm_unmounts(tmp_path):
         stop_mount(m)
 
 
+@pytest.mark.parametrize("name", ["José ü", "comma,x", "bytes-\udcff"])  # the last: the byte 0xff, not UTF-8
+def test_a_mount_point_and_store_of_any_name(tmp_path, name):
+    """pyfuse3 encodes mount options as ASCII: the store's path, in the
+    file system's name, failed every mount at /data/José (a traceback from
+    the daemon)."""
+    mp, store = tmp_path / f"mnt {name}", tmp_path / f"store {name}"
+    mp.mkdir()
+    try:
+        r = run_cli("mount", str(mp), "--store", str(store))
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+        (mp / "model.pt").write_bytes(b"m")
+        assert run_cli("umount", str(mp)).returncode == 0
+        assert (store / "model.pt").read_bytes() == b"m"
+    finally:
+        stop_background_mount(mp)
+
+
 def test_mountpoint_missing(tmp_path):
     assert_clean_error(run_cli("mount", str(tmp_path / "nope"), "--store", str(tmp_path / "s")), "does not exist")
 
