@@ -15,6 +15,7 @@ writable by no one else (`private_dir`); readers trust nothing else either.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -84,6 +85,27 @@ def trusted_dir(mountpoint: str | os.PathLike[str]) -> Path | None:
     except (OSError, RuntimeDirError):
         return None
     return d
+
+
+class MountpointBusy(Exception):
+    """Another daemon of this user holds the mount point."""
+
+
+def hold_mountpoint(mountpoint: str | os.PathLike[str]) -> int:
+    """An exclusive lock on `mountpoint` among this user's daemons, for the
+    daemon's life: its descriptor is never closed, and the kernel drops the
+    lock when the process ends, however it ends. Two `ckptfs mount` of one
+    mount point at once (a launch script run by every rank of a node) both
+    passed the checks, stacked two mounts and ran two daemons on one store.
+    MountpointBusy if another daemon holds it."""
+    fd = os.open(private_dir(mountpoint) / "daemon.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise MountpointBusy(f"another ckptfs daemon is mounting {os.path.abspath(mountpoint)}, or serving it, or still "
+                             "publishing after its unmount: one daemon per mount point") from None
+    return fd
 
 
 @dataclass(frozen=True)

@@ -155,6 +155,8 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, reuse_ram: str, fo
         if cluster is not None:
             check_cluster_url(cluster)
         check_fuse(load=foreground)  # the daemon imports pyfuse3 in the foreground: a mount that spawns it need not
+        if foreground:
+            runtime.hold_mountpoint(mountpoint)  # before the checks below, for the daemon's life
         _remove_stale(mountpoint)
         mp = check_mountpoint(mountpoint)
         check_places(mp, store_url, spill_dir)
@@ -172,7 +174,7 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, reuse_ram: str, fo
             raise PreflightError(f"--spill-dir {spill_dir} is not a directory")
         if metrics_port is not None:
             check_port(metrics_host, metrics_port)
-    except (PreflightError, StoreError, runtime.RuntimeDirError) as exc:
+    except (PreflightError, StoreError, runtime.RuntimeDirError, runtime.MountpointBusy) as exc:
         refuse(str(exc), 2)
     cluster_args = [*(["--cluster", cluster, "--cluster-snapshot-every", str(cluster_snapshot_every)] if cluster else []),
                     *(["--node", node] if node else []),

@@ -219,6 +219,48 @@ def test_a_mount_point_and_store_of_any_name(tmp_path, name):
         stop_background_mount(mp)
 
 
+def test_mounts_of_one_mount_point_at_once_make_one_mount(dirs):
+    """A launch script run by every rank of a node mounts the same path at
+    once: each `ckptfs mount` passed the checks before any had mounted, so
+    mounts stacked up and several daemons served one store. One wins; each
+    other one is refused with a one-line error."""
+    mp, store = dirs
+    try:
+        procs = [subprocess.Popen([sys.executable, "-m", "ckptfs.tools.cli", "mount", str(mp), "--store", str(store)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(4)]
+        results = [(p.wait(timeout=120), *p.communicate()) for p in procs]
+        assert sorted(code for code, _, _ in results) == [0, 2, 2, 2], results
+        for code, _, err in results:
+            if code:
+                assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        assert _mounts_at(mp) == 1
+        assert len(_daemons_of(mp)) == 1
+        assert run_cli("umount", str(mp)).returncode == 0
+    finally:  # however many there are
+        for pid in _daemons_of(mp):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        while _mounts_at(mp):
+            subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True, timeout=20)
+
+
+def _mounts_at(mp: Path) -> int:
+    return [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()].count(str(mp))
+
+
+def _daemons_of(mp: Path) -> list[int]:
+    """The pids of the daemons serving `mp` (started by `ckptfs mount`)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = [os.fsdecode(a) for a in (proc / "cmdline").read_bytes().split(b"\0")]
+        except OSError:
+            continue
+        if proc.name.isdigit() and argv[3:6] == ["mount", str(mp), "--store"] and "--foreground" in argv:
+            found.append(int(proc.name))
+    return found
+
+
 def test_mountpoint_missing(tmp_path):
     assert_clean_error(run_cli("mount", str(tmp_path / "nope"), "--store", str(tmp_path / "s")), "does not exist")
 
