@@ -228,19 +228,30 @@ def _set_oom_score_adj(value: int) -> None:
 
 
 class _Signals:
-    """First SIGTERM/SIGINT/SIGHUP: unmount and drain. Second: stop draining."""
+    """First SIGTERM/SIGINT/SIGHUP: unmount and drain. Second: stop
+    draining, unless it came within SAME_REQUEST_S of the first: `ckptfs
+    umount` run by every rank of a node at once sends one each, and the
+    second stopped the drain (what was not yet published was lost)."""
+
+    SAME_REQUEST_S = 2.0
 
     def __init__(self) -> None:
         self.abort_scope = trio.CancelScope()
         self.count = 0
+        self.first_at = 0.0
         self.serving = True  # the FUSE session is open (not yet unmounted, by us or by `fusermount3 -u`)
 
     async def watch(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         with trio.open_signal_receiver(*EXIT_SIGNALS) as signals:
             task_status.started()
             async for signum in signals:
+                if self.count and trio.current_time() - self.first_at < self.SAME_REQUEST_S:
+                    log.info("received %s again within %.0fs of the first: the same request (another one later stops waiting "
+                             "for write-back)", signal.Signals(signum).name, self.SAME_REQUEST_S)
+                    continue
                 self.count += 1
                 if self.count == 1:
+                    self.first_at = trio.current_time()
                     log.info("received %s: unmounting, then draining write-back", signal.Signals(signum).name)
                     if self.serving:
                         pyfuse3.terminate()

@@ -192,6 +192,48 @@ def test_umount_again_after_an_interrupted_one_waits_for_the_drain(tmp_path):
         stop_mount(m)
 
 
+def test_signals_at_once_are_one_request_and_a_later_one_stops_the_drain(tmp_path):
+    """`ckptfs umount` run by every rank of a node at once sends a SIGTERM
+    each: the second stopped the drain, and what was not yet published was
+    lost. Signals within 2 s of the first are the same request; one later
+    (a person pressing ^C again) stops waiting for the store."""
+    m = start_mount(tmp_path)
+    m.allowed_log_errors += ["failed (try", "retrying", "NOT PUBLISHED", "not published", "any longer"]
+    try:
+        begin_outage(m.store)
+        try:
+            m.path("model.pt").write_bytes(b"m" * 100_000)
+            wait_until(lambda: "failed (try" in m.log_text(), 30, "a failed publication")
+            for _ in range(3):  # apart: a signal sent while one is pending merges with it
+                m.proc.send_signal(signal.SIGTERM)
+                time.sleep(0.3)
+            wait_until(lambda: not is_mounted(m.mountpoint), 30, "the unmount")
+            time.sleep(1)
+            assert m.proc.poll() is None and "the same request" in m.log_text()  # still draining
+        finally:
+            end_outage(m.store)
+        assert m.proc.wait(timeout=120) == 0
+        assert (m.store / "model.pt").read_bytes() == b"m" * 100_000
+    finally:
+        stop_mount(m)
+    again = start_mount(tmp_path / "again")
+    again.allowed_log_errors += ["failed (try", "retrying", "NOT PUBLISHED", "not published", "any longer"]
+    try:
+        begin_outage(again.store)
+        try:
+            again.path("model.pt").write_bytes(b"m" * 100_000)
+            wait_until(lambda: "failed (try" in again.log_text(), 30, "a failed publication")
+            again.proc.send_signal(signal.SIGTERM)
+            time.sleep(2.5)
+            again.proc.send_signal(signal.SIGTERM)
+            assert again.proc.wait(timeout=60) == 1  # stopped waiting: reported as not published
+            assert "not waiting for write-back any longer" in again.log_text()
+        finally:
+            end_outage(again.store)
+    finally:
+        stop_mount(again)
+
+
 def test_sigterm_unmounts(tmp_path):
     m = start_mount(tmp_path)
     try:
