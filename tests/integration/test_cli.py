@@ -18,7 +18,7 @@ import pytest
 
 from ckptfs import runtime
 from tests.mountutil import is_mounted, run_cli, start_mount, stop_background_mount, stop_mount
-from tests.storeutil import begin_outage, end_outage, wait_until
+from tests.storeutil import begin_outage, end_outage, store_outage, wait_until
 
 
 def assert_clean_error(r: subprocess.CompletedProcess, *needles: str) -> None:
@@ -197,39 +197,33 @@ def test_signals_at_once_are_one_request_and_a_later_one_stops_the_drain(tmp_pat
     each: the second stopped the drain, and what was not yet published was
     lost. Signals within 2 s of the first are the same request; one later
     (a person pressing ^C again) stops waiting for the store."""
+
+    def draining(m, gaps: list[float]) -> None:
+        """Signals `m`'s daemon, `gaps` seconds apart, while a store outage holds a file back."""
+        m.allowed_log_errors += ["failed (try", "retrying", "NOT PUBLISHED", "not published", "any longer"]
+        m.path("model.pt").write_bytes(b"m" * 100_000)
+        wait_until(lambda: "failed (try" in m.log_text(), 30, "a failed publication")
+        for gap in [*gaps, 0]:
+            m.proc.send_signal(signal.SIGTERM)
+            time.sleep(gap)
+
     m = start_mount(tmp_path)
-    m.allowed_log_errors += ["failed (try", "retrying", "NOT PUBLISHED", "not published", "any longer"]
     try:
-        begin_outage(m.store)
-        try:
-            m.path("model.pt").write_bytes(b"m" * 100_000)
-            wait_until(lambda: "failed (try" in m.log_text(), 30, "a failed publication")
-            for _ in range(3):  # apart: a signal sent while one is pending merges with it
-                m.proc.send_signal(signal.SIGTERM)
-                time.sleep(0.3)
+        with store_outage(m.store):
+            draining(m, [0.3, 0.3])  # apart: a signal sent while one is pending merges with it
             wait_until(lambda: not is_mounted(m.mountpoint), 30, "the unmount")
             time.sleep(1)
             assert m.proc.poll() is None and "the same request" in m.log_text()  # still draining
-        finally:
-            end_outage(m.store)
         assert m.proc.wait(timeout=120) == 0
         assert (m.store / "model.pt").read_bytes() == b"m" * 100_000
     finally:
         stop_mount(m)
     again = start_mount(tmp_path / "again")
-    again.allowed_log_errors += ["failed (try", "retrying", "NOT PUBLISHED", "not published", "any longer"]
     try:
-        begin_outage(again.store)
-        try:
-            again.path("model.pt").write_bytes(b"m" * 100_000)
-            wait_until(lambda: "failed (try" in again.log_text(), 30, "a failed publication")
-            again.proc.send_signal(signal.SIGTERM)
-            time.sleep(2.5)
-            again.proc.send_signal(signal.SIGTERM)
+        with store_outage(again.store):
+            draining(again, [2.5])
             assert again.proc.wait(timeout=60) == 1  # stopped waiting: reported as not published
             assert "not waiting for write-back any longer" in again.log_text()
-        finally:
-            end_outage(again.store)
     finally:
         stop_mount(again)
 
