@@ -70,10 +70,11 @@ class FlushIncomplete(CkptfsError):
 def find_mount(path: str | os.PathLike[str]) -> tuple[str, str]:
     """(mountpoint, path relative to it) for a path on a ckptfs mount.
 
-    Touches nothing under the path: a hung mount cannot block this."""
-    p = os.path.abspath(path)
+    Touches nothing under a mount point: a hung mount cannot block this."""
+    mounts = runtime.ckptfs_mounts()
+    p = runtime.resolved_to_mount(path, mounts)
     best = ""
-    for mp in runtime.ckptfs_mounts():
+    for mp in mounts:
         if (p == mp or p.startswith(mp.rstrip("/") + "/")) and len(mp) > len(best):
             best = mp
     if not best:

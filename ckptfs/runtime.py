@@ -241,6 +241,33 @@ def ckptfs_mounts() -> list[str]:
     return [mp for mp, _ in _ckptfs_mount_entries()]
 
 
+def resolved_to_mount(path: str | os.PathLike[str], mounts: list[str] | None = None) -> str:
+    """`path`, absolute, with the symlinks on its way followed up to the
+    first ckptfs mount point it reaches (`/scratch/ckpt` where `/scratch`
+    links to the file system the mount is on), and no further: nothing at
+    or under a mount point is touched, so a hung daemon cannot block this
+    (links inside a mount are the daemon's to follow)."""
+    mounts = set(ckptfs_mounts() if mounts is None else mounts)
+    todo = [p for p in os.path.abspath(path).split("/") if p][::-1]  # the components left, the next last
+    here, hops = "/", 0
+    while todo:
+        part = todo.pop()
+        there = os.path.join(here, part)
+        if there in mounts:
+            return os.path.join(there, *reversed(todo))
+        try:
+            link = os.readlink(there)
+        except OSError:  # not a symlink, or not there: taken as it is
+            here = there
+            continue
+        hops += 1
+        if hops > 40:
+            return os.path.abspath(path)
+        todo.extend(p for p in reversed(os.path.normpath(os.path.join(here, link)).split("/")) if p)
+        here = "/"
+    return here
+
+
 def mount_owner(mountpoint: str) -> int | None:
     """The uid that mounted `mountpoint` (FUSE's user_id= option)."""
     for mp, options in _ckptfs_mount_entries():

@@ -345,7 +345,7 @@ def _still_draining(mountpoint: str) -> tuple[runtime.MountInfo, Client] | None:
     """The daemon of `mountpoint`, no longer mounted, that still publishes
     what it holds (it answers on its control socket: not a stale record of a
     pid since reused)."""
-    info = runtime.MountInfo.read(os.path.abspath(mountpoint))
+    info = runtime.MountInfo.read(runtime.resolved_to_mount(mountpoint))
     if info is None or not runtime.pid_alive(info.pid):
         return None
     client = Client.unmounting(info.mountpoint, timeout=2.0)
@@ -410,8 +410,8 @@ def verify(target: str, path: str, store_options: tuple[str, ...]) -> None:
     from ckptfs.writeback.verify import verify as run_verify
 
     url = target
-    if os.path.abspath(target) in runtime.ckptfs_mounts():
-        info = runtime.MountInfo.read(target)
+    if (mp := runtime.resolved_to_mount(target)) in runtime.ckptfs_mounts():
+        info = runtime.MountInfo.read(mp)
         if info is None:
             _fail(f"{target} is a ckptfs mount but its daemon's details are gone; pass the store URL instead", 2)
         url = info.store_url

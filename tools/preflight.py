@@ -149,8 +149,9 @@ def check_log_file(path: str) -> None:
 
 
 def check_mounted_ckptfs(path: str) -> str:
-    mp = os.path.abspath(path)
-    if mp not in runtime.ckptfs_mounts():
+    mounts = runtime.ckptfs_mounts()
+    mp = runtime.resolved_to_mount(path, mounts)
+    if mp not in mounts:
         raise PreflightError(f"{mp} is not a ckptfs mount")
     return mp
 

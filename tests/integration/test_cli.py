@@ -297,6 +297,29 @@ def _daemons_of(mp: Path) -> list[int]:
     return found
 
 
+def test_a_mount_reached_through_a_symlink(tmp_path):
+    """`/scratch` a link to the file system holding the mount point (common
+    on clusters): `status`, `flush`, `evict` and `umount` through the link
+    said "not a ckptfs mount". Links up to the mount point are followed,
+    without touching anything under it (a hung daemon must not block)."""
+    real, link, store = tmp_path / "real", tmp_path / "link", tmp_path / "store"
+    (real / "mnt").mkdir(parents=True)
+    link.symlink_to(real)
+    mp = link / "mnt"
+    try:
+        assert run_cli("mount", str(mp), "--store", str(store)).returncode == 0
+        (mp / "model.pt").write_bytes(b"m")
+        for args in (["status", str(mp)], ["flush", str(mp)], ["evict", str(mp / "model.pt")], ["status", str(mp), "--files"]):
+            r = run_cli(*args)
+            assert r.returncode == 0, (args, r.stderr)
+        assert "model.pt" in run_cli("status", str(mp), "--files").stdout
+        r = run_cli("umount", str(mp))
+        assert r.returncode == 0 and "everything is published" in r.stdout, r.stderr
+        assert not is_mounted(real / "mnt")
+    finally:
+        stop_background_mount(real / "mnt")
+
+
 def test_mountpoint_missing(tmp_path):
     assert_clean_error(run_cli("mount", str(tmp_path / "nope"), "--store", str(tmp_path / "s")), "does not exist")
 
