@@ -159,7 +159,7 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, reuse_ram: str, fo
             runtime.hold_mountpoint(mountpoint)  # before the checks below, for the daemon's life
         _remove_stale(mountpoint)
         mp = check_mountpoint(mountpoint)
-        check_places(mp, store_url, spill_dir)
+        check_places(mp, store_url, spill_dir, log_file)
         runtime.private_dir(mp)  # the daemon's details and default log go there: the user's own, or refused
         check_no_daemon(mp)
         if log_file is not None:

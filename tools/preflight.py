@@ -62,10 +62,12 @@ def _inside(path: str, top: str) -> bool:
     return path == top or path.startswith(top.rstrip("/") + "/")
 
 
-def check_places(mp: Path, store_url: str, spill_dir: str | None) -> None:
+def check_places(mp: Path, store_url: str, spill_dir: str | None, log_file: str | None = None) -> None:
     """The store and spill directory are disk, outside the mount and outside
     any ckptfs mount; the mount is not inside the store (the daemon walks the
-    store before it serves, and would walk into its own mount)."""
+    store before it serves, and would walk into its own mount); the log file
+    is in neither (the daemon would log into its own mount, or the next
+    restart would show the log as a file of the store)."""
     from ckptfs.writeback.backend import local_root
 
     if store_url.split("://", 1)[0] == "memory":
@@ -86,6 +88,17 @@ def check_places(mp: Path, store_url: str, spill_dir: str | None) -> None:
             other = _on_ckptfs(candidate)
             if other:
                 raise PreflightError(f"{what} {candidate} is inside the ckptfs mount {other}: it must be durable storage, not RAM")
+    if log_file is not None:
+        log = os.path.abspath(log_file)
+        store = local_root(store_url)
+        names = {log} if _on_ckptfs(log) else {log, os.path.join(os.path.realpath(os.path.dirname(log)), os.path.basename(log))}
+        for candidate in names:
+            if _inside(candidate, mount):
+                raise PreflightError(f"--log-file {candidate} is inside the mount point {mount}: the daemon would log into its own "
+                                     "mount; put it outside")
+            if store is not None and _inside(candidate, store):
+                raise PreflightError(f"--log-file {candidate} is inside the store {store}: it would show as a file of the store; "
+                                     "put it outside")
 
 
 def _on_ckptfs(path: str) -> str | None:

@@ -39,6 +39,8 @@ CASES = [
      "CKPTFS_STORE_OPTIONS"),
     ("log file in a missing directory", ["mount", "{mp}", "--store", "{store}", "--log-file", "{tmp}/nope/daemon.log"], {}, 2, "--log-file"),
     ("log file where nothing can be written", ["mount", "{mp}", "--store", "{store}", "--log-file", "/proc/ckptfs.log"], {}, 2, "--log-file"),
+    ("log file in the mount point", ["mount", "{mp}", "--store", "{store}", "--log-file", "{mp}/daemon.log"], {}, 2, "inside the mount point"),
+    ("log file in the store", ["mount", "{mp}", "--store", "{store}", "--log-file", "{store}/daemon.log"], {}, 2, "inside the store"),
     ("log file in the foreground too", ["mount", "{mp}", "--store", "{store}", "-f", "--log-file", "{tmp}/nope/daemon.log"], {}, 2,
      "--log-file"),
     ("memory limit of 107 bytes", ["mount", "{mp}", "--store", "{store}", "--memory-limit", "0.0000001G"], {}, 2, "--memory-limit"),
