@@ -1416,6 +1416,9 @@ def open_store(url: str, storage_options: dict | None = None, create: bool = Tru
     if protocol in ("file", "local"):
         if os.path.exists(root) and not os.path.isdir(root):
             raise StoreError(f"store path {root} exists and is not a directory")
+        if os.path.islink(root) and not os.path.exists(root):
+            raise StoreError(f"store path {root} is a symlink to {os.readlink(root)}, which does not exist (or cannot be reached): "
+                             "make that directory first")
         if not create and not os.path.isdir(root):
             raise StoreError(f"store directory {root} does not exist")
         try:

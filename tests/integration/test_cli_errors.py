@@ -73,6 +73,7 @@ CASES = [
     ("advise: inf", ["advise", "--save-seconds", "10", "--mtbf-hours", "inf"], {}, 2, "--mtbf-hours"),
     ("advise: restart time nan", ["advise", "--save-seconds", "10", "--mtbf-hours", "1", "--restart-seconds", "nan"], {}, 2,
      "--restart-seconds"),
+    ("store that is a dangling symlink", ["mount", "{mp}", "--store", "{tmp}/dangling"], {}, 2, "which does not exist"),
     ("verify a store that does not exist", ["verify", "{tmp}/nostore"], {}, 2, "does not exist"),
     ("verify a directory that is no store", ["verify", "{mp}"], {}, 2, "not a ckptfs store"),
     ("verify a path that is not there", ["verify", "{ckptfs}", "no/such/path"], {}, 2, "no such"),
@@ -88,6 +89,7 @@ def places(tmp_path: Path, shared_mount) -> dict[str, str]:
     mp.mkdir()
     (tmp_path / "outer" / "mnt").mkdir(parents=True)
     (tmp_path / "link").symlink_to(mp)
+    (tmp_path / "dangling").symlink_to(tmp_path / "nothing")
     return {"mp": str(mp), "store": str(tmp_path / "store"), "tmp": str(tmp_path), "ckptfs": str(shared_mount.mountpoint)}
 
 
