@@ -156,7 +156,7 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, reuse_ram: str, fo
             check_cluster_url(cluster)
         check_fuse(load=foreground)  # the daemon imports pyfuse3 in the foreground: a mount that spawns it need not
         if foreground:
-            runtime.hold_mountpoint(mountpoint)  # before the checks below, for the daemon's life
+            runtime.hold_mountpoint(runtime.resolved_to_mount(mountpoint))  # before the checks below, for the daemon's life
         _remove_stale(mountpoint)
         mp = check_mountpoint(mountpoint)
         check_places(mp, store_url, spill_dir, log_file)

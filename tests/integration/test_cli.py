@@ -280,6 +280,32 @@ def test_mounts_of_one_mount_point_at_once_make_one_mount(dirs):
             subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True, timeout=20)
 
 
+def test_foreground_mounts_of_one_mount_point_by_two_spellings_make_one_mount(dirs, tmp_path):
+    """The lock is on the mount point itself, whichever way it is spelled
+    (here through a symlink), for `mount -f` run directly too."""
+    mp, store = dirs
+    (tmp_path / "link").symlink_to(mp)
+    procs = [subprocess.Popen([sys.executable, "-m", "ckptfs.tools.cli", "mount", str(where), "--store", str(store), "-f"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for where in (mp, tmp_path / "link")]
+    try:
+        wait_until(lambda: sum(p.poll() is not None for p in procs) == 1 and _mounts_at(mp) == 1, 60, "one mount, one refusal")
+        refused = next(p for p in procs if p.poll() is not None)
+        assert refused.returncode == 2 and "one daemon per mount point" in refused.stderr.read()
+        time.sleep(1)
+        assert _mounts_at(mp) == 1
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        while _mounts_at(mp):
+            subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True, timeout=20)
+
+
 def _mounts_at(mp: Path) -> int:
     return [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()].count(str(mp))
 
