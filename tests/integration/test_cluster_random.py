@@ -15,6 +15,7 @@ import pytest
 
 from tests.integration.test_cluster import nodes
 from tests.mountutil import run_cli
+from tests.storeutil import wait_until
 
 MIB = 1 << 20
 
@@ -75,6 +76,8 @@ def test_random_changes_of_large_files_on_two_nodes_end_with_the_bucket_as_the_m
         objects = s3.objects(bucket)
         assert sorted(objects) == sorted(expected)
         assert all(objects[k] == v for k, v in expected.items())
-        assert s3.uploads(bucket) == []
+        # An upload left open at a name its file left before its turn is aborted in the background (it
+        # shows nothing: no order to keep), so it may outlive the flush by a moment
+        wait_until(lambda: s3.uploads(bucket) == [], 30, "the uploads left open at names their files left to be aborted")
         for m in (a, b):
             assert m.unexpected_log_errors() == [], m.unexpected_log_errors()
