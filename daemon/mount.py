@@ -55,6 +55,23 @@ def fuse_options(name: str) -> set[str]:
     return options
 
 
+def _logged_refusals(check_path: Callable[[str], None]) -> Callable[[str], None]:
+    """`check_path`, logging the first refusal of each kind (errno): the
+    writer sees only the errno."""
+    logged: set[int | None] = set()
+
+    def check(path: str) -> None:
+        try:
+            check_path(path)
+        except OSError as exc:
+            if exc.errno not in logged:
+                logged.add(exc.errno)
+                log.warning("refused to make %s: %s (later refusals of this kind are not logged)", path, exc.strerror)
+            raise
+
+    return check
+
+
 def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
     """Mount, serve until unmounted or signalled, drain write-back, unmount.
     Returns 0, or 1 if anything was left unpublished."""
@@ -63,7 +80,8 @@ def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
         _set_oom_score_adj(config.oom_score_adj)
     backend = open_store(config.store_url, config.storage_options)
     spill_dir = config.spill_dir or DEFAULT_SPILL_DIR
-    tree = InodeTree(MemoryPool(config.memory_limit, config.reuse_ram), uid=os.getuid(), gid=os.getgid(), spill_dir=spill_dir)
+    tree = InodeTree(MemoryPool(config.memory_limit, config.reuse_ram), uid=os.getuid(), gid=os.getgid(), spill_dir=spill_dir,
+                     check_path=None if backend.any_name else _logged_refusals(backend.check_path))
     engine = Engine(backend, tree, workers=config.upload_workers, deadlines=Deadlines(call_s=config.store_timeout))
     tree.journal = engine
     node = None
@@ -207,6 +225,8 @@ async def _main(config: MountConfig, tree: InodeTree, engine: Engine, control: C
         with signals.abort_scope:  # a second signal stops waiting
             await engine.drain(config.drain_timeout)
         left = engine.unpublished()
+        if node is None:  # in a cluster, the node publishing next tries parked files again
+            await engine.publisher.forget_parked()
         await engine.leave_index()
         with contextlib.suppress(Exception):  # this daemon's staging and heartbeat go; a dead store must not hold the exit
             await engine.calls.run("retire", engine.backend.retire)

@@ -136,8 +136,12 @@ class Usage:
 
 class InodeTree:
     def __init__(self, pool: MemoryPool, uid: int = 0, gid: int = 0, journal: Journal | None = None,
-                 spill_dir: str | None = None) -> None:
+                 spill_dir: str | None = None, check_path: Callable[[str], None] | None = None) -> None:
         self.pool = pool
+        # Raises OSError for a path the store cannot hold (an object store's
+        # key rules): such an entry is refused when made or renamed, not
+        # accepted and then never published. None: any path will do.
+        self.check_path = check_path
         self.journal = journal
         self.spill_dir = spill_dir
         # Where every time the tree sets comes from: a cluster's replicas set
@@ -363,6 +367,10 @@ class InodeTree:
         if flags & RENAME_EXCHANGE:
             if target is None:
                 raise _err(errno.ENOENT)
+            if self.check_path is not None and target is not inode:
+                src, dst = self._path(old_parent, old_name), self._path(new_parent, new_name)
+                self._check_moved(inode, src, dst)
+                self._check_moved(target, dst, src)
             return self._exchange(src_dir, old_name, inode, dst_dir, new_name, target)
         if target is inode:
             return None  # POSIX: renaming a name onto another link of itself does nothing
@@ -376,6 +384,8 @@ class InodeTree:
                     raise _err(errno.ENOTEMPTY)
             elif target.is_dir:
                 raise _err(errno.EISDIR)
+        if self.check_path is not None:
+            self._check_moved(inode, self._path(old_parent, old_name), self._path(new_parent, new_name))
         if self.journal is not None:
             src_path, dst_path = self._path(old_parent, old_name), self._path(new_parent, new_name)
         now = self.clock()
@@ -842,16 +852,8 @@ class InodeTree:
         """Every regular file at or under `prefix` with its path, depth first:
         the cost of the subtree, not of the whole tree."""
         start = self.inode_at(prefix)
-        if start is None:
-            return
-        stack = [(prefix, start)]
-        while stack:
-            path, node = stack.pop()
-            if node.is_reg and node.data is not None:
-                yield path, node
-            elif node.children is not None:
-                for name, ino in node.children.items():
-                    stack.append((f"{path}/{os.fsdecode(name)}" if path else os.fsdecode(name), self.inodes[ino]))
+        if start is not None:
+            yield from ((path, node) for path, node in _walk(self, prefix, start) if node.is_reg and node.data is not None)
 
     def open_for_write(self) -> list[Inode]:
         return [i for i in self.inodes.values() if i.writers > 0]
@@ -886,7 +888,21 @@ class InodeTree:
             raise _err(errno.EEXIST)
         if parent == ROOT and name == RESERVED:
             raise _err(errno.EPERM, "reserved name")
+        if self.check_path is not None:
+            self.check_path(self._path(parent, name))
         return d
+
+    def _check_moved(self, inode: Inode, old: str, new: str) -> None:
+        """`inode` (at `old`) goes to `new`: every path it brings there must be
+        one the store can hold. Its names below did not change: only a longer
+        path can make a key too long."""
+        if self.check_path is None:
+            return
+        self.check_path(new)
+        if inode.is_dir and len(os.fsencode(new)) > len(os.fsencode(old)):
+            longest = max((p for p, _ in _walk(self, "", inode)), key=lambda p: len(os.fsencode(p)))
+            if longest:
+                self.check_path(f"{new}/{longest}")
 
     def _link(self, d: Inode, name: bytes, inode: Inode, now: int | None = None) -> None:
         inode.links.add((d.ino, name))
@@ -919,6 +935,19 @@ class InodeTree:
             inode.data.clear()
         del self.inodes[inode.ino]
         self.touched.add(inode.ino)
+
+
+def _walk(tree: InodeTree, path: str, start: Inode) -> Iterator[tuple[str, Inode]]:
+    """`start` (at `path`) and every entry under it with its path, depth
+    first: a loop, not a recursion (a tree may be deeper than Python's
+    recursion limit)."""
+    stack = [(path, start)]
+    while stack:
+        path, node = stack.pop()
+        yield path, node
+        if node.children is not None:
+            for name, ino in node.children.items():
+                stack.append((f"{path}/{os.fsdecode(name)}" if path else os.fsdecode(name), tree.inodes[ino]))
 
 
 def _check_name(name: bytes) -> None:

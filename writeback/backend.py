@@ -50,6 +50,8 @@ from fsspec.core import split_protocol
 from ckptfs import runtime
 from ckptfs.holes import is_hole, read_sparse
 
+from .calls import InTheWay
+
 log = logging.getLogger(__name__)
 
 META = ".ckptfs"  # ckptfs's own objects live under this prefix only (C8)
@@ -63,6 +65,7 @@ PART_SIZE = 16 << 20  # grown for huge files to stay under S3's 10,000 parts
 PART_CONCURRENCY = 4  # S3: parts of one file in flight at once (each held as one copy meanwhile)
 SMALL_PUT = 8 << 20  # object stores: up to this size, one PUT at publish time
 MAX_OBJECT = 5 << 40  # S3: the largest object
+MAX_KEY = 1024  # S3: the longest key, in bytes of UTF-8
 READ_MANY_BATCH = 500  # object stores: records fetched concurrently per batch
 READ_MANY_TRIES = 4  # records a burst of reads could not get (an overloaded store's 503 or 500) are read again, together
 # Local stores: a staged file this big is fsynced at once, by its upload worker
@@ -229,6 +232,7 @@ class _ObjectSource(Source):
 class Backend:
     url: str
     dirs = False  # real directories, movable in one step (local stores)
+    any_name = True  # holds every path the mount does (else `check_path` says which it cannot)
     # Files smaller than this are not staged ahead: hashed when sealed and
     # written whole at publication, from the snapshot (`Staged` with no token).
     stage_ahead_from = 0
@@ -422,6 +426,13 @@ class Backend:
     def exists(self, path: str) -> bool:
         raise NotImplementedError
 
+    def check_path(self, path: str) -> None:
+        """Raise OSError if the store cannot hold an entry at `path`. The
+        mount asks before it makes or renames an entry, so that a name the
+        store refuses fails at once (EILSEQ, ENAMETOOLONG, EINVAL) rather
+        than a file that can never be published. A local store holds every
+        name the mount does."""
+
 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -508,6 +519,9 @@ class LocalBackend(Backend):
                 except OSError as exc:
                     if exc.errno in (errno.ELOOP, errno.ENOTDIR) and stat.S_ISLNK(os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode):
                         raise SymlinkInStore(errno.ELOOP, "a symlink in the store is in the way (ckptfs never follows one)", path) from None
+                    if exc.errno == errno.ENOTDIR and not path.startswith(META + "/"):
+                        raise InTheWay(errno.ENOTDIR, f"the store has a file at {part!r}, where the mount has a directory (made there by another tool?)",
+                                       path) from None
                     raise
                 os.close(fd)
                 fd = below
@@ -584,8 +598,8 @@ class LocalBackend(Backend):
                     os.chmod(sname, mode & 0o777, dir_fd=sd)  # never set-ID bits in the store
                 try:
                     os.rename(sname, dname, src_dir_fd=sd, dst_dir_fd=dd)
-                except IsADirectoryError:  # an empty directory left where a file now goes
-                    os.rmdir(dname, dir_fd=dd)
+                except IsADirectoryError:
+                    _rmdir_in_the_way(dd, dname, path)
                     os.rename(sname, dname, src_dir_fd=sd, dst_dir_fd=dd)
             written = []
         finally:
@@ -620,7 +634,7 @@ class LocalBackend(Backend):
             if mode is not None:
                 os.chmod(sname, mode & 0o777, dir_fd=sd)  # never set-ID bits in the store
             if _kind(dname, dd) == stat.S_IFDIR:
-                os.rmdir(dname, dir_fd=dd)  # an empty directory left where a file now goes
+                _rmdir_in_the_way(dd, dname, dst)
             os.rename(sname, dname, src_dir_fd=sd, dst_dir_fd=dd)
             if sync:
                 os.fsync(dd)
@@ -960,6 +974,18 @@ def _open_beneath(dir_fd: int, path: str, flags: int) -> int | None:
     return None
 
 
+def _rmdir_in_the_way(dir_fd: int, name: str, path: str) -> None:
+    """A directory where a file goes: an empty one left by the mount goes;
+    one holding what another tool made there stays, and the file cannot."""
+    try:
+        os.rmdir(name, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            raise InTheWay(exc.errno, "the store has a directory here, not empty, where the mount has a file (made there by another tool?)",
+                           path) from None
+        raise
+
+
 def _renameat2(dir_a: int, a: str, dir_b: int, b: str, flags: int) -> None:
     if _libc.renameat2(dir_a, os.fsencode(a), dir_b, os.fsencode(b), flags) != 0:
         code = ctypes.get_errno()
@@ -970,11 +996,18 @@ class FsspecBackend(Backend):
     """Any fsspec file system: stage to a hidden object, publish by moving it."""
 
     WHOLE: dict = {}  # options of `cat_file` when a small object is read whole
+    any_name = False
 
     def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str) -> None:
         self.fs = fs
         self.root = root.rstrip("/")
         self.url = url
+
+    def check_path(self, path: str) -> None:
+        try:
+            self._abs(path).encode()
+        except UnicodeEncodeError:  # a byte that is not UTF-8, carried by os.fsdecode as a surrogate escape
+            raise OSError(errno.EILSEQ, "an object store's names are UTF-8 text; this name is not", path) from None
 
     def _abs(self, path: str) -> str:
         if not path:
@@ -1139,6 +1172,12 @@ class S3Backend(FsspecBackend):
     # records and manifests: one GET each (a restart that reads every record
     # made twice the requests).
     WHOLE = {"max_concurrency": 1}
+
+    def check_path(self, path: str) -> None:
+        super().check_path(path)
+        size = len(self._bucket_key(path)[1].encode())
+        if size > MAX_KEY:
+            raise OSError(errno.ENAMETOOLONG, f"S3 keys are at most {MAX_KEY} bytes; this path makes one of {size} (with the store's prefix)", path)
 
     def _bucket_key(self, path: str) -> tuple[str, str]:
         bucket, _, key = self._abs(path).partition("/")

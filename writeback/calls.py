@@ -61,11 +61,17 @@ PERMANENT_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.EINVAL, errno.EILSEQ, er
                               errno.EFBIG})
 
 
+class InTheWay(OSError):
+    """Something made in the store by another tool occupies a file's path (a
+    directory where the mount has a file, a file where it has a directory):
+    permanent until someone moves it."""
+
+
 def permanent(exc: BaseException) -> bool:
     if isinstance(exc, StoreTimeout):
         return False
     if isinstance(exc, OSError):
-        return exc.errno in PERMANENT_ERRNOS or isinstance(exc, PermissionError)
+        return exc.errno in PERMANENT_ERRNOS or isinstance(exc, PermissionError | InTheWay)
     if isinstance(exc, ValueError | UnicodeError):
         return True
     status = getattr(exc, "response", {}) or {}

@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import fnmatch
 import logging
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -1126,6 +1127,24 @@ class Publisher:
                 pass  # parked again
             finally:
                 self.current = None
+
+    async def forget_parked(self) -> None:
+        """At a clean exit, the records of files the store never showed:
+        parked ones, and parked ones deleted since, whose removal waits. A
+        try writes a file's record before its bytes, and the store refused
+        the bytes for good: the record vouches for nothing, and would have
+        `verify` call the file missing and the next mount warn of a loss.
+        No parked file is tried again from here on."""
+        self.retry_parked_at = math.inf
+        files = [(p, n) for g in self.parked if g.state is State.PARKED for p, n in self.replica.nodes_of(g.ino)
+                 if isinstance(n, File) and n.held is g]
+        files += [(self.replica.path_of(n), n) for n, op in self.deferred if isinstance(op, Remove) and isinstance(n, File)]
+        for path, node in files:
+            if path is not None and node.shown is None and node.held is not None and node.held.tries:
+                try:
+                    await self._fenced(f"record {path}", manifest.delete, self.e.backend, path, at=(path,))
+                except Exception as exc:
+                    log.warning("cannot remove the record of %s, never published: %s", path, exc)
 
     # -- what the store shows ----------------------------------------------------------
     def shown(self, ino: int) -> tuple[str, Shown] | None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import os
+
 import pytest
 from ckptfs.writeback.backend import open_store
 from ckptfs.writeback.verify import verify
@@ -335,27 +338,48 @@ def test_a_file_larger_than_s3_takes_is_parked_at_once_and_holds_nothing_back(s3
         stop_mount(m)
 
 
-def test_a_name_s3fs_would_read_as_another_object_is_parked_and_clobbers_nothing(s3, tmp_path):
-    """s3fs reads `v?versionId=1` as a version of `v`: publishing it would
-    overwrite `v`. It is a name this store cannot take: parked, loudly;
-    glob-like names are taken as they are. Deleted in the mount, it leaves
-    no record behind (its failed tries wrote one)."""
+def test_a_name_s3_cannot_hold_is_refused_when_made_not_parked_for_ever(s3, tmp_path):
+    """S3 keys are UTF-8 of at most 1,024 bytes, and s3fs reads
+    `v?versionId=1` as a version of `v` (publishing it would overwrite
+    `v`). Such a name used to be accepted, then parked at publication and
+    lost at unmount. It is refused when made or renamed to (EILSEQ,
+    ENAMETOOLONG, EINVAL), with one log line per kind; glob-like names and
+    long ones that fit are taken as they are."""
     url = s3.bucket("odd-names")
     m = start_mount(tmp_path, extra=("--store", url, *s3.cli_options()))
-    m.allowed_log_errors += ["failed (try", "failed for good", "the store cannot take this name"]
+    m.allowed_log_errors += ["refused to make"]
+    root = os.fsencode(m.mountpoint)
     try:
         m.path("v").write_bytes(b"the real v")
         for name in ("q?", "a[1].pt", "x*", "h#1"):
             m.path(name).write_bytes(name.encode())
-        assert run_cli("flush", str(m.mountpoint)).returncode == 0
-        m.path("v?versionId=1").write_bytes(b"not v")
-        wait_until(lambda: "the store cannot take this name" in m.log_text() and "failed for good" in m.log_text(), 60, "the file parked")
-        assert objects(s3, "odd-names") == {"v": b"the real v", "q?": b"q?", "a[1].pt": b"a[1].pt", "x*": b"x*", "h#1": b"h#1"}
-        m.path("v?versionId=1").unlink()
+        for name, code in ((b"v?versionId=1", errno.EINVAL), (b"bad\xffname.pt", errno.EILSEQ)):
+            with pytest.raises(OSError) as exc:
+                open(os.path.join(root, name), "wb").close()
+            assert exc.value.errno == code, name
+        with pytest.raises(OSError) as exc:
+            os.mkdir(os.path.join(root, b"dir\xfe"))
+        assert exc.value.errno == errno.EILSEQ
+        with pytest.raises(OSError) as exc:
+            os.rename(m.path("v"), os.path.join(root, b"v\xff"))
+        assert exc.value.errno == errno.EILSEQ
+        deep = m.path(*["d" * 200] * 4)  # 803 bytes
+        deep.mkdir(parents=True)
+        (deep / ("f" * 200)).write_bytes(b"deep")  # 1,004 bytes: fits
+        with pytest.raises(OSError) as exc:
+            (deep / ("g" * 230)).write_bytes(b"")  # 1,034 bytes
+        assert exc.value.errno == errno.ENAMETOOLONG
+        m.path("e" * 200).mkdir()
+        with pytest.raises(OSError) as exc:  # would take the deep file to 1,205 bytes
+            m.path("d" * 200).rename(m.path("e" * 200, "d" * 200))
+        assert exc.value.errno == errno.ENAMETOOLONG
         r = run_cli("umount", str(m.mountpoint))
         assert r.returncode == 0, r.stderr
     finally:
         stop_mount(m)
+    log = m.log_text()
+    assert log.count("refused to make") == 3 and "reads it as" in log and "UTF-8" in log and "1024 bytes" in log, log
+    assert objects(s3, "odd-names") == {"v": b"the real v", "q?": b"q?", "a[1].pt": b"a[1].pt", "x*": b"x*", "h#1": b"h#1",
+                                        "/".join(["d" * 200] * 4 + ["f" * 200]): b"deep"}
     report = verify(open_store(url, s3.options()))
     assert report.clean, report
-    assert objects(s3, "odd-names")["v"] == b"the real v"

@@ -103,3 +103,54 @@ def test_no_store_call_reaches_above_the_store_root(tmp_path):
     assert (tmp_path / "outside").read_bytes() == b"not the store's" and not (tmp_path / "a" / "escaped").exists()
     assert b.read_all("f") == b"the store's"
     assert run_cli("verify", str(store), "../..").returncode == 2
+
+
+def test_what_is_planted_in_the_way_of_a_file_parks_it_and_leaves_no_record_of_it(tmp_path):
+    """A directory made in the store where the mount has a file, or a file
+    where it has a directory: publishing there fails until someone moves
+    them (ENOTEMPTY, ENOTDIR). Those files used to be retried for ever, every
+    file after them held back (C3) and nothing else published. They are
+    parked, and the files after them go on. A try writes a file's record
+    before its bytes: at a clean exit the records of parked files the store
+    never showed go (verify called them missing, the next mount warned of a
+    loss), and so do those of parked files deleted in the mount since (their
+    removal waits behind the parked files, C3)."""
+    from ckptfs.writeback.backend import open_store
+    from ckptfs.writeback.verify import verify
+
+    store = tmp_path / "store"
+    m = start_mount(tmp_path)
+    m.allowed_log_errors += ["failed (try", "failed for good", "NOT PUBLISHED", "not published", "cannot be applied"]
+    try:
+        (m.mountpoint / "solo").mkdir()
+        (store / "solo" / "g" / "x").mkdir(parents=True)
+        (m.mountpoint / "solo" / "g").write_bytes(b"parked, then deleted")
+        deadline = time.monotonic() + 60
+        while "failed for good" not in m.log_text():
+            assert time.monotonic() < deadline, m.log_text()[-3000:]
+            time.sleep(0.1)
+        (m.mountpoint / "solo" / "g").unlink()
+        assert run_cli("flush", str(m.mountpoint)).returncode == 0
+        assert [p for p in verify(open_store(str(store))).missing] == []
+        (store / "conflict" / "sub").mkdir(parents=True)
+        (store / "d2").write_bytes(b"planted")
+        (m.mountpoint / "conflict").write_bytes(b"a")
+        (m.mountpoint / "d2").mkdir()
+        (m.mountpoint / "d2" / "f").write_bytes(b"c")
+        (m.mountpoint / "gone").mkdir()
+        (store / "gone" / "g").mkdir(parents=True)
+        (store / "gone" / "g" / "x").write_bytes(b"planted")
+        (m.mountpoint / "gone" / "g").write_bytes(b"deleted while parked")
+        (m.mountpoint / "after").write_bytes(b"b")
+        deadline = time.monotonic() + 60
+        while not (store / "after").exists() or m.log_text().count("failed for good") < 4:
+            assert time.monotonic() < deadline, m.log_text()[-3000:]
+            time.sleep(0.1)
+        (m.mountpoint / "gone" / "g").unlink()
+        r = run_cli("umount", str(m.mountpoint))
+        assert r.returncode == 1 and "conflict" in r.stderr and "d2/f" in r.stderr and "gone/g (remove not applied)" in r.stderr, r.stderr
+    finally:
+        stop_mount(m)
+    report = verify(open_store(str(store)))
+    assert (report.missing, sorted(report.extra), report.corrupt) == ([], ["d2", "gone/g/x"], []), report
+    assert (store / "after").read_bytes() == b"b" and (store / "d2").read_bytes() == b"planted"

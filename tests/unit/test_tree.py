@@ -445,3 +445,36 @@ def test_resolve_follows_symlinks_as_the_kernel_would(s):
     for path in ("dangling", "latest/nothing", "nothing"):
         with pytest.raises(FileNotFoundError):
             s.resolve(path, "/mnt/ckpt")
+
+
+def test_a_path_the_store_cannot_hold_is_refused_when_made_or_moved_there():
+    """`check_path` (an object store's key rules: here UTF-8, at most 12
+    bytes) is asked for every entry made and every rename, and for a
+    directory moved deeper, for the longest path it brings along."""
+    asked = []
+
+    def check_path(path):
+        asked.append(path)
+        if not path.isascii():
+            raise OSError(errno.EILSEQ, "not UTF-8", path)
+        if len(path) > 12:
+            raise OSError(errno.ENAMETOOLONG, "too long for the store", path)
+    s = InodeTree(MemoryPool(1 << 30), check_path=check_path)
+    d = s.mkdir(ROOT, b"d", 0o755, 0, 0)
+    new_file(s, b"abcdefgh", parent=d.ino)  # d/abcdefgh: 10 bytes
+    assert "d/abcdefgh" in asked
+    assert errno_of(new_file, s, b"abcdefghijk", parent=d.ino) == errno.ENAMETOOLONG
+    assert errno_of(s.mkdir, ROOT, b"\xff", 0o755, 0, 0) == errno.EILSEQ
+    assert errno_of(s.symlink, ROOT, b"l\xfe", b"t", 0, 0) == errno.EILSEQ
+    f = new_file(s, b"f")
+    assert errno_of(s.link, f.ino, ROOT, b"0123456789abc") == errno.ENAMETOOLONG
+    assert errno_of(s.rename, ROOT, b"f", ROOT, b"f\xff") == errno.EILSEQ
+    s.mkdir(ROOT, b"ee", 0o755, 0, 0)
+    # ee/d/abcdefgh is 13 bytes: d cannot move into ee, by rename or by exchange
+    assert errno_of(s.rename, ROOT, b"d", s.lookup(ROOT, b"ee").ino, b"d") == errno.ENAMETOOLONG
+    s.mkdir(s.lookup(ROOT, b"ee").ino, b"x", 0o755, 0, 0)
+    assert errno_of(s.rename, ROOT, b"d", s.lookup(ROOT, b"ee").ino, b"x", RENAME_EXCHANGE) == errno.ENAMETOOLONG
+    assert s.lookup(d.ino, b"abcdefgh") and s.lookup(ROOT, b"d") is d
+    # a shorter or equal path asks no walk below, and is taken
+    s.rename(ROOT, b"d", ROOT, b"e")
+    assert s.lookup(s.lookup(ROOT, b"e").ino, b"abcdefgh")
