@@ -150,7 +150,11 @@ class ControlServer:
                     await self.engine.wait_change()
             await self.engine.sync_dirs()  # and the directories' attributes as they are now
         left = [self._describe(op) for op in waiting.now()]
-        return {"published": not left, "files": total_files, "bytes": total_bytes, "left": left, "timed_out": waited.cancelled_caught}
+        # Not waited for (a barrier of what is sealed), but a job that flushes
+        # before it exits should know: files still open with changes not sealed.
+        unsealed = sorted(p for p, inode in self.tree.files_under(path) if inode.writers and inode.version != inode.sealed_version)
+        return {"published": not left, "files": total_files, "bytes": total_bytes, "left": left, "timed_out": waited.cancelled_caught,
+                "unsealed": unsealed}
 
     def _describe(self, op: Op) -> dict:
         if isinstance(op, FileGen):

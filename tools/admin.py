@@ -22,6 +22,7 @@ from ckptfs.escape import printable
 from .units import Number, format_duration, format_size
 
 EXIT_INCOMPLETE, EXIT_USAGE, EXIT_UNAVAILABLE = 1, 2, 3
+UNSEALED_SHOWN = 5  # files still open for writing that `flush` names
 
 
 def _fail(message: str, code: int) -> None:
@@ -150,12 +151,17 @@ def _print_status(console, r: dict) -> None:
     grid.add_row("since start", f"{c['published_files']} published", f"{c['retries']} retries, {c['failures']} failures")
     if t.get("lost"):
         grid.add_row("lost with their node", f"[red]{t['lost']}[/]", "never published (cluster mode)")
+    # Why, below the grid: a long reason in a cell would stretch its columns.
+    why = []
     if t.get("stalled"):
-        grid.add_row("publishing", "[red]paused[/]", Text(printable(t["stalled"]), style="red"))
+        grid.add_row("publishing", "[red]paused[/]", "")
+        why.append(t["stalled"])
     if t["last_error"]:  # only while something is failing; the history is in the log
         grid.add_row("failing", f"[red]{t['failing']}[/]", f"last error {format_duration(t['last_error_age_s'])} ago")
-        grid.add_row("", "", Text(printable(t["last_error"]), style="red"))
+        why.append(t["last_error"])
     console.print(grid)
+    for text in why:
+        console.print(Text(f"  {printable(text)}", style="red"))
     if "cluster" in r:
         _print_cluster(console, r["cluster"])
     if "files" in r:
@@ -217,6 +223,12 @@ def flush(path: str, timeout: float | None, cluster: bool) -> None:
         _fail(str(exc), _exit_code(exc))
     click.echo(f"ckptfs: flushed {printable(where)}: everything sealed before the flush is published "
                f"({result['files']} files, {format_size(result['bytes'])} waited for)")
+    unsealed = result.get("unsealed", [])
+    if unsealed:
+        more = len(unsealed) - UNSEALED_SHOWN
+        shown = ", ".join(printable(p) for p in unsealed[:UNSEALED_SHOWN]) + (f" and {more} more" if more > 0 else "")
+        click.echo(f"ckptfs: not included: {len(unsealed)} files still open for writing, their changes sealed (and then published) "
+                   f"when they are closed: {shown}", err=True)
 
 
 def _flush_with_progress(client: Client, timeout: float | None, cluster: bool = False) -> dict:

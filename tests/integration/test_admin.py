@@ -107,6 +107,8 @@ def test_status_shows_dirty_and_failed_while_the_store_is_down(fresh_mount):
             assert t["failing"] == 1 and 0 <= t["last_error_age_s"] < 60
             r = run_cli("status", str(m.mountpoint))
             assert "failing" in r.stdout and "staging" in r.stdout, r.stdout
+            # the error is shown below the totals: its length does not stretch their columns
+            assert len(t["last_error"]) > 50 and max(len(line) for line in r.stdout.splitlines()[1:] if "staging" not in line) < 70, r.stdout
             assert t["counters"]["retries"] >= 1
             assert os.getxattr(m.path("stuck"), "user.ckptfs.state") == b"failed"
             assert b"staging" in os.getxattr(m.path("stuck"), "user.ckptfs.error")
@@ -199,6 +201,27 @@ def test_flush_is_a_barrier_for_its_path(fresh_mount):
     assert all(f"a/{i}.bin" in files for i in range(20))
     result = Client(m.mountpoint).flush(m.path("b"), timeout=60)
     assert result["published"] and "b/last" in store_files(m.store)
+
+
+def test_flush_names_files_still_open_with_changes_it_does_not_include(fresh_mount):
+    """A job that flushes before it exits, with a log or an event file still
+    open, learns that those changes are not in the store yet (they are sealed
+    at close): flush says so, under its path only, and still exits 0."""
+    m = fresh_mount
+    write(m.path("ckpt", "model.pt"), b"weights")
+    write(m.path("other", "closed"), b"x")
+    with open(m.path("ckpt", "events.log"), "w") as log_file, open(m.path("other", "open.log"), "w") as other:
+        log_file.write("step 1\n")
+        log_file.flush()
+        other.write("x")
+        other.flush()
+        r = run_cli("flush", str(m.path("ckpt")))
+        assert r.returncode == 0 and "flushed" in r.stdout, r.stderr
+        assert "1 files still open for writing" in r.stderr and "ckpt/events.log" in r.stderr and "open.log" not in r.stderr, r.stderr
+        assert "ckpt/model.pt" in store_files(m.store) and "ckpt/events.log" not in store_files(m.store)
+    r = run_cli("flush", str(m.mountpoint))
+    assert r.returncode == 0 and "open for writing" not in r.stderr, r.stderr
+    assert store_files(m.store)["ckpt/events.log"] == b"step 1\n"
 
 
 # -- xattrs ----------------------------------------------------------------------
