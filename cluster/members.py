@@ -128,10 +128,20 @@ class Membership:
         """Until the publishing node has restored the store; its id."""
         r = self.shared.redis
         deadline = time.monotonic() + timeout_s
+        asked = 0.0
         while True:
             leader, ready = r.get(self.leader_key), r.get(self.ready_key)
             if leader is not None and leader == ready:
                 return leader.decode()
+            if leader is not None and time.monotonic() - asked >= 1.0:
+                # Redis lost its data (restarted without persistence, flushed):
+                # the publishing node keeps its key, but the cluster's log is
+                # gone and it will never be ready again.
+                asked = time.monotonic()
+                info = self.members().get(leader.decode(), {})
+                if info.get("behind"):
+                    raise ClusterError(f"the cluster's publishing node ({info.get('node', leader.decode()[:8])}) lost the cluster's "
+                                       "log (Redis lost its data?): unmount every node of the cluster, then mount again")
             if time.monotonic() > deadline:
                 raise ClusterError(f"the cluster's publishing node ({(leader or b'none').decode()}) did not finish "
                                    f"restoring the store within {timeout_s:.0f}s")

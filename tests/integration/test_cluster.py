@@ -368,6 +368,25 @@ def test_redis_lost_while_mounted_blocks_changes_for_a_bound_then_eio_and_loses_
             assert "LOST" not in m.log_text() and "no longer publishes" not in m.log_text()
 
 
+def test_a_node_joining_after_redis_lost_the_log_is_told_at_once(tmp_path, redis_db):
+    """Redis lost its data (FLUSHALL here; a restart without persistence is
+    the same). The publishing node keeps renewing its key, so a node mounted
+    next used to wait 120 s for it to be ready, then blame a slow restore. It
+    is refused at once, with what happened and what to do."""
+    store = tmp_path / "store"
+    with nodes(tmp_path, redis_db, names="a") as (a,):
+        a.allowed_log_errors += ["lost", "can no longer be shared"]
+        a.path("f").write_bytes(b"v1")
+        wait_store_matches(store, {"f": b"v1"})
+        redis_db.flush()
+        wait_until(lambda: "can no longer be shared" in a.log_text(), 30, "the publishing node to notice")
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="lost the cluster's log") as got, nodes(tmp_path, redis_db, names="b", store=store):
+            pass
+        assert time.monotonic() - t0 < 20, got.value
+        assert a.path("f").read_bytes() == b"v1"
+
+
 def test_a_cluster_over_s3(tmp_path, redis_db, s3):
     """Two nodes on one S3 bucket (SeaweedFS): a large and a small file of
     the node that does not publish are staged by it (hidden objects: the
