@@ -109,7 +109,13 @@ class Inode:
 
     @property
     def allocated(self) -> int:
-        return self.data.allocated if self.data is not None else 0
+        """Bytes the file takes (its st_blocks): in RAM, where holes take
+        none; in the store only (evicted, or not loaded since a restart), its
+        size. Never 0 for bytes that are somewhere: `tar --sparse` reads a
+        file of 0 blocks as all holes and archives zeros."""
+        if self.data is None:
+            return 0
+        return self.data.allocated if self.data.resident else self.size
 
 
 def _always() -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -278,6 +279,43 @@ def test_evict_and_prefetch(fresh_mount):
     assert run_cli("prefetch", str(m.mountpoint)).stdout.startswith("ckptfs: loaded 2 files")
     for p, d in data.items():
         assert m.path(p).read_bytes() == d
+
+
+def test_a_file_in_the_store_only_has_its_blocks_and_tar_sparse_copies_its_bytes(tmp_path):
+    """A file evicted, or not loaded since a restart, said st_blocks 0:
+    `tar --sparse` took it for all holes and archived zeros, silently. Its
+    blocks are its size now (what the store holds); a sparse file in RAM
+    still says what it takes."""
+    data = os.urandom(3 << 20)
+
+    def archived(m, name: str) -> bytes:
+        out = tmp_path / "tar-out"
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir()
+        subprocess.run(["tar", "-S", "-cf", str(tmp_path / "t.tar"), "-C", str(m.mountpoint), name], check=True)
+        subprocess.run(["tar", "-xf", str(tmp_path / "t.tar"), "-C", str(out)], check=True)
+        return (out / name).read_bytes()
+
+    m = start_mount(tmp_path)
+    try:
+        write(m.path("dense.bin"), data)
+        with open(m.path("sparse.bin"), "wb") as f:
+            f.truncate(64 << 20)
+        assert os.stat(m.path("sparse.bin")).st_blocks == 0
+        assert run_cli("flush", str(m.mountpoint)).returncode == 0
+        assert run_cli("evict", str(m.path("dense.bin"))).returncode == 0
+        assert archived(m, "dense.bin") == data
+        r = run_cli("umount", str(m.mountpoint))
+        assert r.returncode == 0, r.stderr
+    finally:
+        stop_mount(m)
+    again = start_mount(tmp_path)
+    try:
+        assert os.stat(again.path("dense.bin")).st_blocks * 512 >= len(data)
+        assert archived(again, "dense.bin") == data
+        assert archived(again, "sparse.bin") == bytes(64 << 20)
+    finally:
+        stop_mount(again)
 
 
 def test_admin_paths_follow_symlinks_in_the_mount(fresh_mount):
