@@ -4,6 +4,7 @@ commands that ask a running daemon (status, flush, prefetch, evict) in admin.py.
 from __future__ import annotations
 
 import logging
+import logging.handlers
 import os
 import select
 import signal
@@ -41,6 +42,8 @@ UMOUNT_PROGRESS_S = 5.0  # while `umount` waits for the drain: a line this often
 DEFAULT_REUSE_RAM = "25%"  # of the budget: a checkpoint or two kept warm; bounded so that evict returns RAM to the OS
 MIN_MEMORY_LIMIT = 16 << 20  # 4 chunks of 4 MiB: less leaves nothing to work with
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+LOG_ROTATE_BYTES = 16 << 20  # the daemon's log moves to <log>.1 at this size,
+LOG_BACKUPS = 4  # and this many older ones are kept: at most 80 MiB in all
 
 
 def _fail(message: str, code: int = 1) -> NoReturn:
@@ -230,9 +233,32 @@ def _remove_stale(mountpoint: str) -> None:
     click.echo(printable(f"ckptfs: {mp}: removed the stale mount its dead daemon left"), err=True)
 
 
+class DaemonLog(logging.handlers.RotatingFileHandler):
+    """The daemon's log file, bounded: a job publishing millions of files
+    logs a line for each, and the default place (/run) is often RAM. Where
+    the daemon's stderr is that file (a mount in the background: a crash's
+    traceback, faulthandler's), stderr follows it to each new file."""
+
+    def __init__(self, path: str | os.PathLike[str], max_bytes: int = LOG_ROTATE_BYTES, backups: int = LOG_BACKUPS) -> None:
+        super().__init__(path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8", errors="backslashreplace")
+        self._stderr_too = self.stream is not None and _same_file(2, self.stream.fileno())
+
+    def doRollover(self) -> None:
+        super().doRollover()
+        if self._stderr_too and self.stream is not None:
+            sys.stderr.flush()
+            os.dup2(self.stream.fileno(), 2)
+
+
+def _same_file(fd_a: int, fd_b: int) -> bool:
+    try:
+        return os.path.sameopenfile(fd_a, fd_b)
+    except OSError:
+        return False
+
+
 def _setup_logging(config: MountConfig) -> None:
-    handler: logging.Handler = (logging.FileHandler(config.log_file, encoding="utf-8", errors="backslashreplace") if config.log_file
-                                else logging.StreamHandler())
+    handler: logging.Handler = DaemonLog(config.log_file) if config.log_file else logging.StreamHandler()
     handler.setFormatter(EscapingFormatter(LOG_FORMAT))
     logging.basicConfig(level=config.log_level, handlers=[handler], force=True)
 

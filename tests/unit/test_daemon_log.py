@@ -1,0 +1,28 @@
+"""The daemon's log file."""
+
+import subprocess
+import sys
+
+
+def test_the_daemon_log_is_bounded_and_stderr_follows_it(tmp_path):
+    """A daemon publishing millions of files logs a line for each; its log
+    (by default in /run, often RAM) grew without bound. It rotates, keeping
+    a few older files; the daemon's stderr, where it is that file (a crash's
+    traceback), moves to each new one."""
+    log = tmp_path / "daemon.log"
+    script = f"""
+import logging, os, sys
+from ckptfs.tools.cli import DaemonLog
+h = DaemonLog({str(log)!r}, max_bytes=2000, backups=2)
+logging.basicConfig(level=logging.INFO, handlers=[h], force=True)
+for i in range(300):
+    logging.getLogger("x").info("line %d of the daemon's log", i)
+print("on stderr after the rotations", file=sys.stderr, flush=True)
+"""
+    with open(log, "ab") as err:
+        subprocess.run([sys.executable, "-c", script], stderr=err, check=True)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["daemon.log", "daemon.log.1", "daemon.log.2"], files
+    assert all((tmp_path / f).stat().st_size <= 2100 for f in files)
+    text = log.read_text()
+    assert "line 299 of" in text and "on stderr after the rotations" in text
