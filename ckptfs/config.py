@@ -38,6 +38,9 @@ def parse_store_options(pairs: tuple[str, ...] | list[str], env_json: str | None
     return options
 
 
+DEFAULT_SPILL_DIR = "/var/tmp"  # local disk, and never the store: a write must not depend on the store being up
+
+
 @dataclass(frozen=True)
 class MountConfig:
     mountpoint: Path
@@ -51,7 +54,7 @@ class MountConfig:
     store_timeout: float = 60.0  # deadline of one store call (plus 1 s per 4 MiB it moves)
     upload_workers: int = 4
     storage_options: dict = field(default_factory=dict)  # passed to fsspec (credentials, endpoint)
-    spill_dir: str | None = None  # where files too big for RAM continue (default: see mount.py)
+    spill_dir: str | None = None  # where files too big for RAM continue (default: DEFAULT_SPILL_DIR)
     metrics_port: int | None = None  # serve Prometheus metrics here
     metrics_host: str = "127.0.0.1"
     cluster: str | None = None  # cluster mode: the Redis URL of the shared namespace

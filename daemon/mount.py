@@ -25,7 +25,7 @@ from ckptfs.writeback.engine import Engine
 from ckptfs.writeback.journal import FileGen, Op, kind
 
 from ckptfs import runtime
-from ckptfs.config import MountConfig
+from ckptfs.config import DEFAULT_SPILL_DIR, MountConfig
 
 from . import status
 from .control import ControlServer
@@ -40,9 +40,6 @@ SWITCH_INTERVAL_S = 1e-4  # see `serve`
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # unmount and drain (see `_Signals`)
 
 READ_AHEAD_KB = 4096  # with 1 MiB requests: several in flight while the reader copies
-
-
-DEFAULT_SPILL_DIR = "/var/tmp"  # local disk, and never the store: a write must not depend on the store being up
 
 
 def fuse_options(name: str) -> set[str]:

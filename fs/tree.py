@@ -678,7 +678,12 @@ class InodeTree:
             raise _err(errno.ENOSPC, "RAM budget exhausted and no spill directory")
         log.warning("RAM budget full: continuing inode %d (%d bytes so far) on disk in %s, at disk speed",
                     inode.ino, inode.data.size, self.spill_dir)
-        inode.data.spill(self.spill_dir)
+        try:
+            inode.data.spill(self.spill_dir)
+        except OSError as exc:
+            log.error("cannot continue inode %d on disk in %s (%s): its write fails with that error; give --spill-dir a writable "
+                      "local disk with room", inode.ino, self.spill_dir, exc.strerror)
+            raise
         self.touched.add(inode.ino)
 
     def resident(self, ino: int) -> bool:

@@ -34,6 +34,7 @@ from .preflight import (
     check_no_daemon,
     check_places,
     check_port,
+    check_spill_dir,
 )
 from .units import Number, format_size, parse_size
 
@@ -173,8 +174,9 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, reuse_ram: str, fo
                 check_no_daemon(mp, backend)
             else:
                 check_cluster(cluster, cluster_password_file, store_url)
-        if spill_dir is not None and not os.path.isdir(spill_dir):
-            raise PreflightError(f"--spill-dir {spill_dir} is not a directory")
+        spill_warning = check_spill_dir(spill_dir)
+        if spill_warning is not None:  # the spawned daemon's stderr is its log: there too
+            click.echo(f"ckptfs: warning: {printable(spill_warning)}", err=True)
         if metrics_port is not None:
             check_port(metrics_host, metrics_port)
     except (PreflightError, StoreError, runtime.RuntimeDirError, runtime.MountpointBusy) as exc:

@@ -9,6 +9,7 @@ import stat
 from pathlib import Path
 
 from ckptfs import runtime
+from ckptfs.config import DEFAULT_SPILL_DIR
 
 
 class PreflightError(Exception):
@@ -60,6 +61,27 @@ def check_mountpoint(path: str) -> Path:
 
 def _inside(path: str, top: str) -> bool:
     return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def check_spill_dir(spill_dir: str | None) -> str | None:
+    """Whether what RAM cannot hold can continue in `spill_dir` (None: the
+    default) as the daemon will put it there (an unlinked file). Refused
+    for a directory the user named; for the default, a warning to show (a
+    read-only /var/tmp in a container): the mount is usable, but a save
+    larger than the RAM budget would fail."""
+    where = spill_dir or DEFAULT_SPILL_DIR
+    if not os.path.isdir(where):
+        why = "it is not a directory"
+    else:
+        try:
+            os.close(os.open(where, os.O_TMPFILE | os.O_RDWR, 0o600))
+            return None
+        except OSError as exc:
+            why = f"it cannot hold files ({exc.strerror})"
+    if spill_dir is not None:
+        raise PreflightError(f"--spill-dir {spill_dir}: {why}")
+    return (f"the spill directory {where}: {why}; a save larger than the RAM budget will fail instead of continuing on disk "
+            "(give --spill-dir DIR, a writable local disk)")
 
 
 def check_places(mp: Path, store_url: str, spill_dir: str | None, log_file: str | None = None) -> None:

@@ -5,8 +5,10 @@ running daemon or a special mount point to make."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -113,6 +115,45 @@ def test_a_mistake_is_one_line(places, argv, env, code, word):
     finally:  # a mistake that was accepted mounted something: stop it
         for mp in (Path(places["mp"]), Path(places["tmp"], "outer", "mnt")):
             _cleanup_background(mp)
+
+
+def test_a_spill_directory_that_cannot_hold_files_is_refused_at_mount(tmp_path):
+    """--spill-dir on a read-only file system (a container's /var/tmp is
+    often one) was accepted: the first save larger than the RAM budget then
+    failed with EROFS, mid-training. It is refused at mount."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    subprocess.run(["mount", "--bind", str(ro), str(ro)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], check=True)
+        (tmp_path / "mnt").mkdir()
+        r = run_cli("mount", str(tmp_path / "mnt"), "--store", str(tmp_path / "store"), "--spill-dir", str(ro))
+        assert r.returncode == 2 and "cannot hold files (Read-only file system)" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert not is_mounted(tmp_path / "mnt")
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+
+
+def test_a_default_spill_directory_that_cannot_hold_files_is_warned_of(tmp_path):
+    """The default, /var/tmp, read-only (here in a private mount namespace,
+    as in a container with a read-only root): the mount goes on, and says
+    on stderr and in its log that a save larger than the budget would fail."""
+    ro, mp = tmp_path / "ro", tmp_path / "mnt"
+    ro.mkdir()
+    mp.mkdir()
+    log = tmp_path / "daemon.log"
+    script = (f"mount --make-rprivate / && mount --bind {ro} /var/tmp && mount -o remount,bind,ro /var/tmp && "
+              f"{sys.executable} -m ckptfs.tools.cli mount {mp} --store {tmp_path / 'store'} --log-file {log} && "
+              f"{sys.executable} -m ckptfs.tools.cli umount {mp}")
+    r = subprocess.run(["unshare", "-m", "bash", "-c", script], capture_output=True, text=True, timeout=120)
+    try:
+        assert r.returncode == 0, r.stderr
+        warning = "the spill directory /var/tmp: it cannot hold files (Read-only file system)"
+        assert warning in r.stderr and "--spill-dir" in r.stderr and warning in log.read_text()
+    finally:
+        for pid in re.findall(r"pid (\d+)", r.stdout):  # the daemon lives in that namespace: stopped by pid if umount failed
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
 
 
 def test_help_and_version_still_work():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -332,6 +333,30 @@ def test_C7_a_save_larger_than_the_whole_budget_succeeds_and_is_published_whole(
     assert verify_store(mount.store).ok == ["model.pt"]
     loaded = torch.load(mount.store / "model.pt")
     assert all(torch.equal(loaded[k], sd[k]) for k in sd)
+
+
+def test_C7_a_spill_directory_that_fills_up_fails_the_write_and_says_why(tmp_path):
+    """The disk under the spill directory fills: the write that could not
+    continue there fails (ENOSPC, as on a full disk) and the log says why
+    and what to do, instead of nothing; what was written stays readable."""
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(spill)], check=True)
+    try:
+        mount = start_mount(tmp_path, memory_limit="16M", extra=("--spill-dir", str(spill)))
+        mount.allowed_log_errors += ["RAM budget", "cannot continue inode"]
+        try:
+            with pytest.raises(OSError) as got, open(mount.path("big.bin"), "wb") as f:
+                for _ in range(64):
+                    f.write(b"x" * (1 << 20))
+            assert got.value.errno == errno.ENOSPC
+            assert "cannot continue inode" in mount.log_text() and "No space left on device" in mount.log_text()
+            mount.path("small").write_bytes(b"still fine")
+            assert mount.path("small").read_bytes() == b"still fine"
+        finally:
+            stop_mount(mount)
+    finally:
+        subprocess.run(["umount", "-l", str(spill)], check=True)
 
 
 def test_C7_budget_exhausted_by_unpublished_data_while_the_store_is_down(tmp_path):
