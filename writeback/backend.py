@@ -1469,6 +1469,10 @@ def open_store(url: str, storage_options: dict | None = None, create: bool = Tru
         _fast_timestamps(fs)
     backend_cls = S3Backend if protocol in ("s3", "s3a") else FsspecBackend
     backend = backend_cls(fs, root, url)
+    try:
+        backend.check_path("f")  # a prefix that is not UTF-8, or too long: no file could go there
+    except OSError as exc:
+        raise StoreError(f"store {url!r} cannot hold files: {exc.strerror}") from None
     bucket = backend.root.split("/")[0]
     try:
         fs.ls(bucket if bucketed else backend.root)

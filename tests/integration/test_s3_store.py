@@ -297,6 +297,16 @@ def test_s3_listings_read_their_times_without_dateutil_and_give_the_same_times(s
         assert isinstance(ours, datetime.datetime) and ours.timestamp() == theirs.timestamp(), text
 
 
+def test_a_store_prefix_no_key_can_start_with_is_refused_at_mount(s3, tmp_path):
+    """A prefix that is not UTF-8, or as long as a whole key: every file
+    would be refused (EILSEQ, ENAMETOOLONG). The mount is refused instead."""
+    url = s3.bucket("prefixes")
+    (tmp_path / "mnt").mkdir()
+    for prefix, why in ((os.fsdecode(b"run\xff"), "UTF-8"), ("p" * 1030, "1024 bytes")):
+        r = run_cli("mount", str(tmp_path / "mnt"), "--store", f"{url}/{prefix}", *s3.cli_options())
+        assert r.returncode == 2 and "cannot hold files" in r.stderr and why in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_folder_keys_and_an_object_beside_objects_under_its_name_on_s3(s3, tmp_path):
     """What other tools leave in a bucket: a console's folder keys (`d/`,
     an empty `e/`) are no files; an object `a` beside objects under `a/`
