@@ -102,6 +102,21 @@ class Client:
         client.socket_path = runtime.control_socket(mountpoint)
         return client
 
+    @classmethod
+    def draining(cls, mountpoint: str | os.PathLike[str], timeout: float = 2.0) -> tuple[runtime.MountInfo, Client] | None:
+        """The daemon of `mountpoint`, unmounted, still publishing what it
+        holds: it answers on its control socket (not a stale record of a pid
+        since reused). None if there is none."""
+        info = runtime.MountInfo.read(runtime.resolved_to_mount(mountpoint))
+        if info is None or not runtime.pid_alive(info.pid):
+            return None
+        client = cls.unmounting(info.mountpoint, timeout=timeout)
+        try:
+            client.ping()
+        except CkptfsError:
+            return None
+        return info, client
+
     def _rel(self, path: str | os.PathLike[str] | None) -> str:
         if path is None:
             return self.relpath

@@ -38,9 +38,21 @@ def _exit_code(exc: CkptfsError) -> int:
     return EXIT_INCOMPLETE
 
 
-def _client(path: str, timeout: float = 10.0) -> Client:
+def _client(path: str, timeout: float = 10.0, draining: bool = False) -> Client:
+    """The client of the mount `path` is on; `draining`: or of the daemon of
+    mount point `path` after its unmount, while it still publishes (an
+    interrupted or running `umount`): it answers for the whole mount."""
     try:
         return Client(path, timeout=timeout)
+    except NotMounted as exc:
+        found = Client.draining(path) if draining else None
+        if found is None:
+            _fail(str(exc), _exit_code(exc))
+            raise AssertionError from None
+        info, client = found
+        click.echo(printable(f"ckptfs: {info.mountpoint} is unmounted; its daemon (pid {info.pid}) is still publishing what it holds"),
+                   err=True)
+        return client
     except CkptfsError as exc:
         _fail(str(exc), _exit_code(exc))
         raise AssertionError from None
@@ -70,8 +82,11 @@ def status(mountpoint: str | None, as_json: bool, files: str | None, watch: bool
     """
     if cluster and mountpoint is None:
         _fail("--cluster needs a MOUNTPOINT", EXIT_USAGE)
+    client = None
     if mountpoint is not None:
-        client = _client(mountpoint)
+        client = _client(mountpoint, draining=True)
+        if client.relpath:  # a path on the mount: the status is the whole mount's
+            client = _client(client.mountpoint)
         mps = [client.mountpoint]
         if files:
             files = os.path.join(client.mountpoint, files) if not os.path.isabs(files) else files
@@ -80,33 +95,33 @@ def status(mountpoint: str | None, as_json: bool, files: str | None, watch: bool
             _fail("--files PATH needs a MOUNTPOINT", EXIT_USAGE)
         mps = runtime.ckptfs_mounts()
     if not watch:
-        code = _show_status(mps, as_json, files, single=mountpoint is not None, cluster=cluster)
+        code = _show_status(mps, as_json, files, single=client, cluster=cluster)
         sys.exit(code)
     try:
         while True:
             if sys.stdout.isatty():
                 click.clear()
-            _show_status(mps if mountpoint is not None else runtime.ckptfs_mounts(), as_json, files, single=mountpoint is not None,
-                         cluster=cluster)
+            _show_status(mps if mountpoint is not None else runtime.ckptfs_mounts(), as_json, files, single=client, cluster=cluster)
             sys.stdout.flush()
             time.sleep(interval)
     except KeyboardInterrupt:
         sys.exit(0)
 
 
-def _show_status(mps: list[str], as_json: bool, files: str | None, single: bool, cluster: bool = False) -> int:
+def _show_status(mps: list[str], as_json: bool, files: str | None, single: Client | None, cluster: bool = False) -> int:
+    """Status of every mount in `mps`, or of the one `single` is the client of."""
     reports, code = [], 0
     for mp in mps:
         try:
-            client = Client(mp)
-            reports.append(client.status(files=files is not None, path=files or mp, cluster=cluster))
+            client = single if single is not None else Client(mp)
+            reports.append(client.status(files=files is not None, path=files or None, cluster=cluster))
         except CkptfsError as exc:
-            if single:
+            if single is not None:
                 _fail(str(exc), _exit_code(exc))
             reports.append({"mount": {"mountpoint": mp}, "error": str(exc)})
             code = EXIT_UNAVAILABLE
     if as_json:
-        out = {"version": 1, **reports[0]} if single else {"version": 1, "mounts": reports}
+        out = {"version": 1, **reports[0]} if single is not None else {"version": 1, "mounts": reports}
         click.echo(json.dumps(out, indent=2, sort_keys=True))
     elif not reports:
         click.echo("no ckptfs mounts on this machine")
@@ -208,7 +223,7 @@ def flush(path: str, timeout: float | None, cluster: bool) -> None:
     """Wait until everything sealed (closed) before now, on the mount or under
     PATH, is published to the store. A barrier: what is written later is not
     waited for. Exit 0 once published; 1 on timeout, naming what is left."""
-    client = _client(path)
+    client = _client(path, draining=True)
     where = os.path.join(client.mountpoint, client.relpath).rstrip("/")
     try:
         result = _flush_with_progress(client, timeout, cluster)

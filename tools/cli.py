@@ -341,7 +341,7 @@ def umount(mountpoint: str, timeout: float) -> None:
     try:
         mp = check_mounted_ckptfs(mountpoint)
     except PreflightError as exc:
-        draining = _still_draining(mountpoint)
+        draining = Client.draining(mountpoint)
         if draining is None:
             _fail(str(exc), 2)
         # An earlier umount was interrupted (^C, a lost session, a timeout):
@@ -367,21 +367,6 @@ def umount(mountpoint: str, timeout: float) -> None:
     os.kill(info.pid, signal.SIGTERM)
     click.echo(printable(f"ckptfs: unmounting {mp}; waiting for write-back to publish everything (see {info.log_file})"))
     _wait_until_exited(info, Client.unmounting(mp, timeout=2.0), timeout)
-
-
-def _still_draining(mountpoint: str) -> tuple[runtime.MountInfo, Client] | None:
-    """The daemon of `mountpoint`, no longer mounted, that still publishes
-    what it holds (it answers on its control socket: not a stale record of a
-    pid since reused)."""
-    info = runtime.MountInfo.read(runtime.resolved_to_mount(mountpoint))
-    if info is None or not runtime.pid_alive(info.pid):
-        return None
-    client = Client.unmounting(info.mountpoint, timeout=2.0)
-    try:
-        client.ping()
-    except CkptfsError:
-        return None
-    return info, client
 
 
 def _wait_until_exited(info: runtime.MountInfo, draining: Client, timeout: float) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import resource
 import select
@@ -171,6 +172,14 @@ def test_umount_again_after_an_interrupted_one_waits_for_the_drain(tmp_path):
             assert r.returncode != 0 and "did not exit" in r.stderr, r.stderr
             assert not is_mounted(m.mountpoint) and m.proc.poll() is None  # unmounted, draining
             assert_clean_error(run_cli("mount", str(m.mountpoint), "--store", str(m.store)), "still publishing", f"ckptfs umount {m.mountpoint}")
+            # status and flush of the mount point reach the draining daemon (they said "not on a ckptfs mount")
+            r = run_cli("status", str(m.mountpoint), "--json")
+            assert r.returncode == 0 and "is unmounted; its daemon" in r.stderr, r.stderr
+            assert json.loads(r.stdout)["totals"]["queue"] == 1
+            r = run_cli("status", str(m.mountpoint), "--files")
+            assert r.returncode == 0 and "model.pt" in r.stdout, r.stdout + r.stderr
+            r = run_cli("flush", str(m.mountpoint), "--timeout", "1")
+            assert r.returncode == 1 and "is unmounted; its daemon" in r.stderr and "not published after 1s" in r.stderr, r.stderr
             again = subprocess.Popen([sys.executable, "-m", "ckptfs.tools.cli", "umount", str(m.mountpoint)],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             try:

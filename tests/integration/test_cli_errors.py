@@ -20,7 +20,7 @@ import pytest
 
 from ckptfs import runtime
 from ckptfs.client import Client, RequestFailed
-from tests.mountutil import is_mounted, run_cli, start_mount, stop_mount
+from tests.mountutil import is_mounted, run_cli, start_mount, stop_background_mount, stop_mount
 from tests.storeutil import begin_outage, end_outage, store_outage
 
 # (name, argv with {placeholders}, extra environment, exit status, a word the one stderr line must hold)
@@ -131,6 +131,7 @@ def test_a_spill_directory_that_cannot_hold_files_is_refused_at_mount(tmp_path):
         assert r.returncode == 2 and "cannot hold files (Read-only file system)" in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert not is_mounted(tmp_path / "mnt")
     finally:
+        stop_background_mount(tmp_path / "mnt")  # had the mount not been refused
         subprocess.run(["umount", str(ro)], check=True)
 
 
