@@ -36,6 +36,10 @@ ROOT = 1
 NAME_MAX = 255
 XATTR_NAME_MAX = 255
 XATTR_SIZE_MAX = 65536
+# The extended attributes of one inode, names and values, at most (as tmpfs
+# bounds user.* ones): they live in the daemon's memory, outside the budget,
+# and a loop of setxattr by any user of the mount must not exhaust it.
+XATTR_TOTAL_MAX = 128 << 10
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 LISTINGS_KEPT = 64  # directories whose listing in progress is kept for resuming
@@ -512,6 +516,9 @@ class InodeTree:
         inode = self.get(ino)
         if inode.xattrs is None:
             inode.xattrs = {}
+        others = sum(len(k) + len(v) for k, v in inode.xattrs.items() if k != name)
+        if others + len(name) + len(value) > XATTR_TOTAL_MAX:
+            raise _err(errno.ENOSPC, f"an inode's extended attributes take at most {XATTR_TOTAL_MAX} bytes")
         inode.xattrs[name] = bytes(value)
         inode.ctime_ns = self.clock()
 

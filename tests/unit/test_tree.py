@@ -478,3 +478,19 @@ def test_a_path_the_store_cannot_hold_is_refused_when_made_or_moved_there():
     # a shorter or equal path asks no walk below, and is taken
     s.rename(ROOT, b"d", ROOT, b"e")
     assert s.lookup(s.lookup(ROOT, b"e").ino, b"abcdefgh")
+
+
+def test_an_inode_s_extended_attributes_are_bounded_in_all(s):
+    """Each value was bounded (64 KiB), not how many: a loop of setxattr by
+    any user of the mount grew the daemon without limit (xattrs live outside
+    the RAM budget). All of one inode's take at most 128 KiB, as on tmpfs;
+    replacing one counts its new size only."""
+    ino = new_file(s, b"f").ino
+    value = b"v" * 60_000
+    s.setxattr(ino, b"user.a", value)
+    s.setxattr(ino, b"user.b", value)
+    assert errno_of(s.setxattr, ino, b"user.c", value) == errno.ENOSPC
+    s.setxattr(ino, b"user.b", value)  # the same size again: fits
+    s.removexattr(ino, b"user.a")
+    s.setxattr(ino, b"user.c", value)
+    assert sorted(s.listxattr(ino)) == [b"user.b", b"user.c"]
