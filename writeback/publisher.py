@@ -1139,12 +1139,16 @@ class Publisher:
         files = [(p, n) for g in self.parked if g.state is State.PARKED for p, n in self.replica.nodes_of(g.ino)
                  if isinstance(n, File) and n.held is g]
         files += [(self.replica.path_of(n), n) for n, op in self.deferred if isinstance(op, Remove) and isinstance(n, File)]
-        for path, node in files:
-            if path is not None and node.shown is None and node.held is not None and node.held.tries:
-                try:
-                    await self._fenced(f"record {path}", manifest.delete, self.e.backend, path, at=(path,))
-                except Exception as exc:
-                    log.warning("cannot remove the record of %s, never published: %s", path, exc)
+        files = [(path, node) for path, node in files
+                 if path is not None and node.shown is None and node.held is not None and node.held.tries
+                 # an abandoned try may still land there (and the exit must not wait for a hung store)
+                 and not any(not x.ended.is_set() and _overlap(x.at, (path,)) for x in self.late)]
+        for i, (path, _node) in enumerate(files):
+            try:
+                await self._fenced(f"record {path}", manifest.delete, self.e.backend, path, at=(path,))
+            except Exception as exc:  # the store fails: one deadline, not one per file, before the exit
+                log.warning("cannot remove the record of %s, never published (%s): it and %d more stay", path, exc, len(files) - i - 1)
+                return
 
     # -- what the store shows ----------------------------------------------------------
     def shown(self, ino: int) -> tuple[str, Shown] | None:

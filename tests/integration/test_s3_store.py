@@ -93,6 +93,44 @@ def test_a_hung_store_call_is_abandoned_at_its_deadline(s3, tmp_path):
         stop_mount(m)
 
 
+def test_an_exit_never_waits_for_a_hung_store_call(s3, tmp_path):
+    """Five parked files (larger than S3 takes); the server stops (SIGSTOP),
+    a file's publication hangs and is abandoned, and it is deleted;
+    `umount` with a short drain timeout. The daemon exits soon after the
+    drain, reporting what is left: cleaning up at the exit (the records of
+    parked files never shown) waits for one store call's deadline, not one
+    per parked file, and never for an abandoned call."""
+    import signal
+    import time
+
+    url = s3.bucket("hung-exit")
+    m = start_mount(tmp_path, extra=("--store", url, "--store-timeout", "2", "--drain-timeout", "5", *s3.cli_options()))
+    m.allowed_log_errors += ["failed (try", "retrying", "gave no answer", "heartbeat", "NOT PUBLISHED", "not published", "cannot leave",
+                             "cannot remove", "failed for good", "at most 5 TiB", "waiting for the abandoned"]
+    try:
+        m.path("a.bin").write_bytes(b"a" * 300_000)
+        wait_until(lambda: "a.bin" in objects(s3, "hung-exit"), 60, "the first file")
+        for i in range(5):
+            with open(m.path(f"huge{i}"), "wb") as f:
+                f.truncate(6 << 40)
+        wait_until(lambda: m.log_text().count("failed for good") == 5, 60, "the huge files parked")
+        os.killpg(s3.proc.pid, signal.SIGSTOP)
+        try:
+            m.path("b.bin").write_bytes(b"b" * 300_000)
+            wait_until(lambda: any("gave no answer within" in line and "b.bin" in line for line in m.log_text().splitlines()),
+                       30, "the hung call for b.bin to be abandoned")
+            m.path("b.bin").unlink()
+            t0 = time.monotonic()
+            r = run_cli("umount", str(m.mountpoint), "--timeout", "60")
+            took = time.monotonic() - t0
+        finally:
+            os.killpg(s3.proc.pid, signal.SIGCONT)
+        assert took < 30, (took, r.stderr)
+    finally:
+        stop_mount(m)
+    assert m.log_text().count("cannot remove the record") == 1 and "4 more stay" in m.log_text(), m.log_text()
+
+
 def test_large_files_publish_in_place_and_a_renamed_one_at_its_new_name(s3, tmp_path):
     """Large files are multipart uploads left open at their name and completed
     at their turn; one renamed while it uploads is published whole at its new
