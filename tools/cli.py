@@ -32,6 +32,7 @@ from .preflight import (
     check_mounted_ckptfs,
     check_mountpoint,
     check_no_daemon,
+    check_not_in_a_store,
     check_places,
     check_port,
     check_spill_dir,
@@ -164,6 +165,7 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, reuse_ram: str, fo
         _remove_stale(mountpoint)
         mp = check_mountpoint(mountpoint)
         check_places(mp, store_url, spill_dir, log_file)
+        check_not_in_a_store(store_url)
         runtime.private_dir(mp)  # the daemon's details and default log go there: the user's own, or refused
         check_no_daemon(mp)
         if log_file is not None:

@@ -128,6 +128,27 @@ def _on_ckptfs(path: str) -> str | None:
     return next((m for m in runtime.ckptfs_mounts() if _inside(path, m)), None)
 
 
+def check_not_in_a_store(store_url: str) -> None:
+    """A local store inside another ckptfs store (a directory above it holds
+    that store's `.ckptfs/`): the other store's mount would show this one's
+    files, and its `.ckptfs/`, as its own, and delete them with a directory
+    of that mount. `check_places` ran first: the store is on no ckptfs mount."""
+    from ckptfs.writeback.backend import META, local_root
+
+    root = local_root(store_url)
+    if root is None:
+        return
+    above = os.path.dirname(os.path.realpath(root))
+    while True:
+        meta = os.path.join(above, META)
+        if os.path.isdir(os.path.join(meta, "files")) or os.path.isdir(os.path.join(meta, "daemons")):
+            raise PreflightError(f"the store {root} is inside the ckptfs store {above} (it holds {meta}): that store's mount would "
+                                 "take this one's files for its own; use a directory outside it")
+        if above == os.path.dirname(above):
+            return
+        above = os.path.dirname(above)
+
+
 def check_no_daemon(mp: Path, backend=None) -> None:
     """No daemon still serves, or still drains, this mount point (after an
     `umount --timeout` gave up) or this store: two daemons would overwrite

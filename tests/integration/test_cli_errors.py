@@ -157,6 +157,26 @@ def test_a_default_spill_directory_that_cannot_hold_files_is_warned_of(tmp_path)
                 os.kill(int(pid), signal.SIGKILL)
 
 
+def test_a_store_inside_another_store_is_refused(tmp_path):
+    """A job mounting a store inside another one's (store=/ckpt/run2 while
+    /ckpt is a store): the outer mount would take the inner files, and the
+    inner `.ckptfs/`, for its own after a restart, and delete them with a
+    directory of its mount. Refused, while the outer one runs and after."""
+    outer = start_mount(tmp_path / "outer")
+    try:
+        outer.path("f").write_bytes(b"x")
+        (tmp_path / "mnt").mkdir()
+        for _ in range(2):
+            r = run_cli("mount", str(tmp_path / "mnt"), "--store", str(outer.store / "run2"))
+            assert r.returncode == 2 and f"is inside the ckptfs store {outer.store}" in r.stderr and "Traceback" not in r.stderr, r.stderr
+            assert not is_mounted(tmp_path / "mnt")
+            run_cli("umount", str(outer.mountpoint))
+    finally:
+        stop_background_mount(tmp_path / "mnt")
+        stop_mount(outer)
+    assert not (outer.store / "run2").exists()
+
+
 def test_help_and_version_still_work():
     r = run_cli("--help")
     assert r.returncode == 0 and "mount" in r.stdout
