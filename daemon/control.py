@@ -152,7 +152,10 @@ class ControlServer:
         left = [self._describe(op) for op in waiting.now()]
         # Not waited for (a barrier of what is sealed), but a job that flushes
         # before it exits should know: files still open with changes not sealed.
-        unsealed = sorted(p for p, inode in self.tree.files_under(path) if inode.writers and inode.version != inode.sealed_version)
+        # From the open handles, not a walk of the tree: the mount keeps serving.
+        writing = {h.inode for h in self.tree.handles.values() if h.writable and h.inode.version != h.inode.sealed_version}
+        unsealed = sorted(p for inode in writing for p in self.tree.paths_of(inode.ino)[:1]
+                          if not path or p == path or p.startswith(path + "/"))
         return {"published": not left, "files": total_files, "bytes": total_bytes, "left": left, "timed_out": waited.cancelled_caught,
                 "unsealed": unsealed}
 
