@@ -1143,9 +1143,14 @@ class Publisher:
                  if path is not None and node.shown is None and node.held is not None and node.held.tries
                  # an abandoned try may still land there (and the exit must not wait for a hung store)
                  and not any(not x.ended.is_set() and _overlap(x.at, (path,)) for x in self.late)]
-        for i, (path, _node) in enumerate(files):
+        for i, (path, node) in enumerate(files):
             try:
-                await self._fenced(f"record {path}", manifest.delete, self.e.backend, path, at=(path,))
+                record = await self.e.calls.run(f"record {path}", manifest.read, self.e.backend, path)
+                # Only the record this generation's try wrote, and keeping no earlier digest:
+                # else the store may still show other bytes there that it vouches for (a
+                # file renamed over published ones, then parked).
+                if record is not None and record.current == node.held.digest and record.previous is None:
+                    await self._fenced(f"record {path}", manifest.delete, self.e.backend, path, at=(path,))
             except Exception as exc:  # the store fails: one deadline, not one per file, before the exit
                 log.warning("cannot remove the record of %s, never published (%s): it and %d more stay", path, exc, len(files) - i - 1)
                 return

@@ -93,6 +93,34 @@ def test_a_hung_store_call_is_abandoned_at_its_deadline(s3, tmp_path):
         stop_mount(m)
 
 
+def test_a_parked_file_renamed_over_a_published_one_leaves_its_record(s3, tmp_path):
+    """A file S3 cannot take (over 5 TiB) renamed over a published one is
+    parked; the store still shows the published bytes at that name. The
+    exit's cleanup of parked files' records must leave the record that
+    vouches for them: verify stays clean, and a restart loads them."""
+    url = s3.bucket("renamed-over")
+    m = start_mount(tmp_path, extra=("--store", url, *s3.cli_options()))
+    m.allowed_log_errors += ["failed (try", "failed for good", "NOT PUBLISHED", "not published", "at most 5 TiB"]
+    try:
+        m.path("x").write_bytes(b"published")
+        wait_until(lambda: "x" in objects(s3, "renamed-over"), 60, "x published")
+        with open(m.path("huge"), "wb") as f:
+            f.truncate(6 << 40)
+        os.rename(m.path("huge"), m.path("x"))
+        wait_until(lambda: "failed for good" in m.log_text(), 60, "the huge file parked")
+        r = run_cli("umount", str(m.mountpoint))
+        assert r.returncode == 1 and "at most 5 TiB" in r.stderr, r.stderr
+    finally:
+        stop_mount(m)
+    report = verify(open_store(url, s3.options()))
+    assert report.clean and report.ok == ["x"], report
+    again = start_mount(tmp_path, extra=("--store", url, *s3.cli_options()))
+    try:
+        assert again.path("x").read_bytes() == b"published"
+    finally:
+        stop_mount(again)
+
+
 def test_an_exit_never_waits_for_a_hung_store_call(s3, tmp_path):
     """Five parked files (larger than S3 takes); the server stops (SIGSTOP),
     a file's publication hangs and is abandoned, and it is deleted;
