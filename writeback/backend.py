@@ -465,6 +465,12 @@ class _OpenDirs:
             os.close(self._fds.popitem()[1])
 
 
+class FileInTheWay(InTheWay, NotADirectoryError):
+    """A file in the store where a path needs a directory: permanent for a
+    publication (InTheWay), and, as any ENOTDIR, nothing there to read,
+    find or delete."""
+
+
 class SymlinkInStore(OSError):
     """A symlink where a local store should have a directory (ELOOP)."""
 
@@ -520,8 +526,8 @@ class LocalBackend(Backend):
                     if exc.errno in (errno.ELOOP, errno.ENOTDIR) and stat.S_ISLNK(os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode):
                         raise SymlinkInStore(errno.ELOOP, "a symlink in the store is in the way (ckptfs never follows one)", path) from None
                     if exc.errno == errno.ENOTDIR and not path.startswith(META + "/"):
-                        raise InTheWay(errno.ENOTDIR, f"the store has a file at {part!r}, where the mount has a directory (made there by another tool?)",
-                                       path) from None
+                        raise FileInTheWay(errno.ENOTDIR, f"the store has a file at {part!r}, where the mount has a directory (made there by "
+                                           "another tool?)", path) from None
                     raise
                 os.close(fd)
                 fd = below

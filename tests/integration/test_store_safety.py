@@ -151,6 +151,10 @@ def test_what_is_planted_in_the_way_of_a_file_parks_it_and_leaves_no_record_of_i
         assert r.returncode == 1 and "conflict" in r.stderr and "d2/f" in r.stderr and "gone/g (remove not applied)" in r.stderr, r.stderr
     finally:
         stop_mount(m)
-    report = verify(open_store(str(store)))
+    backend = open_store(str(store))
+    report = verify(backend)
     assert (report.missing, sorted(report.extra), report.corrupt) == ([], ["d2", "gone/g/x"], []), report
+    # a file in the way is, for anything but a publication, nothing there (as any ENOTDIR)
+    assert not backend.exists("d2/f")
+    backend.delete("d2/f")
     assert (store / "after").read_bytes() == b"b" and (store / "d2").read_bytes() == b"planted"
