@@ -233,6 +233,11 @@ class FileData:
     def spilled(self) -> bool:
         return self._spill is not None
 
+    def spilled_bytes(self) -> int:
+        """What the spill file takes on its disk (holes take nothing); 0 if
+        the file is not spilled."""
+        return os.fstat(self._spill.fd).st_blocks * 512 if self._spill is not None else 0
+
     def snapshot(self) -> Snapshot | SpillSnapshot:
         assert self.resident
         if self._spill is not None:

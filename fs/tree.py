@@ -113,13 +113,16 @@ class Inode:
 
     @property
     def allocated(self) -> int:
-        """Bytes the file takes (its st_blocks): in RAM, where holes take
-        none; in the store only (evicted, or not loaded since a restart), its
-        size. Never 0 for bytes that are somewhere: `tar --sparse` reads a
-        file of 0 blocks as all holes and archives zeros."""
+        """Bytes the file takes (its st_blocks): in RAM or in its spill
+        file, where holes take none; in the store only (evicted, or not
+        loaded since a restart), its size. Never 0 for bytes that are
+        somewhere: `tar --sparse` reads a file of 0 blocks as all holes and
+        archives zeros."""
         if self.data is None:
             return 0
-        return self.data.allocated if self.data.resident else self.size
+        if not self.data.resident:
+            return self.size
+        return self.data.spilled_bytes() if self.data.spilled else self.data.allocated
 
 
 def _always() -> bool:

@@ -318,6 +318,31 @@ def test_a_file_in_the_store_only_has_its_blocks_and_tar_sparse_copies_its_bytes
         stop_mount(again)
 
 
+def test_a_spilled_file_has_its_blocks_and_tar_sparse_copies_its_bytes(tmp_path):
+    """A file the RAM budget could not hold lives in the spill directory: it
+    said st_blocks 0 (its RAM), and `tar --sparse` archived zeros for it,
+    silently. It says what its spill file takes, holes still none."""
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    data = os.urandom(24 << 20)
+    m = start_mount(tmp_path, memory_limit="16M", extra=("--spill-dir", str(spill)))
+    m.allowed_log_errors.append("RAM budget")
+    try:
+        write(m.path("big.bin"), data)
+        assert "continuing inode" in m.log_text()  # spilled, as meant
+        assert os.stat(m.path("big.bin")).st_blocks * 512 >= len(data)
+        subprocess.run(["tar", "-S", "-cf", str(tmp_path / "t.tar"), "-C", str(m.mountpoint), "big.bin"], check=True)
+        out = tmp_path / "out"
+        out.mkdir()
+        subprocess.run(["tar", "-xf", str(tmp_path / "t.tar"), "-C", str(out)], check=True)
+        assert (out / "big.bin").read_bytes() == data
+        with open(m.path("big.bin"), "r+b") as f:  # a hole made in the spill file stays one
+            f.truncate(64 << 20)
+        assert os.stat(m.path("big.bin")).st_blocks * 512 < (48 << 20)
+    finally:
+        stop_mount(m)
+
+
 def test_admin_paths_follow_symlinks_in_the_mount(fresh_mount):
     """`ckptfs evict /mnt/ckpt/latest/model.pt` (a `latest` link to the
     newest checkpoint, as Lightning's save_last="link" and many scripts
