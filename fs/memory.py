@@ -294,14 +294,13 @@ class FileData:
         self._spill = _SpillFile(new)
         return self._spill
 
-    def evict(self) -> int:
-        """Drop the bytes from RAM (the caller knows they are in the store)."""
-        freed = self.allocated
+    def evict(self) -> None:
+        """Drop the bytes from RAM, or the spill file (the caller knows they
+        are in the store)."""
         size = self.size
         self.clear()
         self.size = size
         self.resident = False
-        return freed
 
 
     # -- reads ---------------------------------------------------------------
@@ -351,7 +350,13 @@ class FileData:
         if off <= self.frontier < end:
             self.frontier = end
         if self._spill is not None:
-            _pwrite_all(self._thaw().fd, memoryview(data), off)
+            fd = self._thaw().fd
+            try:
+                _pwrite_all(fd, memoryview(data), off)
+            except OSError:
+                if end > self.size:  # what got past the end before the disk filled must not show up later
+                    os.ftruncate(fd, self.size)
+                raise
             self.size = max(self.size, end)
             return n
         self._reserve_for(off, end)

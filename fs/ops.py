@@ -272,16 +272,35 @@ class Operations(pyfuse3.Operations):
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         inode = self.tree.handle(fh).inode
         await self._resident(inode)
-        try:
-            return self.tree.write(fh, off, buf)
-        except OSError as exc:
-            if exc.errno != errno.ENOSPC:
-                raise
-        # RAM is full (C7): evict published files, give write-back a moment to
-        # publish more, else continue this file on disk at store speed.
-        if not await self.engine.make_room(len(buf) + (8 << 20), patience_s=ROOM_PATIENCE_S):
-            self.tree.spill(inode)
-        return self.tree.write(fh, off, buf)
+        made_room = False
+        while True:
+            try:
+                return self.tree.write(fh, off, buf)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                full = exc
+            if not self.tree.spilled(inode.ino):
+                # RAM is full (C7): evict published files, give write-back a moment to
+                # publish more, else continue this file on disk.
+                if not made_room:
+                    made_room = True
+                    if await self.engine.make_room(len(buf) + (8 << 20), patience_s=ROOM_PATIENCE_S):
+                        continue
+                try:
+                    self.tree.spill(inode)
+                    continue
+                except OSError as exc:
+                    if exc.errno != errno.ENOSPC:
+                        raise
+                    full = exc
+            # The spill directory's disk is full too: published spilled files give
+            # their room back, and the write goes on as write-back publishes more
+            # (store speed); it fails only when nothing can free any.
+            if not await self.engine.make_spill_room():
+                self.tree.spill_full(inode, full)
+                raise full
+            made_room = False  # something changed: RAM may have room again too
 
     @_errors
     async def flush(self, fh: int) -> None:

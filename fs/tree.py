@@ -671,14 +671,17 @@ class InodeTree:
         return inode
 
     def evict(self, ino: int, generation: int) -> int:
-        """Drop a file's bytes from RAM if `generation` is its current, closed
-        content (so the store has exactly these bytes); returns bytes freed."""
+        """Drop a file's bytes from RAM, or its spill file, if `generation` is
+        its current, closed content (so the store has exactly these bytes);
+        returns the bytes freed (in RAM, or on the spill directory's disk)."""
         inode = self.inodes.get(ino)
         if (inode is None or inode.data is None or not inode.data.resident or inode.writers
                 or inode.generation != generation or inode.version != inode.sealed_version):
             return 0
         self.touched.add(ino)
-        return inode.data.evict()
+        freed = inode.data.spilled_bytes() if inode.data.spilled else inode.data.allocated
+        inode.data.evict()
+        return freed
 
     def spill(self, inode: Inode) -> None:
         """RAM cannot hold this file: continue it in the spill directory."""
@@ -686,15 +689,24 @@ class InodeTree:
             return
         if self.spill_dir is None:
             raise _err(errno.ENOSPC, "RAM budget exhausted and no spill directory")
-        log.warning("RAM budget full: continuing inode %d (%d bytes so far) on disk in %s, at disk speed",
-                    inode.ino, inode.data.size, self.spill_dir)
         try:
             inode.data.spill(self.spill_dir)
         except OSError as exc:
-            log.error("cannot continue inode %d on disk in %s (%s): its write fails with that error; give --spill-dir a writable "
-                      "local disk with room", inode.ino, self.spill_dir, exc.strerror)
+            if exc.errno != errno.ENOSPC:  # full: the caller may wait for room (`spill_full` if it gives up)
+                self.spill_full(inode, exc)
             raise
+        log.warning("RAM budget full: continuing inode %d (%d bytes so far) on disk in %s, at disk speed",
+                    inode.ino, inode.data.size, self.spill_dir)
         self.touched.add(inode.ino)
+
+    def spill_full(self, inode: Inode, exc: OSError) -> None:
+        """Say why a write that RAM could not hold fails in the spill directory."""
+        log.error("cannot continue inode %d on disk in %s (%s): its write fails with that error; give --spill-dir a writable "
+                  "local disk with room", inode.ino, self.spill_dir, exc.strerror)
+
+    def spilled(self, ino: int) -> bool:
+        inode = self.inodes.get(ino)
+        return inode is not None and inode.data is not None and inode.data.spilled
 
     def resident(self, ino: int) -> bool:
         inode = self.inodes.get(ino)

@@ -88,6 +88,8 @@ class Namespace(Restorer, Protocol):
     def begin_load(self, ino: int, spill: bool) -> LoadTarget | None: ...
     def free_bytes(self) -> int: ...
     def resident(self, ino: int) -> bool: ...
+    def spilled(self, ino: int) -> bool: ...  # its bytes are in the spill directory, not RAM
+    spill_dir: str | None
     def reseal(self, ino: int) -> bool: ...
 
 
@@ -950,6 +952,9 @@ class Engine:
 
     async def make_room(self, nbytes: int, patience_s: float = math.inf) -> bool:
         return await self.residency.make_room(nbytes, patience_s)
+
+    async def make_spill_room(self) -> bool:
+        return await self.residency.make_spill_room()
 
     def touch(self, ino: int) -> None:
         self.residency.touch(ino)

@@ -13,6 +13,9 @@ import collections
 import errno
 import logging
 import math
+import os
+import sys
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LOAD_TRIES = 3  # a load that fails for a passing reason (a store call's error or deadline) is tried this often before EIO
+SPILL_FULL_SAY_S = 30.0  # while writes wait for room in the spill directory, it is logged this often
 ROOM_PATIENCE_S = 2.0  # how long a load waits for write-back to free RAM before it loads into the spill directory
 
 
@@ -146,6 +150,7 @@ class Residency:
         # made stale by a write straight to the store racing this mount's
         # start must cost a lookup, not a false EIO.
         self.recheck = False
+        self._spill_full_said = -math.inf  # when `make_spill_room` last logged that it waits
 
     def published(self, ino: int) -> None:
         self.lru[ino] = None
@@ -174,20 +179,49 @@ class Residency:
         for ino in list(self.lru):
             if freed >= nbytes:
                 break
-            freed += self.evict_file(ino)
+            if not self.e.ns.spilled(ino):  # a spilled file holds no RAM
+                freed += self.evict_file(ino)
         return freed
 
     def evict_file(self, ino: int) -> int:
-        """Drop one published file from RAM; 0 if it is not (all) published."""
+        """Drop one published file from RAM, or its spill file; returns the
+        bytes freed; 0 if it is not (all) published."""
         if ino not in self.lru:
             return 0
         got = self.e.ns.evict(ino, self.e.published_gen.get(ino, 0))
-        if got or not self.e.ns.paths_of(ino):
+        if not self.e.ns.resident(ino) or not self.e.ns.paths_of(ino):
             del self.lru[ino]
         if got:
             self.counters.evictions += 1
             self.counters.evicted_bytes += got
         return got
+
+    async def _spill_room(self, size: int) -> None:
+        """Before a load into the spill directory: room there for `size`
+        bytes, as far as `make_spill_room` can make it (else the load
+        fails with ENOSPC, as a write would)."""
+        spill_dir = self.e.ns.spill_dir
+        while spill_dir is not None and _free_space(spill_dir) < size and await self.make_spill_room():
+            pass
+
+    async def make_spill_room(self) -> bool:
+        """The spill directory's disk is full (C7): evict published spilled
+        files, or else wait for write-back to change something (a file
+        published can then be evicted, a snapshot let go frees its spill
+        file). True when the caller should try again; False when nothing
+        can free any room."""
+        if any([self.evict_file(ino) for ino in list(self.lru) if self.e.ns.spilled(ino)]):
+            return True
+        releasing = any(g.readers for g in self.e.unsettled.values())  # threads still reading dropped snapshots
+        if not any(g.state is not State.PARKED for g in self.e.pending.values()) and not releasing:
+            return False
+        now = time.monotonic()
+        if now - self._spill_full_said >= SPILL_FULL_SAY_S:
+            self._spill_full_said = now
+            log.warning("the spill directory %s is full: writes that RAM cannot hold wait for write-back to publish spilled files "
+                        "and give their room back", self.e.ns.spill_dir)
+        await self.e.wait_change()
+        return True
 
     async def make_room(self, nbytes: int, patience_s: float = math.inf) -> bool:
         """Free `nbytes` of the RAM budget: evict published files, and if that
@@ -270,6 +304,8 @@ class Residency:
             log.warning("loading %s with no checksum to verify it against (not written by ckptfs)", path)
         size = shown.digest.size if shown.digest is not None else 0
         spill = self.e.ns.free_bytes() < size and not await self.make_room(size, patience_s=ROOM_PATIENCE_S)
+        if spill:
+            await self._spill_room(size)
         if ino in self._loads:  # another caller started it while this one made room
             return self._loads[ino]
         try:
@@ -420,6 +456,14 @@ class Residency:
                 await self.load(node.ino)
                 n += 1
         return n
+
+
+def _free_space(directory: str) -> int:
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return sys.maxsize  # unknown: the load tries, and says why if it cannot
+    return st.f_bavail * st.f_frsize
 
 
 def _paths(op: Op) -> tuple[str, ...]:

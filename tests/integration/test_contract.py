@@ -359,6 +359,45 @@ def test_C7_a_spill_directory_that_fills_up_fails_the_write_and_says_why(tmp_pat
         subprocess.run(["umount", "-l", str(spill)], check=True)
 
 
+def test_C7_a_full_spill_directory_waits_for_write_back_to_free_it(tmp_path):
+    """RAM full, and the spill directory's disk full of a file still waiting
+    for the store (down): the next big write used to fail with ENOSPC. It
+    waits instead (store speed, C7): once the store is back, the spilled
+    file is published and evicted, its room goes to the writer, and nothing
+    fails."""
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(spill)], check=True)
+    first, second = os.urandom(24 << 20), os.urandom(24 << 20)
+    try:
+        mount = start_mount(tmp_path, memory_limit="16M", extra=("--spill-dir", str(spill)))
+        mount.allowed_log_errors += ["RAM budget", "spill directory", *RETRY_LOG]
+        try:
+            failed: list[BaseException] = []
+
+            def save_second() -> None:
+                try:
+                    mount.path("second.bin").write_bytes(second)
+                except BaseException as exc:
+                    failed.append(exc)
+
+            with store_outage(mount.store):
+                mount.path("first.bin").write_bytes(first)  # spilled whole: 24 of the 40 MiB
+                saver = threading.Thread(target=save_second)
+                saver.start()
+                wait_until(lambda: "spill directory" in mount.log_text() and "is full" in mount.log_text(), 30, "the writer waiting")
+                assert saver.is_alive() and not failed
+            saver.join(120)
+            assert not saver.is_alive() and not failed, failed
+            wait_store_matches(mount.store, {"first.bin": first, "second.bin": second}, timeout=120)
+            assert mount.path("second.bin").read_bytes() == second
+            assert mount.path("first.bin").read_bytes() == first  # evicted from the spill directory: loaded back, verified
+        finally:
+            stop_mount(mount)
+    finally:
+        subprocess.run(["umount", "-l", str(spill)], check=True)
+
+
 def test_C7_budget_exhausted_by_unpublished_data_while_the_store_is_down(tmp_path):
     mount = start_mount(tmp_path, memory_limit="48M")
     mount.allowed_log_errors += ["RAM budget", *RETRY_LOG]

@@ -282,6 +282,30 @@ async def test_eviction_frees_only_published_and_reloads(tmp_path):
     rig.store.release(h.fh)
 
 
+async def test_ram_eviction_leaves_spilled_files_and_spill_room_evicts_them(tmp_path):
+    """A spilled file holds no RAM: making room in RAM used to evict it
+    all the same (its local copy lost for nothing, and, freeing "0 bytes",
+    every other file with it). Room in the spill directory evicts it, and
+    says so in bytes."""
+    rig = Rig(tmp_path / "store")
+    rig.store.spill_dir = str(tmp_path)
+    h = rig.write("spilled", b"S" * (8 << 20), keep_open=True)
+    rig.store.spill(h.inode)
+    rig.store.release(h.fh)
+    await run_until_flushed(rig)  # published first: the least recently used
+    rig.write("ram", b"R" * (8 << 20))
+    await run_until_flushed(rig)
+    spilled, ram = rig.store.inode_at("spilled"), rig.store.inode_at("ram")
+    assert rig.engine.evict(1) == 8 << 20  # one file of RAM
+    assert not ram.data.resident and spilled.data.resident and spilled.data.spilled
+    assert await rig.engine.make_spill_room()
+    assert not spilled.data.resident
+    assert rig.engine.residency.counters.evicted_bytes == 16 << 20 and not rig.engine.residency.lru
+    assert not await rig.engine.make_spill_room()  # nothing left to free, nothing to wait for
+    await rig.engine.load(spilled.ino)
+    assert spilled.data.read(0, 4) == b"SSSS"
+
+
 async def test_wait_published_for_fsync_durable(tmp_path):
     rig = Rig(tmp_path / "store")
     h = rig.write("f", b"data", keep_open=True)

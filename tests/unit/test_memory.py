@@ -2,6 +2,8 @@
 
 import errno
 import os
+import resource
+import signal
 
 import pytest
 from ckptfs.fs.memory import CHUNK, FileData, Loading, MemoryPool, total_ram
@@ -235,6 +237,30 @@ def test_spill_moves_bytes_out_of_ram_and_keeps_working(tmp_path):
     snap.release()
     f.clear()
     assert not f.spilled
+
+
+def test_a_spilled_write_that_fails_part_way_leaves_nothing_past_the_end(tmp_path):
+    """The spill file's disk fills in the middle of a write past the end:
+    the bytes that got there before the failure are cut off again, so a
+    later extension of the file reads zeros there, not half a write that
+    failed. (A size limit stands in for the full disk: the write stops at
+    it, the same way.)"""
+    f = FileData(MemoryPool(64 << 20))
+    f.write(0, b"a" * 4096)
+    f.spill(str(tmp_path))
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (8192, hard))
+    try:
+        with pytest.raises(OSError):
+            f.write(4096, b"b" * 16384)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert f.size == 4096
+    f.truncate(20480)
+    assert f.read(0, 20480) == b"a" * 4096 + bytes(16384)
+    f.clear()
 
 
 def _bytes(snap) -> bytes:
