@@ -1059,6 +1059,8 @@ class Engine:
         while True:
             try:
                 return await self.calls.run(what, fn, *args)
+            except StoreError:
+                raise  # the store is not one to mount: it says why
             except Exception as exc:
                 tries += 1
                 if permanent(exc) or tries >= STARTUP_TRIES:

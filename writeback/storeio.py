@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from . import manifest
-from .backend import DAEMONS, IMAGE, STAGING, UNKNOWN, Backend, Entry, Staged, parents
+from .backend import DAEMONS, IMAGE, META, STAGING, UNKNOWN, Backend, Entry, Staged, StoreError, parents
 from .manifest import Digest, Record
 
 if TYPE_CHECKING:
@@ -223,6 +223,7 @@ def scan(backend: Backend) -> Scanned:
             index = None if outside else manifest.Image.of_index(backend, IMAGE)
             image = manifest.Image.of_store(backend, index)
         entries = listing.result()
+    _refuse_nested(backend, entries)
     records, unreadable = image.records()
     entries, records = _nameable(entries, records)
     entries = _finish_moves(backend, entries, records, image)
@@ -273,6 +274,23 @@ def scan(backend: Backend) -> Scanned:
         del records[path]
     image.packed()  # here, in a worker thread: the daemon keeps it packed
     return Scanned(entries, records, unreadable, image, outside, index is not None)
+
+
+def _refuse_nested(backend: Backend, entries: list[Entry]) -> None:
+    """A store with another ckptfs store inside it (`run2/.ckptfs/files/`,
+    its daemons, its index) is not mounted: the mount would show that
+    store's records and staging as files of its own, publish into it behind
+    its daemon's back, and delete it, metadata and all, with a directory."""
+    inner = f"/{META}/"
+    nested = sorted({head for e in entries if inner in e.path
+                     for head, _, tail in [e.path.partition(inner)] if tail.split("/")[0] in _STORE_MARKS})
+    if nested:
+        raise StoreError(f"the store {backend.url} holds another ckptfs store at {nested[0]} ({nested[0]}/{META}/)"
+                         f"{f' and {len(nested) - 1} more' if len(nested) > 1 else ''}: this mount would take its files and its "
+                         f"metadata for its own; mount that store on its own, or give this mount a directory that holds no other store")
+
+
+_STORE_MARKS = frozenset({"files", "daemons", "index", "image", "staging"})  # what a ckptfs store keeps under its .ckptfs/
 
 
 NAME_MAX = 255  # bytes in one name, on Linux

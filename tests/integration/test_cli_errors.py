@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from ckptfs.writeback.backend import META
 
 from ckptfs import runtime
 from ckptfs.client import Client, RequestFailed
@@ -175,6 +176,29 @@ def test_a_store_inside_another_store_is_refused(tmp_path):
         stop_background_mount(tmp_path / "mnt")
         stop_mount(outer)
     assert not (outer.store / "run2").exists()
+
+
+def test_a_store_that_holds_another_store_is_refused(tmp_path):
+    """The converse: mounting /ckpt while /ckpt/run2 is a store. The mount
+    showed run2's records, index and staging as files of its own, and would
+    publish into run2 behind its daemon's back, or delete it, metadata and
+    all, with `rm -r run2`. Refused at once (not retried), saying where."""
+    outer = tmp_path / "outer"
+    inner = start_mount(tmp_path / "inner", store=outer / "run2")
+    try:
+        inner.path("f").write_bytes(b"x")
+        run_cli("flush", str(inner.mountpoint))
+        (tmp_path / "mnt").mkdir()
+        try:
+            r = run_cli("mount", str(tmp_path / "mnt"), "--store", str(outer))
+            assert r.returncode != 0 and f"holds another ckptfs store at run2 (run2/{META}/)" in r.stderr, r.stderr
+            assert "Traceback" not in r.stderr and "failed 6 times" not in r.stderr
+            assert not is_mounted(tmp_path / "mnt")
+        finally:
+            stop_background_mount(tmp_path / "mnt")
+    finally:
+        stop_mount(inner)
+    assert (inner.store / "f").read_bytes() == b"x"
 
 
 def test_help_and_version_still_work():
