@@ -44,7 +44,7 @@ RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 LISTINGS_KEPT = 64  # directories whose listing in progress is kept for resuming
 MAX_SYMLINKS = 40  # followed in one path resolution, as Linux allows
-RESERVED = b".ckptfs"  # the store's hidden prefix: not a name at the root
+RESERVED = b".ckptfs"  # the store's hidden prefix: no entry's name (below the root, a store's mount refuses it as another store)
 _FS_ENCODING, _FS_ERRORS = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
 
 
@@ -371,7 +371,7 @@ class InodeTree:
             raise _err(errno.EBUSY)
         inode = self.lookup(old_parent, old_name)
         _check_name(new_name)
-        if new_parent == ROOT and new_name == RESERVED:
+        if new_name == RESERVED:
             raise _err(errno.EPERM, "reserved name")
         target_ino = dst_dir.children.get(new_name)  # type: ignore[union-attr]
         target = self.inodes[target_ino] if target_ino is not None else None
@@ -919,7 +919,7 @@ class InodeTree:
         _check_name(name)
         if name in (b".", b"..") or name in d.children:  # type: ignore[operator]
             raise _err(errno.EEXIST)
-        if parent == ROOT and name == RESERVED:
+        if name == RESERVED:
             raise _err(errno.EPERM, "reserved name")
         if self.check_path is not None:
             self.check_path(self._path(parent, name))

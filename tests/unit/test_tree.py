@@ -370,10 +370,18 @@ def test_paths_of_and_inode_at(s):
     assert sorted(s.paths_of(f.ino)) == ["b/f", "g"]
 
 
-def test_reserved_name_at_root(s):
+def test_reserved_name_at_every_depth(s):
+    """The store's hidden prefix names no entry: at the root it is ckptfs's
+    own; below it, the store's next mount would refuse the store as holding
+    another ckptfs store (a user of the mount could make every restart
+    fail)."""
     assert errno_of(s.mkdir, ROOT, b".ckptfs", 0o755, 0, 0) == errno.EPERM
     d = s.mkdir(ROOT, b"d", 0o755, 0, 0)
-    s.mkdir(d.ino, b".ckptfs", 0o755, 0, 0)  # only the root's is reserved
+    assert errno_of(s.mkdir, d.ino, b".ckptfs", 0o755, 0, 0) == errno.EPERM
+    assert errno_of(s.create, d.ino, b".ckptfs", 0o644, W, 0, 0) == errno.EPERM
+    assert errno_of(s.symlink, d.ino, b".ckptfs", b"x", 0, 0) == errno.EPERM
+    s.mkdir(d.ino, b"x", 0o755, 0, 0)
+    assert errno_of(s.rename, d.ino, b"x", d.ino, b".ckptfs") == errno.EPERM
 
 
 def test_restore_creates_evicted_files_and_parents(s):
