@@ -30,7 +30,9 @@ from .policies import Checkpoint, KeepAll, PreservationPolicy, SaveContext, Save
 log = logging.getLogger("ckptfs.checkpoint")
 
 MARKER = "ckptfs-commit.json"
+NEXT, PREV = ".next", ".prev"  # a re-save of a step is made beside it, then takes its place (`_swap_in`)
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_SWAP_DIR = re.compile(r"^step-(\d+)(\.next|\.prev)$")
 
 
 class CheckpointManager:
@@ -49,6 +51,7 @@ class CheckpointManager:
             log.warning("%s: %s; checkpoints will go straight to the store", self.directory, r.reason)
             return
         os.makedirs(self.directory, exist_ok=True)
+        self._finish_swaps()
         latest = self._complete()
         if latest:
             self._last_step, self._last_time = latest[-1].step, latest[-1].time
@@ -75,12 +78,19 @@ class CheckpointManager:
             storeio.write_file(fallback.open_route_store(r), f"{r.relpath}/{MARKER}", marker.encode())
             self._last_step, self._last_time = step, now
             return True
-        if os.path.exists(d):
-            shutil.rmtree(d)  # an incomplete one from a crash, or a re-save
-        os.makedirs(d)
-        self.save_fn(state, d)
-        with open(os.path.join(d, MARKER), "w") as f:  # last: makes it complete
+        # A re-save of a complete checkpoint goes beside it and takes its place
+        # only once complete: deleting it first would leave none at all (in the
+        # mount, and in the store once the deletion is published) if this save
+        # failed or the trainer died during it.
+        work = d + NEXT if self._is_complete(step) else d
+        if os.path.exists(work):
+            shutil.rmtree(work)  # an incomplete one from a crash
+        os.makedirs(work)
+        self.save_fn(state, work)
+        with open(os.path.join(work, MARKER), "w") as f:  # last: makes it complete
             f.write(marker)
+        if work != d:
+            self._swap_in(step)
         self._last_step, self._last_time = step, now
         self.prune()
         return True
@@ -145,6 +155,40 @@ class CheckpointManager:
         return deleted
 
     # -- internals ----------------------------------------------------------------
+    def _swap_in(self, step: int) -> None:
+        """The complete re-save of `step` (in `step-N.next`) takes the place
+        of the old one, which is then deleted. Each step is one rename or one
+        deletion, published in order (C3): a crash between them leaves a
+        complete checkpoint under one of the names, and `_finish_swaps` puts
+        it back in place."""
+        d = self.step_dir(step)
+        shutil.rmtree(d + PREV, ignore_errors=True)
+        os.rename(d, d + PREV)
+        os.rename(d + NEXT, d)
+        shutil.rmtree(d + PREV)
+
+    def _finish_swaps(self) -> None:
+        """After a crash during a re-save: where a step has no complete
+        checkpoint in its place, the complete one beside it (the new one
+        first) takes it; what is left beside any step goes."""
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return
+        for step in sorted({int(m.group(1)) for n in names if (m := _SWAP_DIR.match(n))}):
+            d = self.step_dir(step)
+            if not self._is_complete(step):
+                for kind in (NEXT, PREV):
+                    if self._is_complete(step, kind):
+                        shutil.rmtree(d, ignore_errors=True)
+                        os.rename(d + kind, d)
+                        break
+            for kind in (NEXT, PREV):
+                shutil.rmtree(d + kind, ignore_errors=True)
+
+    def _is_complete(self, step: int, suffix: str = "") -> bool:
+        return os.path.isfile(os.path.join(self.step_dir(step) + suffix, MARKER))
+
     def _step_dirs(self) -> list[int]:
         try:
             names = os.listdir(self.directory)

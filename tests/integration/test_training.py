@@ -103,6 +103,53 @@ def test_manager_latest_step_ignores_an_incomplete_checkpoint(mnt):
         mgr.restore(2)
 
 
+def test_a_resave_of_a_step_that_fails_keeps_the_old_one(fresh_mount):
+    """Saving a step that is saved already (`force`, or a time policy after
+    a resume that repeats the restored step) deleted the old one first: a
+    save that failed, or a trainer killed during it, left no complete
+    checkpoint at all, in the mount or (with the deletion published) in the
+    store. The new one is made beside it and takes its place once whole."""
+    m = fresh_mount
+    run = m.path("run")
+
+    def torn(state, directory):
+        (Path(directory) / "state.pt").write_bytes(b"half a checkpoint")
+        raise RuntimeError("the trainer died here")
+
+    mgr = ct.CheckpointManager(run, ct.save_policy.EveryNSteps(1), ct.preservation.LatestN(1))
+    mgr.save(1, state(1))
+    mgr.save_fn = torn
+    with pytest.raises(RuntimeError, match="died"):
+        mgr.save(1, state(99), force=True)
+    mgr.wait_until_published(timeout=60)
+    again = ct.CheckpointManager(run, ct.save_policy.EveryNSteps(1), ct.preservation.LatestN(1))  # the trainer restarted
+    assert again.latest_step() == 1 and same(again.restore(), state(1))
+    assert sorted(os.listdir(run)) == ["step-1"]  # what the failed save left beside it is gone
+    assert again.save(1, state(2), force=True)  # a re-save that works takes the old one's place
+    assert same(again.restore(1), state(2)) and sorted(os.listdir(run)) == ["step-1"]
+    again.wait_until_published(timeout=60)
+    assert same(torch.load(m.store / "run" / "step-1" / "state.pt", weights_only=False), state(2))
+    assert sorted(p for p in store_files(m.store) if p.startswith("run/")) == ["run/step-1/ckptfs-commit.json", "run/step-1/state.pt"]
+
+
+def test_a_crash_between_the_renames_of_a_resave_is_finished_at_the_next_start(mnt):
+    """Killed between moving the old checkpoint aside and moving the new one
+    in: the step has no checkpoint in its place. The next manager puts the
+    complete one beside it there (the new one first) and removes the rest."""
+    run = mnt / "run"
+    mgr = ct.CheckpointManager(run, ct.save_policy.EveryNSteps(1))
+    mgr.save(3, state(3))
+    mgr.save(4, state(4))
+    os.rename(run / "step-3", run / "step-3.prev")  # the old 3, moved aside; the new one is complete beside it
+    mgr.save(5, state(30))
+    os.rename(run / "step-5", run / "step-3.next")
+    os.rename(run / "step-4", run / "step-4.prev")  # only the old 4 is left, and a torn new one
+    (run / "step-4.next").mkdir()
+    again = ct.CheckpointManager(run, ct.save_policy.EveryNSteps(1))
+    assert again.all_steps() == [3, 4] and sorted(os.listdir(run)) == ["step-3", "step-4"]
+    assert same(again.restore(3), state(30)) and same(again.restore(4), state(4))
+
+
 def test_manager_pruning_keeps_the_last_published_until_its_successor_is(fresh_mount):
     m = fresh_mount
     m.allowed_log_errors += OUTAGE_LOG
