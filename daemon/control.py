@@ -133,6 +133,7 @@ class ControlServer:
 
     async def flush(self, stream: trio.SocketStream, path: str, timeout: float) -> dict:
         path = self._resolved(path)
+        self.tree.seal_closed()  # a file closed just before this request is in the barrier, whatever its RELEASE does
         ops = self.engine.barrier(path)
         total_files, total_bytes = _left(ops)
         waiting = Left(self.engine, ops)

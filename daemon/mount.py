@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 SWITCH_INTERVAL_S = 1e-4  # see `serve`
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # unmount and drain (see `_Signals`)
 
+CLOSED_QUIET_S = 2.0  # a file closed while the open file lives on (InodeTree.closed) is sealed once unwritten this long
 READ_AHEAD_KB = 4096  # with 1 MiB requests: several in flight while the reader copies
 
 
@@ -207,6 +208,7 @@ async def _main(config: MountConfig, tree: InodeTree, engine: Engine, control: C
         for signum in EXIT_SIGNALS:
             signal.signal(signum, signal.SIG_IGN)
         await nursery.start(signals.watch)
+        nursery.start_soon(_seal_closed, tree)
         nursery.start_soon(_when_live, str(config.mountpoint), ready)
         # Idle workers are kept: each new one would malloc a fresh 1 MiB buffer.
         await pyfuse3.main(min_tasks=8, max_tasks=64)
@@ -292,6 +294,14 @@ async def _when_live(mountpoint: str, ready: Callable[[], None] | None) -> None:
     _set_read_ahead(mountpoint)
     if ready is not None:
         ready()
+
+
+async def _seal_closed(tree: InodeTree) -> None:
+    """Files closed while a process forked meanwhile still holds them (no
+    RELEASE until it lets go) are sealed once left alone for CLOSED_QUIET_S."""
+    while True:
+        await trio.sleep(CLOSED_QUIET_S / 4)
+        tree.seal_closed(quiet_s=CLOSED_QUIET_S)
 
 
 def _set_read_ahead(mountpoint: str) -> None:

@@ -304,17 +304,16 @@ class Operations(pyfuse3.Operations):
 
     @_errors
     async def flush(self, fh: int) -> None:
+        # close(2) waits for FLUSH, not for RELEASE: that one comes in the
+        # background, and only once no process holds the open file (a child
+        # forked meanwhile, such as a DataLoader worker, holds it for its
+        # life). See `InodeTree.closed`.
         if self.shared is None:
-            # One node: nothing to do at close(2) (a file is sealed at its
-            # release). ENOSYS tells the kernel so, once: it sends no FLUSH
-            # again, and every close saves a round trip to this daemon (it
-            # still writes cached pages back before close returns).
-            raise pyfuse3.FUSEError(errno.ENOSYS)
+            self.tree.closed(fh)  # sealed at once if nothing holds the open file (its RELEASE), else soon after
+            return
         handle = self.tree.handle(fh)
         if handle.writable and handle.inode.writers == 1:
-            # Cluster mode: close(2) waits for FLUSH, not for RELEASE; the seal
-            # must have its place in the cluster's log before close returns
-            # (a marker another node writes next comes after it).
+            # Cluster: sealed now, and its place in the cluster's log taken before close returns.
             self.tree.seal(handle.inode)
             await self.shared.placed()
 

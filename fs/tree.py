@@ -166,6 +166,11 @@ class InodeTree:
         self._next_ino = ROOT
         self._next_fh = 1
         self._listings: dict[int, list[tuple[int, bytes]]] = {}  # directory -> its names when a listing began
+        # Files whose last descriptor open for writing was closed (`closed`)
+        # while the open file itself lives on: ino -> (its version then, when),
+        # oldest first. Sealed, unless written since, before any later change
+        # to the tree, at a flush barrier, or once quiet (`seal_closed`).
+        self._closed: dict[int, tuple[int, float]] = {}
         root = self._new_inode(stat.S_IFDIR | 0o755, uid, gid)
         root.nlink = 2
         root.refs = 1  # the kernel holds the root forever
@@ -293,6 +298,7 @@ class InodeTree:
         return inode
 
     def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Inode:
+        self.seal_closed()  # what was closed before this change is sealed before it
         d = self._prepare_new_entry(parent, name)
         inode = self._new_inode(stat.S_IFDIR | (mode & 0o7777), uid, gid, d)
         if d.mode & stat.S_ISGID:
@@ -306,6 +312,7 @@ class InodeTree:
         return inode
 
     def symlink(self, parent: int, name: bytes, target: bytes, uid: int, gid: int) -> Inode:
+        self.seal_closed()  # what was closed before this change is sealed before it
         d = self._prepare_new_entry(parent, name)
         inode = self._new_inode(stat.S_IFLNK | 0o777, uid, gid, d)
         inode.target = target
@@ -315,6 +322,7 @@ class InodeTree:
         return inode
 
     def link(self, ino: int, parent: int, name: bytes) -> Inode:
+        self.seal_closed()  # what was closed before this change is sealed before it
         inode = self.get(ino)
         if inode.is_dir:
             raise _err(errno.EPERM)
@@ -328,6 +336,7 @@ class InodeTree:
 
     # -- removal -------------------------------------------------------------
     def unlink(self, parent: int, name: bytes) -> Inode:
+        self.seal_closed()  # what was closed before this change is sealed before it
         d = self._dir(parent)
         inode = self.lookup(parent, name)
         if inode.is_dir:
@@ -342,6 +351,7 @@ class InodeTree:
         return inode
 
     def rmdir(self, parent: int, name: bytes) -> Inode:
+        self.seal_closed()  # what was closed before this change is sealed before it
         d = self._dir(parent)
         if name == b".":
             raise _err(errno.EINVAL)
@@ -363,6 +373,7 @@ class InodeTree:
         return inode
 
     def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes, flags: int = 0) -> Inode | None:
+        self.seal_closed()  # what was closed before this change is sealed before it
         """Rename; returns the inode that lost its name (replaced), if any."""
         if flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE) or flags == RENAME_NOREPLACE | RENAME_EXCHANGE:
             raise _err(errno.EINVAL)
@@ -460,6 +471,7 @@ class InodeTree:
         mtime_ns: int | None = None,
     ) -> Inode:
         inode = self.get(ino)
+        self.seal_closed()
         now = self.clock()
         if size is not None:
             if inode.is_dir:
@@ -628,7 +640,43 @@ class InodeTree:
 
     def seal(self, inode: Inode) -> bool:
         """Make the file's current bytes a generation that must reach the
-        store; False if nothing changed since the last seal."""
+        store; False if nothing changed since the last seal. Files closed
+        before are sealed first (`seal_closed`)."""
+        self.seal_closed()
+        return self._seal(inode)
+
+    def closed(self, fh: int) -> None:
+        """A descriptor of handle `fh` was closed (the kernel's FLUSH, which
+        close(2) waits for). The kernel lets go of the open file (RELEASE,
+        which seals it) only later, in the background, and not at all while
+        a process forked meanwhile holds it (a DataLoader worker, for its
+        life): if this was its last writer's descriptor, the file is marked
+        closed, to be sealed by `seal_closed`. A descriptor closed in such a
+        child (at its exec or exit) while the writer goes on marks it too;
+        the writer's next write undoes the mark."""
+        handle = self.handles.get(fh)
+        if handle is None or not handle.writable:
+            return
+        inode = handle.inode
+        if inode.writers == 1 and inode.version != inode.sealed_version:
+            self._closed.pop(inode.ino, None)  # newest last
+            self._closed[inode.ino] = (inode.version, time.monotonic())
+
+    def seal_closed(self, quiet_s: float = 0.0) -> None:
+        """Seal the files marked `closed` and not written since, oldest
+        first; with `quiet_s`, only those marked that long ago."""
+        if not self._closed:
+            return
+        now = time.monotonic()
+        for ino, (version, at) in list(self._closed.items()):
+            if now - at < quiet_s:
+                break  # the rest were marked later still
+            del self._closed[ino]
+            inode = self.inodes.get(ino)
+            if inode is not None and inode.version == version and inode.writers == 1:
+                self._seal(inode)
+
+    def _seal(self, inode: Inode) -> bool:
         if inode.data is None or inode.version == inode.sealed_version or not inode.data.resident:
             return False
         inode.generation += 1

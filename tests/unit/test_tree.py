@@ -346,6 +346,38 @@ def test_journal_events_carry_paths_at_event_time():
     ]
 
 
+def test_a_file_closed_while_its_open_file_lives_on_is_sealed_before_what_follows():
+    """`closed` (the kernel's FLUSH) marks a file whose RELEASE has not come
+    (a forked process holds it): it is sealed, with what it held then,
+    before any later change, at `seal_closed`, or once quiet; a write
+    after the mark undoes it (the close was a child's, the writer goes on)."""
+    rec = Recorder()
+    s = InodeTree(MemoryPool(1 << 30), journal=rec)
+    h = s.create(ROOT, b"data", 0o644, W, 0, 0)
+    s.write(h.fh, 0, b"weights")
+    s.closed(h.fh)
+    s.mkdir(ROOT, b"next", 0o755, 0, 0)  # the RELEASE has not come: still sealed first
+    assert rec.events == [("sealed", h.inode.ino, 1, b"weights"), ("mkdir", "next")]
+    s.release(h.fh)  # nothing new to seal
+    assert len(rec.events) == 2
+
+    rec.events.clear()
+    h = s.create(ROOT, b"model", 0o644, W, 0, 0)
+    s.write(h.fh, 0, b"first half ")
+    s.closed(h.fh)  # a child's copy closed
+    s.write(h.fh, 11, b"second half")
+    s.mkdir(ROOT, b"other", 0o755, 0, 0)
+    assert rec.events == [("mkdir", "other")]  # never the half
+    s.closed(h.fh)
+    s.seal_closed(quiet_s=60)
+    assert rec.events == [("mkdir", "other")]  # not quiet long enough
+    s.seal_closed(quiet_s=0)
+    assert rec.events[-1] == ("sealed", h.inode.ino, 1, b"first half second half")
+    r = s.create(ROOT, b"ro", 0o644, os.O_RDONLY, 0, 0)
+    s.closed(r.fh)  # a reader's close marks nothing
+    assert not s._closed
+
+
 def test_journal_has_hard_links_exchanges_and_path_truncates():
     """Hard links and RENAME_EXCHANGE reach the journal as what they are, and a
     truncate by path (no open handle, so no release) seals at once."""
