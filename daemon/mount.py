@@ -148,7 +148,7 @@ def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
         if node is not None:
             node.leave()
         runtime.remove(mountpoint, pid=info.pid)
-    lines = [_describe(op) for op in left]
+    lines = [_describe(op, tree) for op in left]
     runtime.write_exit_report(mountpoint, lines)
     if left:
         for line in lines:
@@ -169,9 +169,11 @@ def _crash_point() -> tuple[int, str] | None:
     return int(n), when
 
 
-def _describe(op: Op) -> str:
+def _describe(op: Op, tree: InodeTree) -> str:
     if isinstance(op, FileGen):
-        return f"{op.path} ({op.size} bytes, generation {op.generation}, {op.state.value}{': ' + op.error if op.error else ''})"
+        # By the name the mount shows (renamed since its seal: the name a user looks for), else the sealed one.
+        path = next(iter(tree.paths_of(op.ino)), op.path)
+        return f"{path} ({op.size} bytes, generation {op.generation}, {op.state.value}{': ' + op.error if op.error else ''})"
     return f"{op.path} ({kind(op)} not applied{': ' + op.error if op.error else ''})"
 
 

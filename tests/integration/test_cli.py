@@ -237,6 +237,27 @@ def test_signals_at_once_are_one_request_and_a_later_one_stops_the_drain(tmp_pat
         stop_mount(again)
 
 
+def test_the_unmount_report_names_a_file_by_its_name_now(tmp_path):
+    """A file renamed after its close (write to a temporary name, then
+    rename: what every framework does) and not published when the drain is
+    given up: the report named it by the temporary name, one the user never
+    sees in the mount."""
+    m = start_mount(tmp_path)
+    m.allowed_log_errors += ["failed (try", "retrying", "NOT PUBLISHED", "not published", "any longer"]
+    try:
+        with store_outage(m.store):
+            m.path("model.pt.tmp").write_bytes(b"m" * 100_000)
+            os.rename(m.path("model.pt.tmp"), m.path("model.pt"))
+            wait_until(lambda: "failed (try" in m.log_text(), 30, "a failed publication")
+            m.proc.send_signal(signal.SIGTERM)
+            time.sleep(2.5)
+            m.proc.send_signal(signal.SIGTERM)  # stop waiting for the store
+            assert m.proc.wait(timeout=60) == 1
+        assert "NOT PUBLISHED: model.pt (100000 bytes" in m.log_text(), m.log_text()[-2000:]
+    finally:
+        stop_mount(m)
+
+
 def test_sigterm_unmounts(tmp_path):
     m = start_mount(tmp_path)
     try:
