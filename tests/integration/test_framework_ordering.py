@@ -11,7 +11,7 @@ import pytest
 
 from tests.hfutil import tiny_gpt2, tiny_tokens
 from tests.mountutil import run_cli, start_mount, stop_mount
-from tests.storeutil import StoreWatcher, store_files, verify_store
+from tests.storeutil import StoreWatcher, store_files, verify_store, wait_until
 
 
 class Observed:
@@ -111,5 +111,48 @@ def test_hf_trainer_rotation_and_markers(tmp_path):
         assert not w.violations, w.violations[:5]
         assert sorted({p.split("/")[1] for p in store_files(m.store) if p.startswith("out/checkpoint-")}) == ["checkpoint-10", "checkpoint-8"]
         assert verify_store(m.store).clean
+    finally:
+        stop_mount(m)
+
+
+def test_an_async_save_while_dataloader_workers_fork_publishes_data_before_marker(tmp_path):
+    """A save in a thread (as async checkpointing does) while the main
+    thread starts a DataLoader with persistent workers: the workers fork
+    holding the checkpoint's open file, and keep it for the whole run. Its
+    data reached the store only when they let go, and the completion marker
+    written after it went first: the store showed a checkpoint with no data.
+    The data is published first now, without a flush and with the workers
+    still alive."""
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    state = {f"t{i}": torch.randn(1 << 20) for i in range(24)}  # 96 MiB: the save is under way when the workers fork
+
+    def check(snap: dict[str, bytes]) -> list[str]:
+        return ["the marker came before the data"] if "ck/done" in snap and "ck/model.pt" not in snap else []
+
+    m = start_mount(tmp_path)
+    try:
+        os.mkdir(m.path("ck"))
+        opened = threading.Event()
+
+        def save() -> None:
+            with open(m.path("ck", "model.pt"), "wb") as f:
+                opened.set()
+                torch.save(state, f)
+            m.path("ck", "done").write_text("ok")
+
+        with StoreWatcher(m.store, check) as w:
+            saver = threading.Thread(target=save)
+            saver.start()
+            opened.wait(30)
+            loader = iter(DataLoader(TensorDataset(torch.randn(100, 4)), batch_size=10, num_workers=2, persistent_workers=True))
+            next(loader)  # the workers are forked
+            saver.join(60)
+            wait_until(lambda: {"ck/model.pt", "ck/done"} <= set(store_files(m.store)), 30, "the checkpoint published")
+            assert all(worker.is_alive() for worker in loader._workers)
+            del loader
+        assert not w.violations, w.violations
+        assert torch.load(m.store / "ck" / "model.pt")["t3"].equal(state["t3"])
     finally:
         stop_mount(m)
