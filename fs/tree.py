@@ -373,8 +373,8 @@ class InodeTree:
         return inode
 
     def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes, flags: int = 0) -> Inode | None:
-        self.seal_closed()  # what was closed before this change is sealed before it
         """Rename; returns the inode that lost its name (replaced), if any."""
+        self.seal_closed()  # what was closed before this change is sealed before it
         if flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE) or flags == RENAME_NOREPLACE | RENAME_EXCHANGE:
             raise _err(errno.EINVAL)
         src_dir, dst_dir = self._dir(old_parent), self._dir(new_parent)

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LOAD_TRIES = 3  # a load that fails for a passing reason (a store call's error or deadline) is tried this often before EIO
+LOAD_SPILL_PATIENCE_S = 60.0  # how long a load waits for room in a full spill directory
 SPILL_FULL_SAY_S = 30.0  # while writes wait for room in the spill directory, it is logged this often
 ROOM_PATIENCE_S = 2.0  # how long a load waits for write-back to free RAM before it loads into the spill directory
 
@@ -198,11 +199,13 @@ class Residency:
 
     async def _spill_room(self, size: int) -> None:
         """Before a load into the spill directory: room there for `size`
-        bytes, as far as `make_spill_room` can make it (else the load
-        fails with ENOSPC, as a write would)."""
+        bytes, as far as `make_spill_room` can make it within
+        LOAD_SPILL_PATIENCE_S (a reader does not wait out a store outage);
+        else the load tries all the same, and fails with ENOSPC if it must."""
         spill_dir = self.e.ns.spill_dir
-        while spill_dir is not None and _free_space(spill_dir) < size and await self.make_spill_room():
-            pass
+        with trio.move_on_after(LOAD_SPILL_PATIENCE_S):
+            while spill_dir is not None and _free_space(spill_dir) < size and await self.make_spill_room():
+                pass
 
     async def make_spill_room(self) -> bool:
         """The spill directory's disk is full (C7): evict published spilled
