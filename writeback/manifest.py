@@ -161,6 +161,27 @@ def write(backend: Backend, record: Record) -> None:
         changed(backend, objpath, left)
 
 
+def write_many(backend: Backend, records: list[Record]) -> None:
+    """`write` of many records made durable together (one group commit,
+    `Backend.publish_group`): a directory rename rewrites a record for each
+    file under it, and one fsync each made it a publication stall of a
+    second per thousand files."""
+    objpaths = [changing(backend, record_path(rec.path)) for rec in records]
+    done = False
+    try:
+        backend.publish_group([(objpath, rec.encode()) for objpath, rec in zip(objpaths, records, strict=True)], [])
+        done = True
+    finally:
+        for objpath, rec in zip(objpaths, records, strict=True):
+            changed(backend, objpath, rec if done else UNKNOWN)
+
+
+def delete_many(backend: Backend, paths: list[str]) -> None:
+    """`delete` of many records, in one store call."""
+    for path in paths:
+        delete(backend, path)
+
+
 def read(backend: Backend, path: str) -> Record | None:
     try:
         return Record.decode(backend.read_all(record_path(path)))

@@ -81,6 +81,8 @@ class GiveUp(Exception):
 
 
 GROUP_MAX = 512  # generations shown by one group commit
+RECORDS_PER_CALL = 1000  # records a directory rename writes or deletes in one store call
+RECORD_NBYTES = 4096  # what one record costs a store call's deadline (as if it moved this many bytes)
 DIR_SYNC_QUIET_S = 0.2  # directory records are written after the queue has been empty this long
 
 
@@ -831,16 +833,15 @@ class Publisher:
                     await self.call(f"mkdir {op.dst}/{rel}", backend.mkdir, f"{base}/{rel}", at=(f"{base}/{rel}",))
                     d.made = True
             shown = [(rel, f) for rel, f in members if isinstance(f, File) and f.shown is not None]
-            for rel, f in shown:  # records first: a crash leaves data with records (stray records are cleaned at mount)
-                assert isinstance(f, File) and f.shown is not None
-                rec = Record.of(f"{op.dst}/{rel}", "file", f.shown.meta, current=f.shown.digest, source=f"move:{base}/{rel}")
-                await self.call(f"record {rec.path}", manifest.write, backend, rec, at=(rec.path,))
             links = [(rel, f) for rel, f in members if isinstance(f, RLink) and f.shown]
-            for rel, f in members:
-                if isinstance(f, RLink) and (f.shown or self.live_at(f"{op.dst}/{rel}", f.ino)):
-                    rec = Record.of(f"{op.dst}/{rel}", "symlink", f.meta, target=f.target)
-                    await self.call(f"record {op.dst}/{rel}", manifest.write, backend, rec, at=(f"{op.dst}/{rel}",))
-                    f.shown = True
+            # Records first: a crash leaves data with records (stray records are cleaned at mount).
+            recs = [Record.of(f"{op.dst}/{rel}", "file", f.shown.meta, current=f.shown.digest, source=f"move:{base}/{rel}")
+                    for rel, f in shown if isinstance(f, File) and f.shown is not None]
+            new_links = [(rel, f) for rel, f in members if isinstance(f, RLink) and (f.shown or self.live_at(f"{op.dst}/{rel}", f.ino))]
+            recs += [Record.of(f"{op.dst}/{rel}", "symlink", f.meta, target=f.target) for rel, f in new_links]
+            await self._write_records(recs)
+            for _rel, f in new_links:
+                f.shown = True
             if not await self.call(f"move {base} to {op.dst}", backend.move_dir, base, op.dst, at=(base, op.dst)):
                 log.info("moving %s to %s member by member (the store has something in the way)", base, op.dst)
                 for rel, _f in sorted(shown, key=lambda rf: self._is_marker(rf[0])):
@@ -856,8 +857,7 @@ class Publisher:
                     await self.call(f"mkdir {op.dst}", backend.mkdir, op.dst, at=(op.dst,))
                 await self.call(f"rmdir {base}", backend.rmdir, base, at=(base,))
             if base == op.src:
-                for rel, _f in shown + links:
-                    await self.call(f"record {op.src}/{rel}", manifest.delete, backend, f"{op.src}/{rel}", at=(f"{op.src}/{rel}",))
+                await self._delete_records([f"{op.src}/{rel}" for rel, _f in shown + links])
             node.made = True
         else:
             # Object stores: members first, completion markers last. A member
@@ -901,6 +901,21 @@ class Publisher:
         for rel, f in members:  # hard links whose Link's turn found them elsewhere
             if isinstance(f, File) and not f.shows_own and f.held is None:
                 await self._show_copy(f"{op.dst}/{rel}", f)
+
+    async def _write_records(self, recs: list[Record]) -> None:
+        """Write these records, many to a store call, each call's made
+        durable together (`manifest.write_many`)."""
+        for i in range(0, len(recs), RECORDS_PER_CALL):
+            batch = recs[i : i + RECORDS_PER_CALL]
+            what = f"record {batch[0].path}" if len(batch) == 1 else f"record {len(batch)} entries from {batch[0].path}"
+            await self.call(what, manifest.write_many, self.e.backend, batch, nbytes=len(batch) * RECORD_NBYTES,
+                            at=tuple(r.path for r in batch))
+
+    async def _delete_records(self, paths: list[str]) -> None:
+        for i in range(0, len(paths), RECORDS_PER_CALL):
+            batch = paths[i : i + RECORDS_PER_CALL]
+            what = f"record {batch[0]}" if len(batch) == 1 else f"delete the records of {len(batch)} entries from {batch[0]}"
+            await self.call(what, manifest.delete_many, self.e.backend, batch, nbytes=len(batch) * RECORD_NBYTES, at=tuple(batch))
 
     async def _exchange(self, op: Exchange) -> None:
         """Each side's whole tree (a file, a directory, a symlink, or

@@ -587,6 +587,48 @@ async def test_small_files_are_published_in_groups_and_a_failed_group_goes_one_b
     assert verify(rig.backend).clean
 
 
+async def test_a_directory_rename_rewrites_its_records_in_groups(tmp_path):
+    """A published directory renamed (Orbax's temporary directory, renamed
+    once complete): each file's record moves to its new path. They are
+    written in a few group commits, not one store call (and fsync) each:
+    2,500 files took 5,000 calls, a stall of seconds for everything behind
+    it. A group that fails halfway is written again, and the store ends with
+    exactly the new records, verified clean."""
+    rig = Rig(tmp_path / "store")
+    files = {f"tmp/d{i % 2}/f{i}": os.urandom(10 + i % 50) for i in range(2500)}
+    rig.mkdir("tmp")
+    for d in ("tmp/d0", "tmp/d1"):
+        rig.mkdir(d)
+    for path, data in files.items():
+        rig.write(path, data)
+    rig.store.symlink(rig.dir_of("tmp/l").ino, b"l", b"d0/f0", 0, 0)
+    await run_until_flushed(rig)
+    assert rig.files() == files
+
+    real = rig.backend.publish_group
+    broke = []
+
+    def half(records, group_files):
+        if not broke:  # half the first group's records land, then the store fails
+            broke.append(len(records))
+            real(records[: len(records) // 2], group_files)
+            raise ConnectionError("injected: the store went away in the middle of a group")
+        real(records, group_files)
+
+    rig.backend.publish_group = half
+    rig.rename("tmp", "step")
+    before = rig.engine.calls.count
+    await run_until_flushed(rig)
+    assert broke and broke[0] > 1
+    assert rig.engine.calls.count - before < 20  # 2,501 records written and 2,501 deleted: a few calls each
+    assert rig.files() == {"step" + p[len("tmp"):]: data for p, data in files.items()}
+    records, unreadable = manifest.read_all(rig.backend)
+    assert not unreadable
+    assert {p for p, r in records.items() if r.kind != "dir"} == {"step" + p[len("tmp"):] for p in files} | {"step/l"}
+    assert records["step/l"].target == "d0/f0"
+    assert verify(rig.backend).clean
+
+
 def _failing_publication(rig: Rig, inner) -> FaultyBackend:
     """The store (`inner`, wrapped) goes down, and `x.tmp` is written."""
     faulty = FaultyBackend(inner, error_rate=0.0, latency_s=0.0)
