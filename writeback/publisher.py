@@ -823,7 +823,8 @@ class Publisher:
             base = op.src if in_store else await self.call(f"assemble {op.dst}", backend.unit_dir)
             self.relocated = (op.src, base, None) if base != op.src else None
             try:
-                for rel, f in show:
+                await self._assemble_group(op.dst, show, base)
+                for rel, f in show:  # what the groups did not show
                     assert isinstance(f, File)
                     await self._materialize(f"{op.dst}/{rel}", f, into=f"{base}/{rel}")
             finally:
@@ -901,6 +902,53 @@ class Publisher:
         for rel, f in members:  # hard links whose Link's turn found them elsewhere
             if isinstance(f, File) and not f.shows_own and f.held is None:
                 await self._show_copy(f"{op.dst}/{rel}", f)
+
+    async def _assemble_group(self, dst: str, show: list[tuple[str, Node]], base: str) -> None:
+        """A directory renamed before its files' turn (Orbax's temporary
+        directory) on a local store: those of its files that are plain
+        generations go into `base` (its old name in the store, or a hidden
+        directory) by group commits, as `_publish_group` shows the queue's,
+        not one store call and three fsyncs each. The rest (a marker, a
+        hard link's second name, a file shown elsewhere, another node's) and
+        all of a failed group are left to `_materialize`, one at a time."""
+        recorded = not base.startswith(META + "/")  # a hidden directory's files get their records at their final paths
+        plain: list[tuple[str, File, FileGen]] = []
+        seen: set[int] = set()
+        for rel, f in show:
+            gen = f.held if isinstance(f, File) else None
+            path = f"{dst}/{rel}"
+            if (gen is None or id(gen) in seen or gen.ino != f.ino or gen.owner is not None or gen.staged is None
+                    or gen.state in (State.DROPPED, State.PARKED, State.PUBLISHED) or self._is_marker(path)
+                    or not self.live_at(path, gen.ino) or self._vouches_for_held(path, gen) or self._shown_source(gen, exclude=f) is not None):
+                continue
+            seen.add(id(gen))
+            plain.append((rel, f, gen))
+        for i in range(0, len(plain), GROUP_MAX):
+            batch = plain[i : i + GROUP_MAX]
+            gens = [gen for _, _, gen in batch]
+            items = [(self._record(f"{base}/{rel}", gen, f), gen.staged, f"{base}/{rel}", gen.pieces) for rel, f, gen in batch]
+            for gen in gens:
+                gen.publishing = True
+            try:
+                await self._fenced(f"publish {len(batch)} files into {base}", storeio.publish_group, self.e.backend, items, recorded,
+                                   nbytes=sum(g.size for g in gens), reading=gens, at=tuple(at for _, _, at, _ in items))
+            except Exception as exc:
+                log.debug("%d files of %s not published together (%s): one at a time", len(batch), dst, exc)
+                for gen in gens:
+                    gen.publishing = False
+                    self.e.publication_ended(gen)
+                continue
+            finally:
+                for gen in gens:
+                    gen.publishing = False
+            for rel, f, gen in batch:
+                f.shown = Shown(gen.ino, gen.generation, gen.digest, gen.meta)
+                f.held = None
+                if gen.staged is not None and gen.staged.token is not None:
+                    gen.staged = None  # consumed: the staging object is now the file
+                if recorded:
+                    self._made_parents(f"{base}/{rel}")
+                self.e.published(gen, f"{dst}/{rel}")
 
     async def _write_records(self, recs: list[Record]) -> None:
         """Write these records, many to a store call, each call's made

@@ -87,22 +87,26 @@ def publish(backend: Backend, rec: Record | None, staged: Staged, path: str, dig
         log.info("%s was published already by an earlier attempt", path)
 
 
-def publish_group(backend: Backend, items: list[tuple[Record, Staged, str, Callable[[], Iterable]]]) -> None:
+def publish_group(backend: Backend, items: list[tuple[Record, Staged, str, Callable[[], Iterable]]], recorded: bool = True) -> None:
     """`publish` of many files at once (record, staged data, path, its
     bytes again): every record, then every file, made durable together
     (`Backend.publish_group`). Any error fails the group; the caller then
-    publishes them one by one (idempotent)."""
-    for rec, _staged, _path, _pieces in items:
-        _refuse_newer(backend, rec)
-    items = [(*_staged_now(backend, rec, staged, pieces), path, pieces) for rec, staged, path, pieces in items]
-    objpaths = [manifest.changing(backend, manifest.record_path(rec.path)) for rec, _, _, _ in items]
+    publishes them one by one (idempotent). `recorded` False: files
+    assembled in a hidden directory, whose records are written for their
+    final paths (`publish` with no record; the records give the modes)."""
+    if recorded:
+        for rec, _staged, _path, _pieces in items:
+            _refuse_newer(backend, rec)
+        items = [(*_staged_now(backend, rec, staged, pieces), path, pieces) for rec, staged, path, pieces in items]
+    recs = [rec for rec, _, _, _ in items] if recorded else []
+    objpaths = [manifest.changing(backend, manifest.record_path(rec.path)) for rec in recs]
     done = False
     try:
-        backend.publish_group([(objpath, rec.encode()) for objpath, (rec, _, _, _) in zip(objpaths, items, strict=True)],
+        backend.publish_group([(objpath, rec.encode()) for objpath, rec in zip(objpaths, recs, strict=True)],
                               [(staged, path, rec.mode, pieces() if staged.token is None else ()) for rec, staged, path, pieces in items])
         done = True
     finally:
-        for objpath, (rec, _, _, _) in zip(objpaths, items, strict=True):
+        for objpath, rec in zip(objpaths, recs, strict=True):
             manifest.changed(backend, objpath, rec if done else UNKNOWN)
 
 
