@@ -48,6 +48,7 @@ from .replica import Link as RLink
 from .state import State
 
 if TYPE_CHECKING:
+    from .backend import Staged
     from .engine import Engine
 
 log = logging.getLogger(__name__)
@@ -409,33 +410,38 @@ class Publisher:
             return False
         held = [(gen, *self._hold(gen, gen.names)[0]) for gen in group]
         items = [(self._record(name, gen, node), gen.staged, name, gen.pieces) for gen, name, node in held]
-        for gen in group:
-            gen.publishing = True
-        try:
-            await self._fenced(f"publish {len(group)} files", storeio.publish_group, self.e.backend, items,
-                               nbytes=sum(g.size for g in group), reading=group, at=tuple(name for _, name, _ in held))
-        except Exception as exc:
+        if not await self._in_one_call(f"publish {len(group)} files", items, group):
             # Its files go one at a time (each retried in place, a permanent
             # failure parked): a failing group is never tried again whole.
-            log.debug("group of %d files not published together (%s): one at a time", len(group), exc)
             self.single_until = group[-1].seq
-            for gen in group:
-                gen.publishing = False
-                self.e.publication_ended(gen)
             return False
-        finally:
-            for gen in group:
-                gen.publishing = False
         for gen, name, node in held:
-            node.shown = Shown(gen.ino, gen.generation, gen.digest, gen.meta)
-            node.held = None
-            if gen.staged is not None and gen.staged.token is not None:
-                gen.staged = None  # consumed: the staging object is now the file
+            _shown(node, gen)
             self._made_parents(name)
             self.e.published(gen, name)
             self._complete(gen)
             self._dirty_after(gen)
         await self._show_waiting_markers()
+        return True
+
+    async def _in_one_call(self, what: str, items: list[tuple[Record, Staged, str, Callable[[], Iterable]]], gens: list[FileGen],
+                           recorded: bool = True) -> bool:
+        """Publish a group of generations with one store call
+        (`storeio.publish_group`); False if it failed (logged)."""
+        for gen in gens:
+            gen.publishing = True
+        try:
+            await self._fenced(what, storeio.publish_group, self.e.backend, items, recorded, nbytes=sum(g.size for g in gens), reading=gens,
+                               at=tuple(path for _, _, path, _ in items))
+        except Exception as exc:
+            log.debug("%s: not done together (%s): one at a time", what, exc)
+            for gen in gens:
+                gen.publishing = False
+                self.e.publication_ended(gen)
+            return False
+        finally:
+            for gen in gens:
+                gen.publishing = False
         return True
 
     def _hold(self, gen: FileGen, names: list[str]) -> list[tuple[str, File]]:
@@ -925,27 +931,11 @@ class Publisher:
             plain.append((rel, f, gen))
         for i in range(0, len(plain), GROUP_MAX):
             batch = plain[i : i + GROUP_MAX]
-            gens = [gen for _, _, gen in batch]
             items = [(self._record(f"{base}/{rel}", gen, f), gen.staged, f"{base}/{rel}", gen.pieces) for rel, f, gen in batch]
-            for gen in gens:
-                gen.publishing = True
-            try:
-                await self._fenced(f"publish {len(batch)} files into {base}", storeio.publish_group, self.e.backend, items, recorded,
-                                   nbytes=sum(g.size for g in gens), reading=gens, at=tuple(at for _, _, at, _ in items))
-            except Exception as exc:
-                log.debug("%d files of %s not published together (%s): one at a time", len(batch), dst, exc)
-                for gen in gens:
-                    gen.publishing = False
-                    self.e.publication_ended(gen)
-                continue
-            finally:
-                for gen in gens:
-                    gen.publishing = False
+            if not await self._in_one_call(f"publish {len(batch)} files into {base}", items, [gen for _, _, gen in batch], recorded):
+                continue  # these go one at a time
             for rel, f, gen in batch:
-                f.shown = Shown(gen.ino, gen.generation, gen.digest, gen.meta)
-                f.held = None
-                if gen.staged is not None and gen.staged.token is not None:
-                    gen.staged = None  # consumed: the staging object is now the file
+                _shown(f, gen)
                 if recorded:
                     self._made_parents(f"{base}/{rel}")
                 self.e.published(gen, f"{dst}/{rel}")
@@ -1258,3 +1248,11 @@ def shown_digest(replica: Replica, ino: int) -> tuple[str, Shown] | None:
                 and (best is None or node.shown.generation > best[1].generation)):
             best = (path, node.shown)
     return best
+
+
+def _shown(node: File, gen: FileGen) -> None:
+    """`gen` has just been published at `node`'s name."""
+    node.shown = Shown(gen.ino, gen.generation, gen.digest, gen.meta)
+    node.held = None
+    if gen.staged is not None and gen.staged.token is not None:
+        gen.staged = None  # consumed: the staging object is now the file

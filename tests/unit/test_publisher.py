@@ -567,22 +567,12 @@ async def test_small_files_are_published_in_groups_and_a_failed_group_goes_one_b
     assert rig.engine.calls.count - before < 20  # 300 files, a few group calls (and a heartbeat, a directory sync)
     assert verify(rig.backend).clean
 
-    real = rig.backend.publish_group
-    broke = []
-
-    def half(records, group_files):
-        if not broke:  # the records and the first half land, then the store fails
-            broke.append(len(group_files))
-            real(records, group_files[: len(group_files) // 2])
-            raise ConnectionError("injected: the store went away in the middle of a group")
-        real(records, group_files)
-
-    rig.backend.publish_group = half
+    groups = _half_a_group(rig.backend, 1)
     again = {path: os.urandom(50) for path in files}
     for path, data in again.items():
         rig.write(path, data)
     await run_until_flushed(rig)
-    assert broke and broke[0] > 1
+    assert groups and groups[0][1] > 1
     assert rig.files() == again
     assert verify(rig.backend).clean
 
@@ -605,21 +595,11 @@ async def test_a_directory_rename_rewrites_its_records_in_groups(tmp_path):
     await run_until_flushed(rig)
     assert rig.files() == files
 
-    real = rig.backend.publish_group
-    broke = []
-
-    def half(records, group_files):
-        if not broke:  # half the first group's records land, then the store fails
-            broke.append(len(records))
-            real(records[: len(records) // 2], group_files)
-            raise ConnectionError("injected: the store went away in the middle of a group")
-        real(records, group_files)
-
-    rig.backend.publish_group = half
+    groups = _half_a_group(rig.backend, 1)  # the first call writes records only: half of them land
     rig.rename("tmp", "step")
     before = rig.engine.calls.count
     await run_until_flushed(rig)
-    assert broke and broke[0] > 1
+    assert groups and groups[0][0] > 1
     assert rig.engine.calls.count - before < 20  # 2,501 records written and 2,501 deleted: a few calls each
     assert rig.files() == {"step" + p[len("tmp"):]: data for p, data in files.items()}
     records, unreadable = manifest.read_all(rig.backend)
@@ -647,27 +627,34 @@ async def test_a_directory_renamed_before_its_files_turn_is_assembled_in_groups(
         rig.write(path, data)
     rig.write("tmp/commit_success.txt", b"ok")
 
-    real = rig.backend.publish_group
-    groups = []
-
-    def half(records, group_files):
-        groups.append(len(group_files))
-        if len(groups) == 2:  # the second group: half its files land, then the store fails
-            real(records, group_files[: len(group_files) // 2])
-            raise ConnectionError("injected: the store went away in the middle of a group")
-        real(records, group_files)
-
-    rig.backend.publish_group = half
+    groups = _half_a_group(rig.backend, 2)
     rig.rename("tmp", "step")
     before = rig.engine.calls.count
     await run_until_flushed(rig)
-    assert len(groups) >= 2 and max(groups) > 100
+    assert len(groups) >= 2 and max(files for _, files in groups) > 100
     assert rig.engine.calls.count - before < 700  # the failed group's files go one by one: the rest in groups
     want = {"step" + p[len("tmp"):]: data for p, data in files.items()} | {"step/commit_success.txt": b"ok"}
     assert rig.files() == want
     records, _ = manifest.read_all(rig.backend)
     assert {p for p, r in records.items() if r.kind == "file"} == set(want)
     assert verify(rig.backend).clean
+
+
+def _half_a_group(backend, nth: int) -> list[tuple[int, int]]:
+    """The backend's `nth` group commit lands its records and half its files
+    (half its records if it has no files), then the store fails. Returns
+    the (records, files) of every group commit, as they come."""
+    real, groups = backend.publish_group, []
+
+    def half(records, group_files):
+        groups.append((len(records), len(group_files)))
+        if len(groups) == nth:
+            real(records if group_files else records[: len(records) // 2], group_files[: len(group_files) // 2])
+            raise ConnectionError("injected: the store went away in the middle of a group")
+        real(records, group_files)
+
+    backend.publish_group = half
+    return groups
 
 
 def _failing_publication(rig: Rig, inner) -> FaultyBackend:
