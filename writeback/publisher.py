@@ -186,6 +186,8 @@ class Publisher:
                 op = self.current = e.queue[0]
                 if isinstance(op, FileGen) and await self._publish_group():
                     continue
+                if isinstance(op, Remove) and await self._remove_group():
+                    continue
                 try:
                     if isinstance(op, FileGen):
                         if not await self._turn(op):
@@ -1128,6 +1130,42 @@ class Publisher:
             self.deferred = collections.deque(x for x in self.deferred if x is not item)
         op.done.set()
         self.e.notify()
+
+    async def _remove_group(self) -> bool:
+        """Removals of published files at the head of the queue (the rmtree
+        of an old checkpoint) with nothing else to do (no earlier generation
+        to wait for, no other name of the file, nothing waiting to show
+        there): applied with a few store calls for all of them
+        (`storeio.delete_many`), not three each, which held everything after
+        a rotation of thousands of files for seconds. False if there are
+        fewer than two, or the call failed: they then go one at a time."""
+        if self.deferred or self.e.queue[0].seq <= self.single_until:
+            return False
+        group: list[tuple[Remove, File]] = []
+        for op in self.e.queue:
+            if len(group) == RECORDS_PER_CALL or not isinstance(op, Remove) or self._gated(op.seq):
+                break
+            node = self.replica.lookup(op.name)
+            if not (isinstance(node, File) and node.ino == op.ino and node.shown is not None and node.shown.ino == node.ino
+                    and node.held is None and len(self.replica.nodes_of(node.ino)) == 1 and not self.e.ns.paths_of(node.ino)):
+                break
+            group.append((op, node))
+        if len(group) < 2:
+            return False
+        files = [(op.name, node.shown) for op, node in group if node.shown is not None]
+        what = f"delete {len(files)} files from {files[0][0]}"
+        try:
+            await self._fenced(what, storeio.delete_many, self.e.backend, files, nbytes=len(files) * RECORD_NBYTES,
+                               at=tuple(path for path, _ in files))
+        except Exception as exc:
+            log.debug("%s: not done together (%s): one at a time", what, exc)
+            self.single_until = group[-1][0].seq
+            return False
+        for op, node in group:
+            self.replica.detach(node)
+            self._complete(op)
+            self._dirty_after(op)
+        return True
 
     async def _remove(self, node: Node, op: Remove) -> None:
         path = self.replica.path_of(node)

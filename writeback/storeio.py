@@ -186,6 +186,17 @@ def delete(backend: Backend, path: str, shown: Shown | None = None) -> None:
     manifest.delete(backend, path)
 
 
+def delete_many(backend: Backend, files: list[tuple[str, Shown]]) -> None:
+    """`delete` of many published files (path, what the store shows there)
+    in three steps for all: every record marked as being deleted (one group
+    commit), the files, the records."""
+    manifest.write_many(backend, [Record.of(path, "file", shown.meta, current=shown.digest, source=f"delete:{backend.daemon_id}")
+                                  for path, shown in files if shown.digest is not None])
+    for path, _shown in files:
+        backend.delete(path)
+    manifest.delete_many(backend, [path for path, _shown in files])
+
+
 def fetch(backend: Backend, path: str) -> tuple[list[bytes], Digest]:
     h = manifest.hasher()
     blocks = []
