@@ -67,6 +67,8 @@ SMALL_PUT = 8 << 20  # object stores: up to this size, one PUT at publish time
 MAX_OBJECT = 5 << 40  # S3: the largest object
 MAX_KEY = 1024  # S3: the longest key, in bytes of UTF-8
 READ_MANY_BATCH = 500  # object stores: records fetched concurrently per batch
+GROUP_CONCURRENCY = 16  # object stores: requests of one group commit's step in flight together
+DELETE_MANY = 1000  # S3: keys deleted by one request (its most)
 READ_MANY_TRIES = 4  # records a burst of reads could not get (an overloaded store's 503 or 500) are read again, together
 # Local stores: a staged file this big is fsynced at once, by its upload worker
 # (in parallel with others); a smaller one at publication, where a group of
@@ -363,6 +365,11 @@ class Backend:
     def delete(self, path: str) -> None:
         """Remove a file; a missing file is not an error."""
         raise NotImplementedError
+
+    def delete_many(self, paths: list[str]) -> None:
+        """`delete` of many files. Stores do better than one call each."""
+        for path in paths:
+            self.delete(path)
 
     def move(self, src: str, dst: str) -> None:
         raise NotImplementedError
@@ -1047,6 +1054,16 @@ class FsspecBackend(Backend):
     def put(self, path: str, data: bytes) -> None:
         self.fs.pipe_file(self._abs(path), data)
 
+    def publish_group(self, records: list[tuple[str, bytes]], files: list[tuple[Staged, str, int | None, Iterable]]) -> None:
+        """Every record, then every file (`Backend.publish_group`), each
+        step's requests in flight together, GROUP_CONCURRENCY at a time: one
+        after another, a group of small files on S3 went at 80 files a second."""
+        with concurrent.futures.ThreadPoolExecutor(GROUP_CONCURRENCY, thread_name_prefix="ckptfs-group") as pool:
+            for step in ([pool.submit(self.put, path, data) for path, data in records],
+                         [pool.submit(self.publish, staged, path, pieces, mode) for staged, path, mode, pieces in files]):
+                for done in step:
+                    done.result()  # the first error fails the group (the records of a step always before its files)
+
     def read(self, path: str) -> Iterator[bytes]:
         with self.fs.open(self._abs(path), "rb") as f:
             while chunk := f.read(8 << 20):
@@ -1289,6 +1306,21 @@ class S3Backend(FsspecBackend):
             self.copy(staged.token, path)
             self.delete(staged.token)
         self.fs.invalidate_cache(self._abs(path))
+
+    def delete_many(self, paths: list[str]) -> None:
+        """One DeleteObjects request per DELETE_MANY keys (exactly these keys:
+        fsspec's `rm` of a list would expand names holding `*` or `?`)."""
+        for i in range(0, len(paths), DELETE_MANY):
+            keys = [self._bucket_key(path) for path in paths[i : i + DELETE_MANY]]
+            bucket = keys[0][0]
+            out = self.fs.call_s3("delete_objects", Bucket=bucket, Delete={"Objects": [{"Key": key} for _, key in keys], "Quiet": True})
+            errors = out.get("Errors") or []
+            if errors:
+                e = errors[0]
+                raise OSError(errno.EIO, f"the store did not delete {len(errors)} of {len(keys)} objects: {e.get('Key')}: "
+                                         f"{e.get('Code')} {e.get('Message')}")
+            for _, key in keys:
+                self.fs.invalidate_cache(f"{bucket}/{key}")
 
     def discard(self, staged: Staged) -> None:
         if staged.at is not None and staged.token is not None:

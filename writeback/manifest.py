@@ -177,9 +177,15 @@ def write_many(backend: Backend, records: list[Record]) -> None:
 
 
 def delete_many(backend: Backend, paths: list[str]) -> None:
-    """`delete` of many records, in one store call."""
-    for path in paths:
-        delete(backend, path)
+    """`delete` of many records (`Backend.delete_many`)."""
+    objpaths = [changing(backend, record_path(path)) for path in paths]
+    done = False
+    try:
+        backend.delete_many(objpaths)
+        done = True
+    finally:
+        for objpath in objpaths:
+            changed(backend, objpath, None if done else UNKNOWN)
 
 
 def read(backend: Backend, path: str) -> Record | None:
@@ -280,7 +286,7 @@ class Image:
         if base is not None:
             log.info("reading %d of %d records: changed since the manifest image, or not in it", len(unread), len(stamps))
         for objpath, raw in backend.read_many(unread):
-            objects[objpath] = _decoded(raw)
+            objects[objpath] = decoded(raw)
         image = cls(objects, since=base.since if base is not None and base.since is not None else None)
         if base is not None and base._packed is not None and taken:
             image._from = (base._packed, taken)
@@ -365,7 +371,7 @@ class Image:
         settled = {objpath: left for objpath, left in changed.items() if objpath not in unsettled}
         fresh = [_line(objpath, left) for objpath, left in settled.items() if isinstance(left, Record)]
         unknown = sorted(objpath for objpath, left in settled.items() if left is UNKNOWN)
-        fresh += [_line(objpath, _decoded(raw)) for objpath, raw in backend.read_many(unknown)]
+        fresh += [_line(objpath, decoded(raw)) for objpath, raw in backend.read_many(unknown)]
         gone = {objpath.encode() for objpath in changed.keys() | unsettled}
         _, lines = _lines(packed)
         kept = [line for line in lines if line.partition(b"\t")[0] not in gone]
@@ -401,7 +407,8 @@ def image_time(backend: Backend) -> float | None:
     return backend.stamp(IMAGE_BEGUN)
 
 
-def _decoded(raw: bytes) -> Record | None:
+def decoded(raw: bytes) -> Record | None:
+    """A record object's bytes decoded; None if they are not a record (garbage where one goes)."""
     try:
         return Record.decode(raw)
     except UNREADABLE:

@@ -76,7 +76,11 @@ def publish(backend: Backend, rec: Record | None, staged: Staged, path: str, dig
     whose record is written for its final path). Idempotent: if the staged
     data is gone because an earlier attempt published it, that is success."""
     if rec is not None:
-        _refuse_newer(backend, rec)
+        try:
+            there = manifest.read(backend, rec.path)
+        except manifest.UNREADABLE:  # no record, only garbage where it goes: this publication writes one over it
+            there = None
+        _refuse_newer(rec, there)
         rec, staged = _staged_now(backend, rec, staged, pieces)
         manifest.write(backend, rec)  # first: see manifest.py
     try:
@@ -95,8 +99,11 @@ def publish_group(backend: Backend, items: list[tuple[Record, Staged, str, Calla
     assembled in a hidden directory, whose records are written for their
     final paths (`publish` with no record; the records give the modes)."""
     if recorded:
-        for rec, _staged, _path, _pieces in items:
-            _refuse_newer(backend, rec)
+        objpaths = [manifest.record_path(rec.path) for rec, _, _, _ in items]
+        there = dict(backend.read_many(objpaths))  # side by side on object stores
+        for objpath, (rec, _staged, _path, _pieces) in zip(objpaths, items, strict=True):
+            if objpath in there:
+                _refuse_newer(rec, manifest.decoded(there[objpath]))
         items = [(*_staged_now(backend, rec, staged, pieces), path, pieces) for rec, staged, path, pieces in items]
     recs = [rec for rec, _, _, _ in items] if recorded else []
     objpaths = [manifest.changing(backend, manifest.record_path(rec.path)) for rec in recs]
@@ -123,13 +130,9 @@ def _staged_now(backend: Backend, rec: Record, staged: Staged, pieces: Callable[
     return dataclasses.replace(rec, source=f"staged:{staged.token}"), staged
 
 
-def _refuse_newer(backend: Backend, rec: Record) -> None:
-    """NewerInStore if the store holds a newer file at `rec.path`, written
-    there directly after this generation was sealed."""
-    try:
-        there = manifest.read(backend, rec.path)
-    except manifest.UNREADABLE:  # no record, only garbage where it goes: this publication writes one over it
-        return
+def _refuse_newer(rec: Record, there: Record | None) -> None:
+    """NewerInStore if the store holds a newer file at `rec.path` (its
+    record `there`), written there directly after this generation was sealed."""
     if there is not None and there.kind == "file" and there.current not in (rec.previous, rec.current) and there.written_ns > rec.written_ns:
         raise NewerInStore(there)
 
@@ -192,8 +195,7 @@ def delete_many(backend: Backend, files: list[tuple[str, Shown]]) -> None:
     commit), the files, the records."""
     manifest.write_many(backend, [Record.of(path, "file", shown.meta, current=shown.digest, source=f"delete:{backend.daemon_id}")
                                   for path, shown in files if shown.digest is not None])
-    for path, _shown in files:
-        backend.delete(path)
+    backend.delete_many([path for path, _shown in files])
     manifest.delete_many(backend, [path for path, _shown in files])
 
 

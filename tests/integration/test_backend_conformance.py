@@ -256,6 +256,51 @@ def test_delete_is_idempotent(store):
     assert not store.exists("d")
 
 
+def test_delete_many_deletes_exactly_the_paths_named(store, monkeypatch):
+    """Names holding `*`, `?` or `[` are names, never patterns; missing
+    ones are no error; S3 sends DELETE_MANY keys a request."""
+    monkeypatch.setattr(backend_mod, "DELETE_MANY", 3)
+    names = ["a", "d/b", "x*", "x?y", "x[1]", "xyz", "x1", "keep/c"]
+    for name in names:
+        store.put(name, name.encode())
+    store.delete_many(["a", "d/b", "x*", "x?y", "x[1]", "missing", "d/missing"])
+    assert sorted(p for p in store.find("") if not p.startswith(".ckptfs/")) == ["keep/c", "x1", "xyz"]
+
+
+def test_a_group_on_s3_sends_its_records_together_then_its_files_together(s3, monkeypatch):
+    """S3: a group commit's requests go side by side (GROUP_CONCURRENCY at
+    a time), every record before any file: one after another, small files
+    were published at 80 a second."""
+    import threading
+
+    store = open_store(s3.bucket("groups") + f"/root-{next(_n)}", s3.options())
+    lock, now, most, order = threading.Lock(), {"put": 0, "publish": 0}, {"put": 0, "publish": 0}, []
+    kind = type(store)
+
+    def noted(name, real):
+        def call(self, *args, **kwargs):  # the real request, with a note of how many run at once and when
+            with lock:
+                now[name] += 1
+                most[name] = max(most[name], now[name])
+                order.append(name)
+            try:
+                time.sleep(0.05)
+                return real(self, *args, **kwargs)
+            finally:
+                with lock:
+                    now[name] -= 1
+        return call
+
+    monkeypatch.setattr(kind, "put", noted("put", kind.put))
+    monkeypatch.setattr(kind, "publish", noted("publish", kind.publish))
+    records = [(f".ckptfs/files/g{i}.json", b"{}") for i in range(20)]
+    files = [(backend_mod.Staged(4, None), f"g/f{i}", 0o644, iter([b"%04d" % i])) for i in range(20)]
+    store.publish_group(records, files)
+    assert [data_of(store, f"g/f{i}") for i in range(20)] == [b"%04d" % i for i in range(20)]
+    assert order == ["put"] * 20 + ["publish"] * 20
+    assert all(1 < n <= backend_mod.GROUP_CONCURRENCY for n in most.values()), most
+
+
 def test_move_and_copy(store):
     store.put("src/f", b"payload")
     store.copy("src/f", "copy/f")
