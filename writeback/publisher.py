@@ -881,10 +881,11 @@ class Publisher:
                 def order(rf: tuple[str, Node]) -> tuple[bool, bool]:
                     return self._is_marker(rf[0]), not (isinstance(rf[1], File) and rf[1].shows_own)
 
+                showing = {id(f) for _, f in show}  # not `in show` for each member: a directory of thousands took seconds
                 for rel, f in sorted(members, key=order):
                     src, dst = f"{op.src}/{rel}", f"{op.dst}/{rel}"
                     was = f.shown if isinstance(f, File) else None
-                    if isinstance(f, File) and any(f is g for _, g in show) and (await self._materialize(dst, f) or f.shown is not was):
+                    if isinstance(f, File) and id(f) in showing and (await self._materialize(dst, f) or f.shown is not was):
                         if was is not None:  # shown anew (or the store's newer bytes kept) at the new path: these go
                             await self.call(f"delete {src}", storeio.delete, backend, src, was, at=(src,))
                     elif isinstance(f, File) and f.shown is not None:  # what the store shows moves with the directory
