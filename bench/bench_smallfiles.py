@@ -24,6 +24,7 @@ PER_DIR = 1000
 
 
 def create(root: Path, n: int, payload: bytes, tag: str) -> None:
+    (root / tag).parent.mkdir(exist_ok=True)
     for i in range(n):
         d = root / f"{tag}{i // PER_DIR:04d}"
         if i % PER_DIR == 0:
@@ -58,6 +59,24 @@ def main() -> None:
                 out[f"queued {label}"] = r["files"]  # not yet published when the flush began
                 out[f"published {label}"] = time.perf_counter() - t0
             out["rss per file"] = (rss_bytes(pid) - rss0) / (2 * n)
+            # Orbax: a checkpoint's files written into a temporary directory,
+            # renamed once complete (before their turn), then flushed.
+            tmp = mp / "ckpt.orbax-checkpoint-tmp-1"
+            t0 = time.perf_counter()
+            create(tmp.parent, n, b"x" * 100, tmp.name + "/d")  # directories d0000.. under it, PER_DIR files each
+            os.rename(tmp, mp / "ckpt")
+            out["mnt renamed"] = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            c.flush(timeout=3600)
+            out["flush renamed"] = time.perf_counter() - t1
+            # Rotation: that checkpoint removed, then one file written after it.
+            t0 = time.perf_counter()
+            shutil.rmtree(mp / "ckpt")
+            out["mnt rmtree"] = time.perf_counter() - t0
+            (mp / "after").write_bytes(b"x")
+            t1 = time.perf_counter()
+            c.flush(timeout=3600)
+            out["flush rmtree"] = time.perf_counter() - t1
             for flag in (False, True):
                 ts = []
                 for _ in range(5):
@@ -84,6 +103,11 @@ def main() -> None:
     for label in ("empty", "100B"):
         r = out[f"flush {label}"] / out[f"mnt {label}"]
         lines.append(f"| flush after creating them vs the time to create them ({label}) | {r:.2f}x | <= 2x | {'yes' if r <= 2 else 'no'} |")
+    r = out["flush renamed"] / out["mnt renamed"]
+    lines.append(f"| flush after creating them in a directory renamed before their turn (Orbax), vs the time to create them | {r:.2f}x "
+                 f"| <= 2x | {'yes' if r <= 2 else 'no'} |")
+    lines.append(f"| flush after removing them (rmtree) and writing one file, vs the rmtree | {out['flush rmtree'] / out['mnt rmtree']:.2f}x "
+                 "| (none) | |")
     s = out["status files=False"] * 1000
     lines.append(f"| `status` with {2 * n:,} files (client call, ms) | {s:.1f} ms | <= 50 ms | {'yes' if s <= 50 else 'no'} |")
     lines += [
