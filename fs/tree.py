@@ -491,7 +491,7 @@ class InodeTree:
             inode.atime_ns = atime_ns
         if mtime_ns is not None:
             inode.mtime_ns = mtime_ns
-        if self.journal is not None and (mode, uid, gid, mtime_ns) != (None, None, None, None):
+        if self.journal is not None and (mode, uid, gid, mtime_ns) != (None, None, None, None) and not _sealed_later(inode):
             self.journal.changed_attrs(inode.ino)
         inode.ctime_ns = now
         return inode
@@ -620,7 +620,7 @@ class InodeTree:
         if inode.mode & bits and not keeps_setid():
             inode.mode &= ~bits
             inode.ctime_ns = self.clock()
-            if self.journal is not None:
+            if self.journal is not None and not _sealed_later(inode):
                 self.journal.changed_attrs(inode.ino)
 
     def release(self, fh: int) -> Inode | None:
@@ -1036,3 +1036,11 @@ def _check_name(name: bytes) -> None:
         raise _err(errno.ENAMETOOLONG)
     if not name or b"/" in name or b"\0" in name:
         raise _err(errno.EINVAL)
+
+
+def _sealed_later(inode: Inode) -> bool:
+    """Whether a seal is still to come for the inode (open for writing, with
+    changes not sealed yet): it hands the engine the attributes with the
+    bytes, so a change of them now (tar's and `cp -a`'s fchmod and fchown
+    before close) needs no op of its own."""
+    return inode.data is not None and inode.writers > 0 and inode.version != inode.sealed_version

@@ -407,8 +407,19 @@ class Engine:
 
     def changed_attrs(self, ino: int) -> None:
         meta = self.meta_of(ino)
-        if meta is not None:
-            self._append(Attrs(self._next(), ino, meta))
+        if meta is None:
+            return
+        last = self.queue[-1] if self.queue else None
+        if (self.link is None and isinstance(last, FileGen) and last.ino == ino and not last.publishing
+                and last.state not in (State.PUBLISHED, State.DROPPED)):
+            # Nothing changed in the mount between the file's seal and this
+            # (tar and `cp -a` set a file's mode and times right after closing
+            # it): the generation is published with them, as the mount has it
+            # now. An op of its own after each file kept small files from being
+            # published in groups.
+            last.meta = meta
+            return
+        self._append(Attrs(self._next(), ino, meta))
 
     def _gone(self, ino: int, seq: int) -> None:
         """`ino` may have lost its last name at op `seq`: then its unpublished

@@ -675,6 +675,33 @@ async def test_the_removal_of_many_published_files_takes_a_few_store_calls(tmp_p
         assert verify(rig.backend).clean
 
 
+async def test_files_whose_times_are_set_right_after_closing_are_still_published_in_groups(tmp_path):
+    """tar and `cp -a` set each file's owner and mode just before closing
+    it and its times just after. Each change went into the queue as an op
+    of its own, so no two files were ever next to each other, and each was
+    published alone (a store call and three fsyncs), then its record
+    rewritten. A change before the close now goes with the seal that
+    follows, one right after it with the generation it follows; the store
+    ends with every mode and mtime set."""
+    rig = Rig(tmp_path / "store")
+    rig.mkdir("d")
+    files = {f"d/f{i}": os.urandom(10 + i % 50) for i in range(300)}
+    for i, (path, data) in enumerate(files.items()):
+        h = rig.write(path, data, keep_open=True)
+        rig.store.setattr(h.inode.ino, mode=0o600 if i % 2 else 0o640)  # fchmod before close (tar, cp -a)
+        rig.store.release(h.fh)
+        rig.store.setattr(h.inode.ino, mtime_ns=1_577_836_800_000_000_000 + i)  # utimensat after it (tar)
+    before = rig.engine.calls.count
+    await run_until_flushed(rig)
+    assert rig.engine.calls.count - before < 20  # 300 files: a few group calls
+    assert rig.files() == files
+    records, _ = manifest.read_all(rig.backend)
+    for i, path in enumerate(files):
+        assert (records[path].mode & 0o777, records[path].mtime_ns) == (0o600 if i % 2 else 0o640, 1_577_836_800_000_000_000 + i)
+        assert os.stat(tmp_path / "store" / path).st_mode & 0o777 == (0o600 if i % 2 else 0o640)
+    assert verify(rig.backend).clean
+
+
 def _half_a_group(backend, nth: int) -> list[tuple[int, int]]:
     """The backend's `nth` group commit lands its records and half its files
     (half its records if it has no files), then the store fails. Returns
