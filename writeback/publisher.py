@@ -881,8 +881,11 @@ class Publisher:
                 def order(rf: tuple[str, Node]) -> tuple[bool, bool]:
                     return self._is_marker(rf[0]), not (isinstance(rf[1], File) and rf[1].shows_own)
 
+                moved |= await self._assemble_group(op.dst, show, op.dst)  # at their new names already
                 showing = {id(f) for _, f in show}  # not `in show` for each member: a directory of thousands took seconds
                 for rel, f in sorted(members, key=order):
+                    if id(f) in moved:
+                        continue
                     src, dst = f"{op.src}/{rel}", f"{op.dst}/{rel}"
                     was = f.shown if isinstance(f, File) else None
                     if isinstance(f, File) and id(f) in showing and (await self._materialize(dst, f) or f.shown is not was):
@@ -912,26 +915,33 @@ class Publisher:
             if isinstance(f, File) and not f.shows_own and f.held is None:
                 await self._show_copy(f"{op.dst}/{rel}", f)
 
-    async def _assemble_group(self, dst: str, show: list[tuple[str, Node]], base: str) -> None:
+    async def _assemble_group(self, dst: str, show: list[tuple[str, Node]], base: str) -> set[int]:
         """A directory renamed before its files' turn (Orbax's temporary
-        directory) on a local store: those of its files that are plain
-        generations go into `base` (its old name in the store, or a hidden
-        directory) by group commits, as `_publish_group` shows the queue's,
-        not one store call and three fsyncs each. The rest (a marker, a
+        directory): those of its files that are plain generations go into
+        `base` by group commits, as `_publish_group` shows the queue's, not
+        one store call (and on a local store three fsyncs) each. `base` is
+        where a local store assembles the directory (its old name in the
+        store, or a hidden directory), and an object store's new name: there
+        only files the store never showed go (one shown at the old name
+        moves, and its old copy goes, one at a time). The rest (a marker, a
         hard link's second name, a file shown elsewhere, another node's) and
-        all of a failed group are left to `_materialize`, one at a time."""
+        all of a failed group are left to `_materialize`, one at a time.
+        Returns the files shown (their ids)."""
         recorded = not base.startswith(META + "/")  # a hidden directory's files get their records at their final paths
+        moving = base == dst  # an object store: each file goes to its new name
         plain: list[tuple[str, File, FileGen]] = []
         seen: set[int] = set()
         for rel, f in show:
             gen = f.held if isinstance(f, File) else None
             path = f"{dst}/{rel}"
             if (gen is None or id(gen) in seen or gen.ino != f.ino or gen.owner is not None or gen.staged is None
+                    or (moving and f.shown is not None)
                     or gen.state in (State.DROPPED, State.PARKED, State.PUBLISHED) or self._is_marker(path)
                     or not self.live_at(path, gen.ino) or self._vouches_for_held(path, gen) or self._shown_source(gen, exclude=f) is not None):
                 continue
             seen.add(id(gen))
             plain.append((rel, f, gen))
+        done: set[int] = set()
         for i in range(0, len(plain), GROUP_MAX):
             batch = plain[i : i + GROUP_MAX]
             items = [(self._record(f"{base}/{rel}", gen, f), gen.staged, f"{base}/{rel}", gen.pieces) for rel, f, gen in batch]
@@ -942,6 +952,8 @@ class Publisher:
                 if recorded:
                     self._made_parents(f"{base}/{rel}")
                 self.e.published(gen, f"{dst}/{rel}")
+                done.add(id(f))
+        return done
 
     async def _write_records(self, recs: list[Record]) -> None:
         """Write these records, many to a store call, each call's made

@@ -110,7 +110,8 @@ def publish_group(backend: Backend, items: list[tuple[Record, Staged, str, Calla
     done = False
     try:
         backend.publish_group([(objpath, rec.encode()) for objpath, rec in zip(objpaths, recs, strict=True)],
-                              [(staged, path, rec.mode, pieces() if staged.token is None else ()) for rec, staged, path, pieces in items])
+                              [(staged, path, rec.mode, pieces() if staged.token is None or staged.at not in (None, path) else ())
+                               for rec, staged, path, pieces in items])  # the bytes again: a small file, or one staged at another name (S3)
         done = True
     finally:
         for objpath, rec in zip(objpaths, recs, strict=True):

@@ -110,6 +110,24 @@ def test_staged_at_one_name_and_published_at_another(store, multipart):
     assert _no_litter(store)
 
 
+def test_a_group_publishes_a_file_staged_at_one_name_at_another(store, multipart):
+    """A group commit (`storeio.publish_group`) of files renamed before their
+    turn (a directory renamed after its files were staged, Orbax's or a
+    move on a cluster node): S3 uploads each again at its new name, from the
+    bytes, which the group must hand it (it had none: the object was empty)."""
+    from ckptfs.writeback import storeio
+    from ckptfs.writeback.manifest import Record, digest_of
+
+    staged = store.stage(iter([multipart]), len(multipart), "d/model.pt")
+    small = backend_mod.Staged(5, None)
+    items = [(Record.of("moved/model.pt", "file", manifest.Meta(0o644), current=digest_of([multipart])), staged, "moved/model.pt",
+              lambda: iter([multipart])),
+             (Record.of("moved/x", "file", manifest.Meta(0o644), current=digest_of([b"small"])), small, "moved/x", lambda: iter([b"small"]))]
+    storeio.publish_group(store, items)
+    assert data_of(store, "moved/model.pt") == multipart and data_of(store, "moved/x") == b"small"
+    assert not store.exists("d/model.pt") and _no_litter(store)
+
+
 def test_a_temporary_name_is_staged_under_a_hidden_one(store, multipart):
     staged = store.stage(iter([multipart]), len(multipart), "1.orbax-checkpoint-tmp-7/d/x")
     assert staged.at is None

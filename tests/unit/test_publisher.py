@@ -640,6 +640,54 @@ async def test_a_directory_renamed_before_its_files_turn_is_assembled_in_groups(
     assert verify(rig.backend).clean
 
 
+async def test_a_directory_renamed_before_its_files_turn_on_an_object_store_goes_in_groups_and_its_marker_last(tmp_path):
+    """The same on an object store (memory://, no directories): the files
+    the store never showed go to their new names by group commits (one
+    request each, side by side; one at a time, a directory of 500 small
+    files took 10 s to reach S3); one shown at the old name and rewritten
+    since is published at the new name (its old copy goes) one at a time;
+    the completion marker goes last."""
+    import fsspec
+
+    rig = Rig(tmp_path / "store")
+    rig.backend = rig.engine.backend = open_store(f"memory://{tmp_path.name}/obj")
+    rig.backend.prepare("test-obj", time.time())
+    mem = fsspec.filesystem("memory")
+    rig.mkdir("1.tmp")
+    rig.write("1.tmp/old", b"first")
+    await run_until_flushed(rig)  # shown under the temporary name
+    files = {f"f{i}": os.urandom(10 + i % 50) for i in range(600)} | {"old": b"second", "commit_success.txt": b"ok"}
+    for name, data in files.items():
+        rig.write(f"1.tmp/{name}", data)
+    groups, alone = [], []  # files published by each group commit; files published one at a time
+    real_group, real_publish = rig.backend.publish_group, rig.backend.publish
+
+    def group(records, group_files):
+        groups.append([path for _, path, _, _ in group_files])
+        rig.backend.publish = real_publish  # its files, side by side
+        try:
+            real_group(records, group_files)
+        finally:
+            rig.backend.publish = one
+
+    def one(staged, path, *args, **kwargs):
+        alone.append(path)
+        real_publish(staged, path, *args, **kwargs)
+
+    rig.backend.publish_group, rig.backend.publish = group, one
+    rig.rename("1.tmp", "1")
+    await run_until_flushed(rig)
+    assert len(groups) <= 2 and sum(map(len, groups)) == 600
+    assert alone == ["1/old", "1/commit_success.txt"]  # the one shown under the old name, then the marker, last
+    root = f"/{tmp_path.name}/obj"
+    stored = {p[len(root) + 1 :]: mem.cat_file(p) for p in mem.find(root) if "/.ckptfs/" not in p}
+    assert stored == {f"1/{name}": data for name, data in files.items()}
+    records, _ = manifest.read_all(rig.backend)
+    assert {p for p, r in records.items() if r.kind == "file"} == {f"1/{name}" for name in files}
+    assert verify(rig.backend).clean
+    mem.rm(root, recursive=True)
+
+
 async def test_the_removal_of_many_published_files_takes_a_few_store_calls(tmp_path):
     """The rmtree of an old checkpoint of thousands of files: each removal
     took three store calls (its record marked, the file, the record), and
