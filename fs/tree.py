@@ -1039,8 +1039,11 @@ def _check_name(name: bytes) -> None:
 
 
 def _sealed_later(inode: Inode) -> bool:
-    """Whether a seal is still to come for the inode (open for writing, with
-    changes not sealed yet): it hands the engine the attributes with the
-    bytes, so a change of them now (tar's and `cp -a`'s fchmod and fchown
-    before close) needs no op of its own."""
-    return inode.data is not None and inode.writers > 0 and inode.version != inode.sealed_version
+    """Whether the inode is a new file never sealed yet, open for writing:
+    its first seal hands the engine the attributes with the bytes, so a
+    change of them now (tar's and `cp -a`'s fchmod and fchown before close)
+    needs no op of its own. Not a file sealed before: the store may show an
+    older generation of it, whose mode must follow the mount's at once (a
+    chmod 600 of a log file kept open must not leave the store's copy
+    readable until the close)."""
+    return inode.data is not None and inode.writers > 0 and inode.generation == 0 and inode.version != inode.sealed_version

@@ -750,6 +750,27 @@ async def test_files_whose_times_are_set_right_after_closing_are_still_published
     assert verify(rig.backend).clean
 
 
+async def test_a_chmod_of_a_published_file_kept_open_and_written_reaches_the_store_at_once(tmp_path):
+    """A log file published once, reopened and written (its changes not
+    sealed yet), then made private: the store's copy must not stay readable
+    until the file is closed. (A change of attributes rides on the next
+    seal only for a new file, which the store has never shown.)"""
+    rig = Rig(tmp_path / "store")
+    h = rig.write("train.log", b"step 1\n")
+    await run_until_flushed(rig)
+    assert os.stat(tmp_path / "store" / "train.log").st_mode & 0o777 == 0o644
+    w = rig.store.open(h.inode.ino, os.O_WRONLY | os.O_APPEND)
+    rig.store.write(w.fh, 7, b"step 2\n")
+    rig.store.setattr(h.inode.ino, mode=0o600)
+    await run_until_flushed(rig)
+    assert os.stat(tmp_path / "store" / "train.log").st_mode & 0o777 == 0o600
+    records, _ = manifest.read_all(rig.backend)
+    assert records["train.log"].mode & 0o777 == 0o600
+    rig.store.release(w.fh)
+    await run_until_flushed(rig)
+    assert rig.files() == {"train.log": b"step 1\nstep 2\n"}
+
+
 def _half_a_group(backend, nth: int) -> list[tuple[int, int]]:
     """The backend's `nth` group commit lands its records and half its files
     (half its records if it has no files), then the store fails. Returns
