@@ -6,8 +6,8 @@
 - the first 4 KiB of a 3 GiB file from a fresh mount vs reading one load
   block (64 MiB, what is verified before the first byte is served) straight
   from the store, both cold; and the whole file, with the daemon's RSS, when
-  the RAM budget (1 GiB) is smaller than the file (it loads into the spill
-  directory).
+  the RAM budget (1 GiB) is smaller than the file (read in place from the
+  store's file, verified; it used to load into the spill directory).
 
 Rounds are interleaved. Run as root:
 
@@ -96,7 +96,7 @@ def main() -> None:
         f"- torch.load, seconds: mount {' '.join(f'{x:.2f}' for x in t['load_mnt'])}; store {' '.join(f'{x:.2f}' for x in t['load_store'])}",
         f"- first 4 KiB from the mount, seconds: {' '.join(f'{x:.3f}' for x in t['first_mnt'])}; "
         f"64 MiB from the store: {' '.join(f'{x:.3f}' for x in t['block_store'])}",
-        f"- the whole 3 GiB file with a 1 GiB RAM budget (loaded into the spill directory), seconds: mount "
+        f"- the whole 3 GiB file with a 1 GiB RAM budget (read in place from the store's file), seconds: mount "
         f"{' '.join(f'{x:.2f}' for x in t['big_mnt'])}; store {' '.join(f'{x:.2f}' for x in t['big_store'])}; "
         f"daemon RSS afterwards {' '.join(f'{x >> 20}' for x in rss)} MiB",
     ]

@@ -208,15 +208,21 @@ class FileData:
     unlinked file in the spill directory and it is read and written there
     (at disk speed, no RAM held). Snapshots of a spilled file share the spill
     file; a write while one exists first copies it.
+
+    An evicted file may be *borrowed* (`Borrowing`): read, not written,
+    straight from its file in a local store. It stays evicted: a writer
+    loads it first, and once it is resident the borrow ends.
     """
 
-    __slots__ = ("_chunks", "_pool", "_spill", "_spill_dir", "allocated", "frontier", "handed", "loading", "resident", "size", "stream")
+    __slots__ = ("_chunks", "_pool", "_spill", "_spill_dir", "allocated", "borrowed", "frontier", "handed", "loading", "resident", "size",
+                 "stream")
 
     def __init__(self, pool: MemoryPool) -> None:
         self.size = 0
         self.allocated = 0
         self.resident = True
         self.loading: Loading | None = None  # an evicted file's bytes on their way back
+        self.borrowed: Borrowing | None = None  # an evicted file's reads served from its file in a local store
         self._chunks: dict[int, _Chunk] = {}
         self._pool = pool
         self._spill: _SpillFile | None = None
@@ -311,6 +317,8 @@ class FileData:
         end = min(off + size, self.size)
         if off >= end:
             return b""
+        if not self.resident and self.borrowed is not None and self.borrowed.covers(off, end):
+            return self.borrowed.read(off, end)
         if self._spill is not None:
             data = os.pread(self._spill.fd, end - off, off)
             return data + bytes(end - off - len(data))
@@ -440,6 +448,12 @@ class FileData:
         self.size = 0
         self.resident = True
         self.loading = None  # a load in progress is fenced out
+        self.unborrow()
+
+    def unborrow(self) -> None:
+        """End the borrow, if any (a borrow's load under way is fenced out)."""
+        if self.borrowed is not None:
+            self.borrowed.release()
 
     def _drop(self, idx: int) -> None:
         chunk = self._chunks.pop(idx)
@@ -463,6 +477,8 @@ class Loading:
     holes did not use is returned at the end; a file the budget cannot take
     is loaded into a spill file instead.
     """
+
+    in_place = False
 
     def __init__(self, data: FileData, spill_dir: str | None) -> None:
         assert not data.resident and data.loading is None
@@ -562,6 +578,7 @@ class Loading:
         if not self._unshown:
             data.resident = True
             data.loading = None
+            data.unborrow()  # what it served is in RAM now
             self.release()
         return True
 
@@ -575,6 +592,108 @@ class Loading:
         if self._data.loading is self:  # dropped before the end: evicted again, nothing half-loaded stays
             self._data.loading = None
             self._data.evict()
+
+
+class Borrowing:
+    """An evicted file read in place: from its file in a local store, which
+    ckptfs never writes in place (a new generation is a new file renamed over
+    the old one), through a descriptor of that very file (the name may move
+    on, the bytes stay).
+
+    A load verifies it block by block (reading through one scratch chunk,
+    `view`), as it would into RAM, and `show` serves each verified range:
+    reads then come straight from the store file's page cache. Nothing of the
+    file goes into RAM, and a file larger than the RAM budget needs no spill
+    file. If the store file's size or times change (someone wrote it in
+    place), the borrow ends (`covers` says no): the next read loads and
+    verifies it again.
+    """
+
+    spilled = False
+    in_place = True
+
+    def __init__(self, data: FileData) -> None:
+        assert not data.resident and data.borrowed is None
+        self.size = data.size
+        self.cancelled = False  # the worker thread stops at its next piece
+        self._data = data
+        self._fd = -1  # the store file, once the load opened it (`adopt`)
+        self._stamp: tuple[int, int, int] | None = None
+        self._scratch: bytearray | None = None  # the worker's: what it verifies goes through here
+        self._shown = bytearray(-(-self.size // CHUNK))  # per chunk: 1 once served
+        self._unshown = len(self._shown)
+        data.borrowed = self
+
+    def adopt(self, fd: int) -> None:
+        """The load opened the store file: this descriptor (a copy, ours
+        from now on) serves the reads (owning thread, before any `show`)."""
+        if self.cancelled or self._data.borrowed is not self:
+            os.close(fd)
+            return
+        self._fd = fd
+        self._stamp = _stamp(fd)
+
+    def close(self) -> None:
+        """The worker is done with the file (worker thread)."""
+        self._scratch = None
+
+    def view(self, off: int, n: int) -> memoryview | None:
+        """Where the worker reads the next piece to verify (worker thread):
+        the same scratch chunk every time; `place` keeps nothing."""
+        if self.cancelled:
+            return None
+        if self._scratch is None:
+            self._scratch = bytearray(CHUNK)
+        return memoryview(self._scratch)[: min(n, CHUNK)]
+
+    def place(self, off: int, piece: memoryview | bytes) -> None:
+        if off + len(piece) > self.size:
+            raise OSError(errno.EIO, f"the store holds more than the file's {self.size} bytes")
+
+    def covers(self, off: int, end: int | None) -> bool:
+        """Whether the bytes `off`..`end` (None: all) are served, from a store
+        file unchanged since it was verified (if it changed, the borrow ends)."""
+        if end is not None and off >= min(end, self.size):
+            return True
+        if self._fd < 0:
+            return False
+        if self._stamp != _stamp(self._fd):
+            log.warning("the store's file of a borrowed file changed in place: reading it again from the store")
+            self.release()
+            return False
+        if end is None or not self._unshown:
+            return not self._unshown
+        return all(self._shown[off // CHUNK : -(-min(end, self.size) // CHUNK)])
+
+    def show(self, off: int, end: int) -> bool:
+        """Serve the bytes `off`..`end`, verified (owning thread). False if
+        the borrow ended meanwhile."""
+        if self.cancelled or self._data.borrowed is not self or self._fd < 0:
+            return False
+        end = min(end, self.size)
+        for idx in range(off // CHUNK, -(-end // CHUNK)):
+            if not self._shown[idx]:
+                self._shown[idx] = 1
+                self._unshown -= 1
+        return True
+
+    def read(self, off: int, end: int) -> bytes:
+        data = os.pread(self._fd, end - off, off)
+        return data + bytes(end - off - len(data))
+
+    def release(self) -> None:
+        """End the borrow (owning thread; idempotent)."""
+        self.cancelled = True
+        if self._data.borrowed is self:
+            self._data.borrowed = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _stamp(fd: int) -> tuple[int, int, int]:
+    st = os.fstat(fd)
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def _pwrite_all(fd: int, view: memoryview, off: int) -> None:

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .memory import FileData, Loading, MemoryPool, Snapshot
+from .memory import Borrowing, FileData, Loading, MemoryPool, Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -774,6 +774,29 @@ class InodeTree:
             raise _err(errno.ENOSPC, "RAM budget exhausted and no spill directory")
         self.touched.add(ino)
         return Loading(inode.data, self.spill_dir if spill else None)
+
+    def begin_borrow(self, ino: int) -> Borrowing | None:
+        """Start serving an evicted file's reads from its file in a local
+        store (`fs.memory.Borrowing`); None if it is resident, or being loaded
+        or borrowed already."""
+        inode = self.get(ino)
+        data = inode.data
+        if data is None or data.resident or data.loading is not None or data.borrowed is not None:
+            return None
+        return Borrowing(data)
+
+    def borrow_covers(self, ino: int, off: int, end: int | None) -> bool:
+        """Whether reads of the bytes `off`..`end` are served from the store
+        in place now (never all of them: `end` None asks for them in RAM)."""
+        inode = self.inodes.get(ino)
+        if end is None or inode is None or inode.data is None or inode.data.borrowed is None:
+            return False
+        return inode.data.borrowed.covers(off, end)
+
+    def unborrow(self, ino: int) -> None:
+        inode = self.inodes.get(ino)
+        if inode is not None and inode.data is not None:
+            inode.data.unborrow()
 
     def meta_of(self, ino: int) -> tuple[int, int, int, int] | None:
         """(mode, uid, gid, mtime_ns) of an inode, None if it is gone."""

@@ -186,11 +186,16 @@ class Source:
     (a load reads the block a reader waits for first)."""
 
     size: int
+    fd = -1  # a local store file's descriptor (-1: none)
 
     def read(self, off: int, n: int, into: Into | None = None) -> Iterator[memoryview | bytes]:
         """The bytes `off`..`off + n`, in order, holes as hole pieces; data
         goes straight into `into(offset, k)` where the store can do that."""
         raise NotImplementedError
+
+    def ahead(self, off: int, n: int) -> None:
+        """The bytes `off`..`off + n` are likely read next: a local store
+        starts reading them from its disk meanwhile."""
 
     def close(self) -> None:
         pass
@@ -210,6 +215,10 @@ class _FileSource(Source):
 
     def read(self, off: int, n: int, into: Into | None = None) -> Iterator[memoryview | bytes]:
         yield from read_sparse(self.fd, off + n, start=off, into=into)
+
+    def ahead(self, off: int, n: int) -> None:
+        if off < self.size:
+            os.posix_fadvise(self.fd, off, min(n, self.size - off), os.POSIX_FADV_WILLNEED)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -234,6 +243,9 @@ class _ObjectSource(Source):
 class Backend:
     url: str
     dirs = False  # real directories, movable in one step (local stores)
+    # A published file is never written in place, only replaced: a reader may
+    # be served from a descriptor of the store's file (`Source.fd`).
+    reads_in_place = False
     any_name = True  # holds every path the mount does (else `check_path` says which it cannot)
     # Files smaller than this are not staged ahead: hashed when sealed and
     # written whole at publication, from the snapshot (`Staged` with no token).
@@ -492,6 +504,7 @@ class LocalBackend(Backend):
     listed, and one in the way of a path is an error (ELOOP)."""
 
     dirs = True
+    reads_in_place = True
     stage_ahead_from = 64 << 10
 
     def __init__(self, root: str, url: str) -> None:

@@ -5,6 +5,11 @@ only ones that may be evicted, C5/C7), eviction, making room for a write, and
 loads from the store (restart, evicted files): every load is checked against
 the file's record, size and xxh3-128 together (C6); a mismatch, a missing
 object or an unreadable record is EIO, logged, never silent.
+
+A reader of a large file in a local store is served in place: its blocks are
+verified as a load would, and reads come straight from the store file (no
+RAM, no spill file: `fs.memory.Borrowing`). A writer, or a prefetch, loads
+the file into RAM as before.
 """
 
 from __future__ import annotations
@@ -35,16 +40,22 @@ LOAD_TRIES = 3  # a load that fails for a passing reason (a store call's error o
 LOAD_SPILL_PATIENCE_S = 60.0  # how long a load waits for room in a full spill directory
 SPILL_FULL_SAY_S = 30.0  # while writes wait for room in the spill directory, it is logged this often
 ROOM_PATIENCE_S = 2.0  # how long a load waits for write-back to free RAM before it loads into the spill directory
+IN_PLACE_FROM = 8 << 20  # a reader of a file this large in a local store is served from the store's file (smaller ones load into RAM)
+IN_PLACE_MAX = 128  # files served in place at once (each holds a descriptor); past that, the least recently read one ends
 
 
 class LoadTarget(Protocol):
-    """Where a load puts a file's bytes (fs.memory.Loading): `view`, `place`
-    and `close` in the worker thread, `covers`, `show` and `release` on the
-    owning thread."""
+    """Where a load puts a file's bytes (fs.memory.Loading), or what it
+    verifies for reads in place (fs.memory.Borrowing, `in_place`, which
+    `adopt`s the store file's descriptor): `view`, `place` and `close` in
+    the worker thread, the rest on the owning thread."""
 
     size: int
     spilled: bool
+    in_place: bool
     cancelled: bool
+
+    def adopt(self, fd: int) -> None: ...
 
     def view(self, off: int, n: int) -> memoryview | None: ...
     def place(self, off: int, piece: memoryview | bytes) -> None: ...
@@ -145,6 +156,7 @@ class Residency:
         self._unverifiable: dict[int, str] = {}  # restart: files whose record could not be read
         self._loads: dict[int, _Load] = {}  # loads in progress
         self._failures: dict[int, int] = {}  # loads of a file that failed in a row, for a passing reason
+        self.served_in_place: collections.OrderedDict[int, None] = collections.OrderedDict()  # least recently read first
         # The expected records came from the manifest index: each is read
         # again from the store when its file first loads, and that one is
         # verified against. The index is only a cache of the records: one
@@ -250,34 +262,60 @@ class Residency:
     async def load(self, ino: int, off: int = 0, end: int | None = None) -> None:
         """Bring an evicted or restored file back from the store, block by
         block, each verified before it is served (C6); returns once the bytes
-        `off`..`end` (None: all of them) can be read, and their blocks are
-        read first. One load per file runs in the background; every caller
-        waits on it."""
-        load = self._loads.get(ino)
-        if load is None:
-            if self.e.ns.resident(ino):
+        `off`..`end` (None: all of them, in RAM) can be read, and their blocks
+        are read first. One load per file runs in the background; every
+        caller waits on it. A reader (`end` given) of a large file in a
+        local store is served in place (`_start`)."""
+        ns = self.e.ns
+        while True:
+            if ns.borrow_covers(ino, off, end):
+                self._read_in_place(ino)
                 return
-            if self.e.link is not None:
-                await self.e.published_for_load(ino)
-                load = self._loads.get(ino)
-        if load is None:
-            if self.e.ns.resident(ino):
-                return
-            load = await self._start(ino)
+            load = self._loads.get(ino)
             if load is None:
-                return
-        load.ask(off, end)
-        # a caller of the whole file (a writer, prefetch) also waits for the load to be over
-        while load.error is None and not load.again and not (load.target.covers(off, end) and (end is not None or load.finished)):
-            await load.changed.wait()
-        if load.again:
-            return await self.load(ino, off, end)
-        # Not when a truncate meanwhile dropped the load: the file is in RAM, as it is now.
-        # A caller of the whole file needs it in RAM (an empty file's load covers its no bytes).
-        if load.error is not None and not self.e.ns.resident(ino) and (end is None or not load.target.covers(off, end)):
-            raise load.error
+                if ns.resident(ino):
+                    return
+                if self.e.link is not None:
+                    await self.e.published_for_load(ino)
+                    load = self._loads.get(ino)
+            if load is None:
+                if ns.resident(ino):
+                    return
+                load = await self._start(ino, in_place=end is not None)
+                if load is None:
+                    return
+            if end is None and load.target.in_place:  # the whole file, in RAM: after the reads' load
+                while not load.finished:
+                    await load.changed.wait()
+                continue
+            load.ask(off, end)
+            # a caller of the whole file (a writer, prefetch) also waits for the load to be over
+            while load.error is None and not load.again and not (load.target.covers(off, end) and (end is not None or load.finished)):
+                await load.changed.wait()
+            if load.again:
+                continue
+            # Not when a truncate meanwhile dropped the load: the file is in RAM, as it is now.
+            # A caller of the whole file needs it in RAM (an empty file's load covers its no bytes).
+            if load.error is not None and not ns.resident(ino) and (end is None or not load.target.covers(off, end)):
+                raise load.error
+            if load.target.in_place:
+                self._read_in_place(ino)
+            return
 
-    async def _start(self, ino: int) -> _Load | None:
+    def _read_in_place(self, ino: int) -> None:
+        """A file served in place was read: it goes last in line to end its
+        borrow (only IN_PLACE_MAX are served at once; one still verifying
+        is never ended)."""
+        served = self.served_in_place
+        served[ino] = None
+        served.move_to_end(ino)
+        if len(served) <= IN_PLACE_MAX:
+            return
+        for oldest in [i for i in served if i not in self._loads][: len(served) - IN_PLACE_MAX]:
+            del served[oldest]
+            self.e.ns.unborrow(oldest)
+
+    async def _start(self, ino: int, in_place: bool = False) -> _Load | None:
         found = self.e.publisher_shown(ino)
         if found is None:
             raise OSError(errno.EIO, "the file's data is in neither RAM nor the store")
@@ -306,17 +344,23 @@ class Residency:
             wanted = []
             log.warning("loading %s with no checksum to verify it against (not written by ckptfs)", path)
         size = shown.digest.size if shown.digest is not None else 0
-        spill = self.e.ns.free_bytes() < size and not await self.make_room(size, patience_s=ROOM_PATIENCE_S)
-        if spill:
-            await self._spill_room(size)
-        if ino in self._loads:  # another caller started it while this one made room
-            return self._loads[ino]
-        try:
-            target = self.e.ns.begin_load(ino, spill)
-        except OSError as exc:
-            if exc.errno != errno.ENOSPC or spill:
-                raise
-            target = self.e.ns.begin_load(ino, True)  # the budget went to others meanwhile
+        target: LoadTarget | None
+        if in_place and self.e.backend.reads_in_place and size >= IN_PLACE_FROM:
+            if ino in self._loads:  # another caller started it while this one read its record
+                return self._loads[ino]
+            target = self.e.ns.begin_borrow(ino)
+        else:
+            spill = self.e.ns.free_bytes() < size and not await self.make_room(size, patience_s=ROOM_PATIENCE_S)
+            if spill:
+                await self._spill_room(size)
+            if ino in self._loads:  # another caller started it while this one made room
+                return self._loads[ino]
+            try:
+                target = self.e.ns.begin_load(ino, spill)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC or spill:
+                    raise
+                target = self.e.ns.begin_load(ino, True)  # the budget went to others meanwhile
         if target is None:
             return None
         if target.spilled:
@@ -357,11 +401,13 @@ class Residency:
             if not isinstance(exc, Exception):
                 raise
         else:
-            self.lru[load.ino] = None
+            if not load.target.in_place:
+                self.lru[load.ino] = None
             self.counters.loads += 1
             self.counters.loaded_bytes += load.target.size
-            log.info("loaded %s from the store (%d bytes%s%s)", load.path, load.target.size,
-                     ", verified" if load.wanted else "", ", into the spill directory" if load.target.spilled else "")
+            log.info("%s %s from the store (%d bytes%s%s)", "read" if load.target.in_place else "loaded", load.path, load.target.size,
+                     ", verified" if load.wanted else "",
+                     ", into the spill directory" if load.target.spilled else ", served in place" if load.target.in_place else "")
         finally:
             if not load.again:
                 self._failures.pop(load.ino, None)
@@ -383,9 +429,12 @@ class Residency:
             with self.e.backend.open_source(load.path) as source:
                 if source.size != size:
                     raise storeio.IntegrityError(f"the store has {source.size} bytes, the file {size}")
+                if target.in_place:  # reads are served from this very file: the one verified
+                    trio.from_thread.run_sync(target.adopt, os.dup(source.fd))
                 i = trio.from_thread.run_sync(load.next, None, False)
                 while i is not None:
                     pos = lo = i * BLOCK
+                    source.ahead(lo + BLOCK, BLOCK)  # the disk reads on while this block is hashed and served
                     block = hasher()
                     for piece in source.read(lo, min(BLOCK, size - lo), target.view):
                         if target.cancelled:

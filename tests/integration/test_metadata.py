@@ -189,9 +189,11 @@ def test_sparse_files_stay_sparse_in_the_store_and_after_a_restart(tmp_path):
 
 
 def test_a_file_larger_than_the_ram_budget_reads_back_after_a_restart(tmp_path):
-    """Loaded block by block into the spill directory: readable, verified,
-    and the daemon's RSS stays within the budget (it used to fetch the whole
-    file into memory and then fail with ENOSPC)."""
+    """Read in place from the local store, verified block by block, and the
+    daemon's RSS stays within the budget (it used to fetch the whole file
+    into memory and then fail with ENOSPC); appended to, it loads into the
+    spill directory, verified the same way, and the store gets the new
+    bytes."""
     import hashlib
 
     spill = tmp_path / "spill"
@@ -218,6 +220,47 @@ def test_a_file_larger_than_the_ram_budget_reads_back_after_a_restart(tmp_path):
                 got.update(piece)
         assert got.hexdigest() == want.hexdigest()
         assert rss(m.pid) < base + (128 << 20) + (128 << 20)
+        assert "served in place" in m.log_text() and "into the spill directory" not in m.log_text()
+        with open(m.path("big.bin"), "ab") as f:
+            f.write(b"more")
+        want.update(b"more")
         assert "into the spill directory" in m.log_text()
+        assert rss(m.pid) < base + (128 << 20) + (128 << 20)
+        assert run_cli("flush", str(m.mountpoint), "--timeout", "120").returncode == 0
+        assert hashlib.sha256((m.store / "big.bin").read_bytes()).hexdigest() == want.hexdigest()
+    finally:
+        stop_mount(m)
+
+
+def test_a_large_file_is_read_after_a_restart_from_the_local_store_not_copied_into_ram(tmp_path):
+    """A cold torch.load after a restart used to copy the whole checkpoint
+    into the daemon's memory first (2 GiB of fresh memory for a 2 GiB file,
+    the daemon's RSS up by as much). Reads of a large file are served from
+    the store's file, verified: the daemon's RSS stays flat; renamed in the
+    mount meanwhile (its store file moves), it still reads back whole."""
+    import hashlib
+
+    data = os.urandom(1 << 20) * 300 + b"end"
+    m = start_mount(tmp_path)
+    try:
+        m.path("big.bin").write_bytes(data)
+        assert run_cli("umount", str(m.mountpoint)).returncode == 0
+    finally:
+        stop_mount(m)
+    m = start_mount(tmp_path)
+    try:
+        base = rss(m.pid)
+        assert hashlib.sha256(m.path("big.bin").read_bytes()).digest() == hashlib.sha256(data).digest()
+        assert rss(m.pid) < base + (100 << 20), (rss(m.pid) - base) >> 20
+        os.rename(m.path("big.bin"), m.path("moved.bin"))
+        assert run_cli("flush", str(m.mountpoint), "--timeout", "60").returncode == 0
+        with open(m.path("moved.bin"), "rb") as f:
+            f.seek(len(data) - 3)
+            assert f.read() == b"end"
+            f.seek(0)
+            assert hashlib.sha256(f.read()).digest() == hashlib.sha256(data).digest()
+        assert rss(m.pid) < base + (100 << 20), (rss(m.pid) - base) >> 20
+        r = run_cli("verify", str(m.mountpoint))
+        assert r.returncode == 0, r.stdout + r.stderr
     finally:
         stop_mount(m)

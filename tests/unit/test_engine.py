@@ -559,7 +559,8 @@ async def test_the_block_a_reader_waits_for_is_loaded_first(tmp_path):
         with trio.fail_after(20):
             await rig.engine.load(node.ino, manifest.BLOCK + 5, manifest.BLOCK + 10)
             await rig.engine.load(node.ino)
-        assert order[0] == 3 and sorted(order) == [0, 1, 2, 3]  # then on from the start, each block once
+        # then on from the start, each block once; the whole file, in RAM, is a load of its own
+        assert order[0] == 3 and sorted(order[:4]) == [0, 1, 2, 3] and sorted(order[4:]) == [0, 1, 2, 3]
         assert node.data.resident and node.data.read(0, len(data)) == data
         n.cancel_scope.cancel()
 
@@ -641,6 +642,106 @@ async def test_a_corrupt_block_is_never_served(tmp_path):
                 await rig.engine.load(node.ino, 0, manifest.BLOCK + 20)
         assert "block 1" in str(exc.value) and "big" in rig.engine.verify_failures
         assert not node.data.resident and rig.store.pool.used == 0  # nothing half-loaded stays
+        n.cancel_scope.cancel()
+
+
+def _store_fds(path) -> int:
+    """How many of this process's descriptors are open on `path`."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}") == str(path)
+        except OSError:
+            pass
+    return n
+
+
+async def _published_and_evicted(tmp_path, size: int):
+    """A file "big" of `size` random bytes, published, then evicted."""
+    rig, data = _evicted_big_file(tmp_path, size)
+    await run_until_flushed(rig)
+    node = rig.store.inode_at("big")
+    rig.engine.evict(1 << 40)
+    return rig, data, node
+
+
+async def _loads_over(rig: Rig) -> None:
+    """Until no load runs (a reader is answered before its load's end)."""
+    with trio.fail_after(20):
+        while rig.engine.residency._loads:
+            await trio.sleep(0.01)
+
+
+async def test_a_reader_of_a_large_file_in_a_local_store_is_served_in_place(tmp_path):
+    """Reads of an evicted file in a local store come from the store's file,
+    verified block by block: nothing of it goes into RAM (a cold torch.load
+    after a restart paid for 2 GiB of fresh memory and a copy). A writer
+    loads it into RAM, and then the store file is let go."""
+    rig, data, node = await _published_and_evicted(tmp_path, 2 * manifest.BLOCK + 1000)
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        with trio.fail_after(20):
+            await rig.engine.load(node.ino, len(data) - 10, len(data))
+            assert node.data.read(len(data) - 10, 10) == data[-10:]
+            await rig.engine.load(node.ino, 0, len(data))
+        await _loads_over(rig)
+        assert b"".join(node.data.read(off, 1 << 20) for off in range(0, len(data), 1 << 20)) == data
+        assert not node.data.resident and rig.store.pool.used == 0
+        assert rig.engine.counters.loads == 1 and _store_fds(tmp_path / "store" / "big") == 1
+        with trio.fail_after(20):
+            await rig.engine.load(node.ino)  # a writer's
+        assert node.data.resident and rig.store.pool.used == node.data.allocated > 0
+        assert node.data.read(0, len(data)) == data and node.data.borrowed is None
+        assert _store_fds(tmp_path / "store" / "big") == 0
+        n.cancel_scope.cancel()
+
+
+async def test_a_file_served_in_place_whose_store_file_changes_is_verified_again(tmp_path):
+    """The bytes served in place are the ones verified: a store file written
+    in place afterwards (ckptfs never does) ends the borrow, and the next
+    read verifies again: EIO, never the changed bytes."""
+    rig, data, node = await _published_and_evicted(tmp_path, 2 * manifest.BLOCK + 1000)
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        with trio.fail_after(20):
+            await rig.engine.load(node.ino, 0, len(data))
+        await _loads_over(rig)
+        assert node.data.read(manifest.BLOCK + 5, 10) == data[manifest.BLOCK + 5 : manifest.BLOCK + 15]
+        with open(tmp_path / "store" / "big", "r+b") as f:  # the second block rots in place
+            f.seek(manifest.BLOCK + 10)
+            f.write(bytes([data[manifest.BLOCK + 10] ^ 1]))
+        with trio.fail_after(20), pytest.raises(OSError) as exc:
+            await rig.engine.load(node.ino, manifest.BLOCK + 5, manifest.BLOCK + 15)
+        assert exc.value.errno == errno.EIO and "block 1" in str(exc.value)
+        n.cancel_scope.cancel()
+
+
+async def test_files_served_in_place_at_once_are_bounded(tmp_path, monkeypatch):
+    """Each file served in place holds a descriptor of its store file: only
+    the most recently read IN_PLACE_MAX do; the others are let go (a read
+    verifies them again)."""
+    from ckptfs.writeback import residency
+
+    monkeypatch.setattr(residency, "IN_PLACE_MAX", 2)
+    rig = Rig(tmp_path / "store")
+    files = {f"f{i}": os.urandom(residency.IN_PLACE_FROM) for i in range(4)}
+    for name, data in files.items():
+        rig.write(name, data)
+    await run_until_flushed(rig)
+    rig.engine.evict(1 << 40)
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        for round_ in range(2):
+            for name, data in files.items():
+                node = rig.store.inode_at(name)
+                with trio.fail_after(20):
+                    await rig.engine.load(node.ino, 0, len(data))
+                assert node.data.read(0, len(data)) == data and not node.data.resident
+                open_now = [m for m in files if rig.store.inode_at(m).data.borrowed is not None]
+                assert len(open_now) <= 2, (round_, open_now)
+                assert sum(_store_fds(tmp_path / "store" / m) for m in files) <= 2
+        await _loads_over(rig)
+        assert rig.engine.counters.loads == 8 and rig.store.pool.used == 0
         n.cancel_scope.cancel()
 
 
