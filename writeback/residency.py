@@ -434,7 +434,6 @@ class Residency:
                 i = trio.from_thread.run_sync(load.next, None, False)
                 while i is not None:
                     pos = lo = i * BLOCK
-                    source.ahead(lo + BLOCK, BLOCK)  # the disk reads on while this block is hashed and served
                     block = hasher()
                     for piece in source.read(lo, min(BLOCK, size - lo), target.view):
                         if target.cancelled:
@@ -445,6 +444,7 @@ class Residency:
                             whole.update(piece)
                         pos += len(piece)
                     piece = None  # no view of the file's memory outlives its block
+                    source.ahead(lo + BLOCK, BLOCK)  # the disk reads on while this block is checked and served
                     wanted = _narrow(wanted, i, block.hexdigest(), load.path)
                     # a block is served once every digest still allowed vouches for it; in
                     # order, the last block only once the whole file is checked (in _run)
