@@ -604,7 +604,7 @@ class Borrowing:
     `view`), as it would into RAM, and `show` serves each verified range:
     reads then come straight from the store file's page cache. Nothing of the
     file goes into RAM, and a file larger than the RAM budget needs no spill
-    file. If the store file's size or times change (someone wrote it in
+    file. If the store file's size or mtime change (someone wrote it in
     place), the borrow ends (`covers` says no): the next read loads and
     verifies it again.
     """
@@ -618,7 +618,7 @@ class Borrowing:
         self.cancelled = False  # the worker thread stops at its next piece
         self._data = data
         self._fd = -1  # the store file, once the load opened it (`adopt`)
-        self._stamp: tuple[int, int, int] | None = None
+        self._stamp: tuple[int, int] | None = None
         self._scratch: bytearray | None = None  # the worker's: what it verifies goes through here
         self._shown = bytearray(-(-self.size // CHUNK))  # per chunk: 1 once served
         self._unshown = len(self._shown)
@@ -658,7 +658,7 @@ class Borrowing:
         if self._fd < 0:
             return False
         if self._stamp != _stamp(self._fd):
-            log.warning("the store's file of a borrowed file changed in place: reading it again from the store")
+            log.warning("a file in the store changed in place while reads were served from it: verifying it again")
             self.release()
             return False
         if end is None or not self._unshown:
@@ -691,9 +691,11 @@ class Borrowing:
             self._fd = -1
 
 
-def _stamp(fd: int) -> tuple[int, int, int]:
+def _stamp(fd: int) -> tuple[int, int]:
+    """What a write in place changes (not the ctime: the publisher's chmod
+    and rename of the file change that)."""
     st = os.fstat(fd)
-    return st.st_size, st.st_mtime_ns, st.st_ctime_ns
+    return st.st_size, st.st_mtime_ns
 
 
 def _pwrite_all(fd: int, view: memoryview, off: int) -> None:

@@ -699,7 +699,8 @@ async def test_a_reader_of_a_large_file_in_a_local_store_is_served_in_place(tmp_
 async def test_a_file_served_in_place_whose_store_file_changes_is_verified_again(tmp_path):
     """The bytes served in place are the ones verified: a store file written
     in place afterwards (ckptfs never does) ends the borrow, and the next
-    read verifies again: EIO, never the changed bytes."""
+    read verifies again: EIO, never the changed bytes. A chmod of it (the
+    publisher's) does not."""
     rig, data, node = await _published_and_evicted(tmp_path, 2 * manifest.BLOCK + 1000)
     async with trio.open_nursery() as n:
         await n.start(rig.engine.run)
@@ -707,6 +708,10 @@ async def test_a_file_served_in_place_whose_store_file_changes_is_verified_again
             await rig.engine.load(node.ino, 0, len(data))
         await _loads_over(rig)
         assert node.data.read(manifest.BLOCK + 5, 10) == data[manifest.BLOCK + 5 : manifest.BLOCK + 15]
+        os.chmod(tmp_path / "store" / "big", 0o600)  # the publisher's chmod (a new ctime) changes no byte
+        with trio.fail_after(20):
+            await rig.engine.load(node.ino, 0, len(data))
+        assert rig.engine.counters.loads == 1 and not rig.engine.residency._loads
         with open(tmp_path / "store" / "big", "r+b") as f:  # the second block rots in place
             f.seek(manifest.BLOCK + 10)
             f.write(bytes([data[manifest.BLOCK + 10] ^ 1]))
@@ -737,6 +742,7 @@ async def test_files_served_in_place_at_once_are_bounded(tmp_path, monkeypatch):
                 with trio.fail_after(20):
                     await rig.engine.load(node.ino, 0, len(data))
                 assert node.data.read(0, len(data)) == data and not node.data.resident
+                await _loads_over(rig)  # its worker's own descriptor closed
                 open_now = [m for m in files if rig.store.inode_at(m).data.borrowed is not None]
                 assert len(open_now) <= 2, (round_, open_now)
                 assert sum(_store_fds(tmp_path / "store" / m) for m in files) <= 2
