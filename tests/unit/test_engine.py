@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import os
@@ -649,10 +650,8 @@ def _store_fds(path) -> int:
     """How many of this process's descriptors are open on `path`."""
     n = 0
     for fd in os.listdir("/proc/self/fd"):
-        try:
+        with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
             n += os.readlink(f"/proc/self/fd/{fd}") == str(path)
-        except OSError:
-            pass
     return n
 
 
