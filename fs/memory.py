@@ -18,7 +18,7 @@ import errno
 import logging
 import mmap
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from ckptfs.holes import ZEROS, is_hole, read_sparse, zeros
 
@@ -619,6 +619,7 @@ class Borrowing:
         self._data = data
         self._fd = -1  # the store file, once the load opened it (`adopt`)
         self._stamp: tuple[int, int] | None = None
+        self._nowait = True  # reads try the page cache alone first (RWF_NOWAIT)
         self._scratch: bytearray | None = None  # the worker's: what it verifies goes through here
         self._shown = bytearray(-(-self.size // CHUNK))  # per chunk: 1 once served
         self._unshown = len(self._shown)
@@ -677,9 +678,27 @@ class Borrowing:
                 self._unshown -= 1
         return True
 
-    def read(self, off: int, end: int) -> bytes:
-        data = os.pread(self._fd, end - off, off)
-        return data + bytes(end - off - len(data))
+    def read(self, off: int, end: int) -> bytes | bytearray:
+        """The bytes `off`..`end` if the store file's page cache has them
+        all (just verified, they mostly are); else `WouldBlock`: the caller
+        reads them off its thread (a store on a network file system could
+        hold the event loop, and every other request, for as long)."""
+        if self._nowait:
+            buf = bytearray(end - off)
+            try:
+                if os.preadv(self._fd, [buf], off, os.RWF_NOWAIT) == len(buf):
+                    return buf
+            except BlockingIOError:
+                pass
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                self._nowait = False  # this file system cannot say: every read goes off the thread
+        raise WouldBlock(self, off, end)
+
+    @property
+    def fd(self) -> int:
+        return self._fd
 
     def release(self) -> None:
         """End the borrow (owning thread; idempotent)."""
@@ -689,6 +708,35 @@ class Borrowing:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+class WouldBlock(Exception):
+    """A read of a borrowed file would wait for the store's disk: run what
+    `reader()` gives in a worker thread (it reads from a descriptor of its
+    own), then ask `still_served` on the owning thread before using the bytes."""
+
+    def __init__(self, borrowing: Borrowing, off: int, end: int) -> None:
+        super().__init__("a read that waits for the store's disk")
+        self.borrowing, self.off, self.end = borrowing, off, end
+
+    def reader(self) -> Callable[[], bytes]:
+        """The blocking read (owning thread: the descriptor is copied now, so
+        the borrow may end meanwhile)."""
+        fd, off, n = os.dup(self.borrowing.fd), self.off, self.end - self.off
+
+        def read() -> bytes:
+            try:
+                data = os.pread(fd, n, off)
+            finally:
+                os.close(fd)
+            return data + bytes(n - len(data))
+
+        return read
+
+    def still_served(self) -> bool:
+        """Whether the borrow still serves these bytes from the same, unchanged
+        store file (else the read starts again)."""
+        return self.borrowing.covers(self.off, self.end)
 
 
 def _stamp(fd: int) -> tuple[int, int]:

@@ -27,7 +27,9 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import pyfuse3
+import trio
 
+from .memory import WouldBlock
 from .tree import Inode, InodeTree
 
 if TYPE_CHECKING:
@@ -262,11 +264,17 @@ class Operations(pyfuse3.Operations):
         return self._file_info(handle.inode, handle.fh, flags), self._entry(handle.inode)
 
     @_errors
-    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
+    async def read(self, fh: int, off: int, size: int) -> bytes | bytearray | memoryview:
         inode = self.tree.handle(fh).inode
-        await self._resident(inode, off, off + size)  # served as soon as these bytes are in (or evicted while open)
-        self.engine.touch(inode.ino)
-        return self.tree.read(fh, off, size)
+        while True:
+            await self._resident(inode, off, off + size)  # served as soon as these bytes are in (or evicted while open)
+            self.engine.touch(inode.ino)
+            try:
+                return self.tree.read(fh, off, size)
+            except WouldBlock as slow:  # a file read in place from a store whose disk must be waited for
+                data = await trio.to_thread.run_sync(slow.reader())
+                if slow.still_served():
+                    return data
 
     @_errors
     async def write(self, fh: int, off: int, buf: bytes) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import stat
+from pathlib import Path
 
 from tests.mountutil import run_cli, start_mount, stop_mount
 
@@ -260,6 +261,9 @@ def test_a_large_file_is_read_after_a_restart_from_the_local_store_not_copied_in
             f.seek(0)
             assert hashlib.sha256(f.read()).digest() == hashlib.sha256(data).digest()
         assert rss(m.pid) < base + (100 << 20), (rss(m.pid) - base) >> 20
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("1")  # read again from the store's disk: off the daemon's event loop
+        assert hashlib.sha256(m.path("moved.bin").read_bytes()).digest() == hashlib.sha256(data).digest()
         r = run_cli("verify", str(m.mountpoint))
         assert r.returncode == 0, r.stdout + r.stderr
     finally:

@@ -720,6 +720,30 @@ async def test_a_file_served_in_place_whose_store_file_changes_is_verified_again
         n.cancel_scope.cancel()
 
 
+async def test_a_read_in_place_that_would_wait_for_the_disk_is_handed_off_the_event_loop(tmp_path):
+    """Served in place, a read whose bytes left the page cache would wait for
+    the store's disk on the event loop (on a network file system, seconds
+    in which no other request is answered): it says so instead, and the
+    bytes come from a read of its own in a worker thread."""
+    from ckptfs.fs.memory import WouldBlock
+
+    rig, data, node = await _published_and_evicted(tmp_path, 2 * manifest.BLOCK + 1000)
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        with trio.fail_after(20):
+            await rig.engine.load(node.ino, 0, len(data))
+        await _loads_over(rig)
+        assert node.data.read(5, 10) == data[5:15]  # just verified: in the page cache
+        fd = os.open(tmp_path / "store" / "big", os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the kernel lets the store file's pages go
+        os.close(fd)
+        with pytest.raises(WouldBlock) as slow:
+            node.data.read(manifest.BLOCK, 1 << 20)
+        got = await trio.to_thread.run_sync(slow.value.reader())
+        assert got == data[manifest.BLOCK : manifest.BLOCK + (1 << 20)] and slow.value.still_served()
+        n.cancel_scope.cancel()
+
+
 async def test_files_served_in_place_at_once_are_bounded(tmp_path, monkeypatch):
     """Each file served in place holds a descriptor of its store file: only
     the most recently read IN_PLACE_MAX do; the others are let go (a read
