@@ -664,6 +664,13 @@ async def _published_and_evicted(tmp_path, size: int):
     return rig, data, node
 
 
+async def _read_all(rig: Rig, node, size: int) -> None:
+    """A reader of every byte of `node`, and its load over."""
+    with trio.fail_after(20):
+        await rig.engine.load(node.ino, 0, size)
+    await _loads_over(rig)
+
+
 async def _loads_over(rig: Rig) -> None:
     """Until no load runs (a reader is answered before its load's end)."""
     with trio.fail_after(20):
@@ -703,9 +710,7 @@ async def test_a_file_served_in_place_whose_store_file_changes_is_verified_again
     rig, data, node = await _published_and_evicted(tmp_path, 2 * manifest.BLOCK + 1000)
     async with trio.open_nursery() as n:
         await n.start(rig.engine.run)
-        with trio.fail_after(20):
-            await rig.engine.load(node.ino, 0, len(data))
-        await _loads_over(rig)
+        await _read_all(rig, node, len(data))
         assert node.data.read(manifest.BLOCK + 5, 10) == data[manifest.BLOCK + 5 : manifest.BLOCK + 15]
         os.chmod(tmp_path / "store" / "big", 0o600)  # the publisher's chmod (a new ctime) changes no byte
         with trio.fail_after(20):
@@ -730,9 +735,7 @@ async def test_a_read_in_place_that_would_wait_for_the_disk_is_handed_off_the_ev
     rig, data, node = await _published_and_evicted(tmp_path, 2 * manifest.BLOCK + 1000)
     async with trio.open_nursery() as n:
         await n.start(rig.engine.run)
-        with trio.fail_after(20):
-            await rig.engine.load(node.ino, 0, len(data))
-        await _loads_over(rig)
+        await _read_all(rig, node, len(data))
         assert node.data.read(5, 10) == data[5:15]  # just verified: in the page cache
         fd = os.open(tmp_path / "store" / "big", os.O_RDONLY)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the kernel lets the store file's pages go
