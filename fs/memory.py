@@ -631,8 +631,8 @@ class Borrowing:
         if self.cancelled or self._data.borrowed is not self:
             os.close(fd)
             return
-        self._fd = fd
-        self._stamp = _stamp(fd)
+        stamp = _stamp(fd)  # if this fails, the descriptor is still the caller's
+        self._fd, self._stamp = fd, stamp
 
     def close(self) -> None:
         """The worker is done with the file (worker thread)."""

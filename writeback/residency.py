@@ -430,7 +430,12 @@ class Residency:
                 if source.size != size:
                     raise storeio.IntegrityError(f"the store has {source.size} bytes, the file {size}")
                 if target.in_place:  # reads are served from this very file: the one verified
-                    trio.from_thread.run_sync(target.adopt, os.dup(source.fd))
+                    fd = os.dup(source.fd)
+                    try:
+                        trio.from_thread.run_sync(target.adopt, fd)
+                    except BaseException:  # the daemon stops: adopted by nobody
+                        os.close(fd)
+                        raise
                 i = trio.from_thread.run_sync(load.next, None, False)
                 while i is not None:
                     pos = lo = i * BLOCK
