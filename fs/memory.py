@@ -179,6 +179,31 @@ class _SpillFile:
             self.fd = -1
 
 
+class SpillCopy:
+    """A file's bytes in RAM on their way into a spill file: `run` writes
+    them (in a worker thread: gigabytes must not hold the event loop) from a
+    snapshot, so the chunks stay allocated and unchanged meanwhile; then
+    `FileData.spilled_to`, or `discard`."""
+
+    def __init__(self, fd: int, directory: str, snapshot: Snapshot) -> None:
+        self.fd, self.directory, self.snapshot = fd, directory, snapshot
+
+    def run(self) -> None:
+        off = 0
+        for piece in self.snapshot.pieces():
+            if not is_hole(piece):
+                _pwrite_all(self.fd, piece, off)
+            off += len(piece)
+        os.ftruncate(self.fd, self.snapshot.size)
+
+    def discard(self) -> None:
+        """Give back the snapshot and the spill file, if not taken (owning thread)."""
+        self.snapshot.release()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
 class SpillSnapshot:
     """A sealed generation of a spilled file: a reference to its spill file,
     which nothing writes while this exists (a writer copies it first)."""
@@ -264,18 +289,30 @@ class FileData:
 
     def spill(self, directory: str) -> None:
         """Move the bytes out of RAM into an unlinked file in `directory`."""
-        fd = os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
+        copy = self.spill_copy(directory)
         try:
-            for idx, chunk in sorted(self._chunks.items()):
-                _pwrite_all(fd, memoryview(chunk.buf)[: chunk.hw], idx * CHUNK)
-            os.ftruncate(fd, self.size)
+            copy.run()
         except BaseException:
-            os.close(fd)
+            copy.discard()
             raise
+        self.spilled_to(copy)
+
+    def spill_copy(self, directory: str) -> SpillCopy:
+        """The bytes as they are now, to be copied into a new unlinked file in
+        `directory` (`SpillCopy.run`, in any thread), then `spilled_to`."""
+        assert self._spill is None and self.resident
+        fd = os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
+        return SpillCopy(fd, directory, Snapshot(self.size, dict(self._chunks), self._pool))
+
+    def spilled_to(self, copy: SpillCopy) -> None:
+        """Continue in the spill file `copy` made (the caller knows the file
+        did not change since `spill_copy`)."""
         size = self.size
         self.clear()
         self.size = size
-        self._spill, self._spill_dir = _SpillFile(fd), directory
+        self._spill, self._spill_dir = _SpillFile(copy.fd), copy.directory
+        copy.fd = -1
+        copy.discard()
 
     def _thaw(self) -> _SpillFile:
         """Before changing a spilled file: if a snapshot shares its spill

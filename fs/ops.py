@@ -121,6 +121,7 @@ class Operations(pyfuse3.Operations):
         self.metrics = metrics
         self.virtual_xattr = virtual_xattr
         self._cached_version: dict[int, int] = {}
+        self._spilling: dict[int, trio.Event] = {}  # files whose bytes are being copied into the spill directory
 
     async def _resident(self, inode: Inode, off: int = 0, end: int | None = None) -> None:
         """Wait until the file's bytes `off`..`end` (None: all, as before any
@@ -282,6 +283,8 @@ class Operations(pyfuse3.Operations):
         await self._resident(inode)
         made_room = False
         while True:
+            while (spilling := self._spilling.get(inode.ino)) is not None:  # its bytes so far are on their way to disk
+                await spilling.wait()
             try:
                 return self.tree.write(fh, off, buf)
             except OSError as exc:
@@ -296,7 +299,7 @@ class Operations(pyfuse3.Operations):
                     if await self.engine.make_room(len(buf) + (8 << 20), patience_s=ROOM_PATIENCE_S):
                         continue
                 try:
-                    self.tree.spill(inode)
+                    await self._spill(inode)
                     continue
                 except OSError as exc:
                     if exc.errno != errno.ENOSPC:
@@ -309,6 +312,35 @@ class Operations(pyfuse3.Operations):
                 self.tree.spill_full(inode, full)
                 raise full
             made_room = False  # something changed: RAM may have room again too
+
+    async def _spill(self, inode: Inode) -> None:
+        """Continue the file on disk (RAM is full): its bytes so far are
+        copied into the spill directory in a worker thread, gigabytes
+        perhaps, while every other request is answered (on this thread a
+        2 GiB budget held the whole mount 2.4 s); writes to the file wait
+        for it. ENOSPC: the spill directory's disk is full."""
+        spilling = self._spilling.get(inode.ino)
+        if spilling is not None:
+            await spilling.wait()
+            return
+        begun = self.tree.begin_spill(inode)
+        if begun is None:
+            return
+        copy, version = begun
+        self._spilling[inode.ino] = spilling = trio.Event()
+        try:
+            try:
+                await trio.to_thread.run_sync(copy.run)
+            except OSError as exc:
+                self.tree.end_spill(inode, copy, version, exc)
+                raise
+            except BaseException:
+                copy.discard()
+                raise
+            self.tree.end_spill(inode, copy, version)
+        finally:
+            del self._spilling[inode.ino]
+            spilling.set()
 
     @_errors
     async def flush(self, fh: int) -> None:

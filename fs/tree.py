@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .memory import Borrowing, FileData, Loading, MemoryPool, Snapshot
+from .memory import Borrowing, FileData, Loading, MemoryPool, Snapshot, SpillCopy
 
 log = logging.getLogger(__name__)
 
@@ -732,20 +732,50 @@ class InodeTree:
         return freed
 
     def spill(self, inode: Inode) -> None:
-        """RAM cannot hold this file: continue it in the spill directory."""
-        if inode.data is None or inode.data.spilled:
+        """RAM cannot hold this file: continue it in the spill directory
+        (copied on this thread; `fs.ops` copies in a worker thread)."""
+        begun = self.begin_spill(inode)
+        if begun is None:
             return
+        copy, version = begun
+        try:
+            copy.run()
+        except OSError as exc:
+            self.end_spill(inode, copy, version, exc)
+            raise
+        self.end_spill(inode, copy, version)
+
+    def begin_spill(self, inode: Inode) -> tuple[SpillCopy, int] | None:
+        """RAM cannot hold this file: start continuing it in the spill
+        directory. The copy of its bytes (`SpillCopy.run`) may run in any
+        thread, then `end_spill` with the version returned. None if the file
+        is spilled already."""
+        if inode.data is None or inode.data.spilled:
+            return None
         if self.spill_dir is None:
             raise _err(errno.ENOSPC, "RAM budget exhausted and no spill directory")
         try:
-            inode.data.spill(self.spill_dir)
+            return inode.data.spill_copy(self.spill_dir), inode.version
         except OSError as exc:
             if exc.errno != errno.ENOSPC:  # full: the caller may wait for room (`spill_full` if it gives up)
                 self.spill_full(inode, exc)
             raise
+
+    def end_spill(self, inode: Inode, copy: SpillCopy, version: int, failed: OSError | None = None) -> bool:
+        """After the copy (`failed`: why it could not be made): the file
+        continues in it, True; or, if the file changed meanwhile, the copy is
+        dropped and the caller tries again, False."""
+        data = inode.data
+        if failed is not None or data is None or data.spilled or not data.resident or inode.version != version:
+            copy.discard()
+            if failed is not None and failed.errno != errno.ENOSPC:
+                self.spill_full(inode, failed)
+            return False
+        data.spilled_to(copy)
         log.warning("RAM budget full: continuing inode %d (%d bytes so far) on disk in %s, at disk speed",
-                    inode.ino, inode.data.size, self.spill_dir)
+                    inode.ino, data.size, self.spill_dir)
         self.touched.add(inode.ino)
+        return True
 
     def spill_full(self, inode: Inode, exc: OSError) -> None:
         """Say why a write that RAM could not hold fails in the spill directory."""
