@@ -347,10 +347,11 @@ class FileData:
 
 
     # -- reads ---------------------------------------------------------------
-    def read(self, off: int, size: int) -> bytes | memoryview:
+    def read(self, off: int, size: int) -> bytes | bytearray | memoryview:
         """The bytes `off`..`off + size`. Within one large chunk this is a
         view of the file's memory, not a copy: it is valid only until the
-        file next changes (a FUSE reply is sent before that)."""
+        file next changes (a FUSE reply is sent before that). A borrowed
+        file's bytes that are not in the page cache raise `WouldBlock`."""
         end = min(off + size, self.size)
         if off >= end:
             return b""

@@ -589,7 +589,7 @@ class InodeTree:
         except KeyError:
             raise _err(errno.EBADF) from None
 
-    def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
+    def read(self, fh: int, off: int, size: int) -> bytes | bytearray | memoryview:
         inode = self.handle(fh).inode
         if inode.data is None:
             raise _err(errno.EISDIR if inode.is_dir else errno.EINVAL)
