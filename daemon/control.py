@@ -179,9 +179,9 @@ class ControlServer:
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(heartbeat)
-            n = await self.engine.prefetch(path)
+            n, failed = await self.engine.prefetch(path)
             nursery.cancel_scope.cancel()
-        return {"loaded": n, "bytes": c.loaded_bytes - bytes0}
+        return {"loaded": n, "bytes": c.loaded_bytes - bytes0, "failed": [{"path": p, "error": why} for p, why in failed]}
 
     def evict(self, path: str) -> dict:
         path = self._resolved(path)

@@ -14,6 +14,7 @@ small files live in bytearrays sized to their content.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import mmap
@@ -63,7 +64,7 @@ class MemoryPool:
             raise OSError(errno.ENOSPC, "ckptfs RAM budget exhausted")
         self.used += nbytes
         while self._free and self.used + self.kept > self.limit:
-            self._free.pop().close()
+            _unmap(self._free.pop())
 
     def unreserve(self, nbytes: int) -> None:
         self.used -= nbytes
@@ -77,10 +78,17 @@ class MemoryPool:
         if self.kept + CHUNK <= self.reuse and self.used + self.kept + CHUNK <= self.limit:
             self._free.append(chunk)
         else:
-            try:
-                chunk.close()
-            except BufferError:  # a view of it lives on somewhere: unmapped when that goes
-                pass
+            _unmap(chunk)
+
+
+def _unmap(chunk: mmap.mmap) -> None:
+    """Return a chunk to the OS now, or, while a view of it lives on, when
+    that view goes (mmap unmaps itself once nothing refers to it). A view
+    can outlive its file: the traceback of a failed load or upload keeps the
+    memoryviews its frames read through, and a store's client library may
+    keep a failed request's body."""
+    with contextlib.suppress(BufferError):
+        chunk.close()
 
 
 def _small_capacity(needed: int) -> int:

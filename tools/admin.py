@@ -289,9 +289,15 @@ def _request(path: str, method) -> dict:
 @click.argument("path", type=click.Path())
 def prefetch(path: str) -> None:
     """Load PATH (a file or a directory, recursively) from the store into RAM,
-    verified, ahead of a restart's reads."""
+    verified, ahead of a restart's reads. Files that cannot be loaded (corrupt
+    in the store, the store unreachable) are named, and the rest loaded (exit 1)."""
     r = _request(path, Client.prefetch)
     click.echo(f"ckptfs: loaded {r['loaded']} files ({format_size(r['bytes'])}) into RAM")
+    if r["failed"]:
+        click.echo(f"ckptfs: error: {len(r['failed'])} files not loaded:", err=True)
+        for f in r["failed"]:
+            click.echo(f"  {printable(f['path'])}: {printable(f['error'])}", err=True)
+        sys.exit(EXIT_INCOMPLETE)
 
 
 @click.command()

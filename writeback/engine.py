@@ -976,7 +976,7 @@ class Engine:
     async def load(self, ino: int, off: int = 0, end: int | None = None) -> None:
         await self.residency.load(ino, off, end)
 
-    async def prefetch(self, prefix: str = "") -> int:
+    async def prefetch(self, prefix: str = "") -> tuple[int, list[tuple[str, str]]]:
         return await self.residency.prefetch(prefix)
 
     # -- restart -------------------------------------------------------------

@@ -493,16 +493,20 @@ class Residency:
     def _fail(self, path: str, why: str) -> None:
         raise self._failed(path, why)
 
-    async def prefetch(self, prefix: str = "") -> int:
+    async def prefetch(self, prefix: str = "") -> tuple[int, list[tuple[str, str]]]:
         """Load every file under `prefix` whose bytes are only in the store
-        (ahead of a restart's reads); returns how many were loaded."""
+        (ahead of a restart's reads); returns how many were loaded, and the
+        files that could not be (path, why): one that fails (corrupt in
+        the store, the store down past the load's retries) does not stop
+        the others."""
         from .replica import File
 
         n = 0
+        failed: list[tuple[str, str]] = []
         base = prefix.rstrip("/")
         start = self.e.publisher.replica.lookup(base) if base else self.e.publisher.replica.root
         if start is None:
-            return 0
+            return 0, failed
         items = [(base, start)] if isinstance(start, File) else [(f"{base}/{rel}" if base else rel, node)
                                                                   for rel, node in self.e.publisher.replica.walk(start)]
         for path, node in items:
@@ -510,9 +514,13 @@ class Residency:
                 continue
             live = self.e.ns.inode_at(path)
             if live is not None and live.ino == node.ino and not self.e.ns.resident(node.ino):
-                await self.load(node.ino)
+                try:
+                    await self.load(node.ino)
+                except OSError as exc:  # logged by the load
+                    failed.append((path, exc.strerror or str(exc)))
+                    continue
                 n += 1
-        return n
+        return n, failed
 
 
 def _free_space(directory: str) -> int:

@@ -290,6 +290,34 @@ def test_evict_and_prefetch(fresh_mount):
         assert m.path(p).read_bytes() == d
 
 
+def test_prefetch_names_the_files_it_cannot_load_and_loads_the_rest(tmp_path):
+    """A file that cannot be loaded (here: rotten in the store) failed the
+    whole prefetch with "internal error" and a traceback in the daemon's
+    log (the load's error came wrapped by the progress nursery), and the
+    files after it were not loaded."""
+    m = start_mount(tmp_path)
+    try:
+        m.path("ck").mkdir()
+        for name in ("a.bin", "b.bin", "c.bin"):
+            m.path("ck", name).write_bytes(name.encode() * 20_000)
+    finally:
+        stop_mount(m)
+    (m.store / "ck" / "b.bin").write_bytes(b"x" * 100_000)  # bit rot, same size
+    again = start_mount(tmp_path)
+    again.allowed_log_errors.append("checksum mismatch")
+    try:
+        r = run_cli("prefetch", str(again.path("ck")))
+        assert r.returncode == 1, (r.stdout, r.stderr)
+        assert "loaded 2 files" in r.stdout
+        assert "1 files not loaded" in r.stderr and "ck/b.bin: checksum mismatch" in r.stderr, r.stderr
+        t = status_json(again.mountpoint)["totals"]
+        assert t["in_ram"]["files"] == 2 and t["evicted"]["files"] == 1
+        assert not again.unexpected_log_errors(), again.unexpected_log_errors()
+        assert Client(again.mountpoint).prefetch(again.path("ck"))["failed"][0]["path"] == "ck/b.bin"
+    finally:
+        stop_mount(again)
+
+
 def test_a_file_in_the_store_only_has_its_blocks_and_tar_sparse_copies_its_bytes(tmp_path):
     """A file evicted, or not loaded since a restart, said st_blocks 0:
     `tar --sparse` took it for all holes and archived zeros, silently. Its

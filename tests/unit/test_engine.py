@@ -380,7 +380,7 @@ async def test_prefetch_loads_what_only_the_store_holds(tmp_path):
     await run_until_flushed(rig)
     rig2 = Rig(tmp_path / "store")
     await rig2.engine.scan()
-    assert await rig2.engine.prefetch("ckpt") == 1
+    assert await rig2.engine.prefetch("ckpt") == (1, [])
     assert rig2.store.inode_at("ckpt/a").data.resident and not rig2.store.inode_at("other").data.resident
 
 

@@ -87,6 +87,28 @@ def test_kept_chunks_never_exceed_budget():
     assert pool.used + pool.kept <= pool.limit
 
 
+def test_a_kept_chunk_that_something_still_views_is_let_go_not_closed_under_a_writer():
+    """A view of a file's bytes can outlive the file: a failed load's or
+    upload's traceback holds the memoryviews its frames read through, and a
+    library may keep a request body after it failed. Its chunk, kept for
+    reuse once the file went, cannot be unmapped while that view lives
+    (mmap.close raises BufferError): a write that needed the room failed
+    with EIO ("unexpected error in write") during a store outage."""
+    pool = MemoryPool(3 * CHUNK)
+    f = FileData(pool)
+    f.write(0, b"a" * 3 * CHUNK)
+    lingering = [memoryview(f.read(i * CHUNK, CHUNK)) for i in range(3)]  # as a traceback keeps them
+    f.clear()
+    assert pool.kept == 3 * CHUNK
+    g = FileData(pool)
+    g.write(0, b"b" * 10)  # needs room a kept chunk takes: it must go, viewed or not
+    assert g.read(0, 10) == b"b" * 10
+    assert pool.used + pool.kept <= pool.limit
+    assert all(bytes(v[:1]) == b"a" for v in lingering)  # the views stay valid: unmapped when they go
+    for v in lingering:
+        v.release()
+
+
 def test_kept_chunks_never_exceed_the_reuse_bound():
     pool = MemoryPool(8 * CHUNK, reuse=2 * CHUNK)
     f = FileData(pool)
