@@ -1,12 +1,28 @@
-"""Re-read published files from the store and check them against the manifest."""
+"""Re-read published files from the store and check them against the manifest.
+
+A store can be verified while its daemon publishes into it. Every record is
+read first, then every file, so a file published, moved or deleted in
+between looked corrupt, missing or extra against its record of before.
+Each such finding is therefore looked at again, on its own: its record
+read before and after its bytes (a publication changes the record first,
+then the data; a move and a deletion change the data, then the record).
+A finding stands once two looks in a row, a moment apart, find the same
+record, the same bytes and the same fault; one that turns out well (the
+publication landed) goes.
+"""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import manifest
 from .backend import Backend
+from .manifest import Digest, Record
+
+LOOKS = 6  # at most, per finding
+PAUSE_S = 0.1  # before the first look again; doubled each time (3.1 s in all)
 
 
 @dataclass
@@ -50,10 +66,92 @@ def verify(backend: Backend, prefix: str = "", progress: Callable[[str, int], No
         if rec.matches(digest.size, digest.xxh3):
             report.ok.append(entry.path)
         else:
-            report.corrupt.append((entry.path, f"store has {digest.size} bytes xxh3 {digest.xxh3}, manifest says "
-                                               f"{rec.current.size if rec.current else '?'} bytes xxh3 {rec.current.xxh3 if rec.current else '?'}"))
+            report.corrupt.append((entry.path, _mismatch(digest, rec)))
     report.missing = sorted(p for p, r in records.items() if r.kind == "file" and p not in seen)
-    return report
+    return _looked_again(backend, report)
+
+
+def _mismatch(digest: Digest, rec: Record) -> str:
+    return (f"store has {digest.size} bytes xxh3 {digest.xxh3}, manifest says "
+            f"{rec.current.size if rec.current else '?'} bytes xxh3 {rec.current.xxh3 if rec.current else '?'}")
+
+
+def _looked_again(backend: Backend, report: Report) -> Report:
+    """`report` with each finding looked at again (see the module's doc)."""
+    found = [(p, "corrupt") for p, _ in report.corrupt] + [(p, "missing") for p in report.missing] + [(p, "extra") for p in report.extra]
+    if not found:
+        return report
+    out = Report(ok=list(report.ok))
+    last: dict[str, tuple] = {}
+    pause = PAUSE_S
+    for attempt in range(LOOKS):
+        time.sleep(pause)
+        pause *= 2
+        left = []
+        for path, before in found:
+            seen = _look(backend, path)
+            if seen is None:
+                left.append((path, before))  # changed while looked at: look again
+                continue
+            fault, why, state = seen
+            if fault == "ok":
+                out.ok.append(path)
+            elif fault is None:
+                pass  # gone, record and file: a deletion or a move that landed
+            elif last.get(path) == (fault, state) or attempt == LOOKS - 1:
+                _add(out, path, fault, why)
+            else:
+                last[path] = (fault, state)
+                left.append((path, fault))
+                continue
+            last.pop(path, None)
+        found = left
+        if not found:
+            break
+    for path, fault in found:  # changing at every look
+        _add(out, path, fault, "changing while it was verified")
+    out.missing.sort()
+    return out
+
+
+def _add(report: Report, path: str, fault: str, why: str) -> None:
+    if fault == "corrupt":
+        report.corrupt.append((path, why))
+    elif fault == "missing":
+        report.missing.append(path)
+    else:
+        report.extra.append(path)
+
+
+def _look(backend: Backend, path: str) -> tuple[str | None, str, tuple] | None:
+    """What `path` is now: (fault, why, what was seen) with fault "ok",
+    "corrupt", "missing", "extra" or None (neither file nor record); None
+    if its record changed while its bytes were read."""
+    before = _record(backend, path)
+    try:
+        digest: Digest | None = manifest.digest_of(backend.read(path))
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        digest = None
+    if _record(backend, path) != before:
+        return None
+    state = (before, digest)
+    if before == "unreadable":
+        return ("corrupt", "its record cannot be read", state) if digest is not None else (None, "", state)
+    rec = before if isinstance(before, Record) and before.kind == "file" else None
+    if digest is None:
+        return ("missing", "", state) if rec is not None else (None, "", state)
+    if rec is None:
+        return "extra", "", state
+    if rec.matches(digest.size, digest.xxh3):
+        return "ok", "", state
+    return "corrupt", _mismatch(digest, rec), state
+
+
+def _record(backend: Backend, path: str) -> Record | str | None:
+    try:
+        return manifest.read(backend, path)
+    except manifest.UNREADABLE:
+        return "unreadable"
 
 
 def _under(path: str, prefix: str) -> bool:

@@ -1,0 +1,48 @@
+"""`verify` of a store that a daemon publishes into meanwhile: what changed
+while it ran is looked at again, and only what stays wrong is reported."""
+
+from __future__ import annotations
+
+from ckptfs.writeback import manifest, storeio
+from ckptfs.writeback.backend import open_store
+from ckptfs.writeback.manifest import Meta, Record
+from ckptfs.writeback.verify import verify
+
+
+def test_files_published_moved_and_deleted_while_verified_are_not_reported(tmp_path):
+    """Every record was read first, then every file: a file published twice
+    since read as CORRUPT against its record of before, one moved or deleted
+    since as MISSING (`ckptfs verify` of a live mount failed 39 runs in 104)."""
+    store = open_store(str(tmp_path / "store"))
+    storeio.write_file(store, "a.bin", b"gen 1" * 1000)
+    storeio.write_file(store, "b/x.bin", b"x" * 3000)
+    storeio.write_file(store, "z.bin", b"z" * 2000)
+    changed = []
+
+    def meanwhile(path: str, size: int) -> None:
+        if changed:
+            return
+        changed.append(path)
+        storeio.write_file(store, "a.bin", b"gen 2" * 1000)
+        storeio.write_file(store, "a.bin", b"gen 3" * 2000)
+        moved = manifest.read(store, "b/x.bin")
+        storeio.show(store, Record.of("y/x.bin", "file", Meta(), current=moved.current), "b/x.bin", "y/x.bin", True)
+        storeio.delete(store, "z.bin")
+
+    report = verify(store, progress=meanwhile)
+    assert changed and report.clean, (report.corrupt, report.missing, report.extra)
+    assert "a.bin" in report.ok
+    assert verify(store).clean and sorted(verify(store).ok) == ["a.bin", "y/x.bin"]
+
+
+def test_what_stays_wrong_is_still_reported(tmp_path):
+    root = tmp_path / "store"
+    store = open_store(str(root))
+    for name in ("rotten.bin", "lost.bin", "fine.bin"):
+        storeio.write_file(store, name, name.encode() * 100)
+    (root / "rotten.bin").write_bytes(b"x" * len(b"rotten.bin" * 100))
+    (root / "lost.bin").unlink()
+    (root / "planted.bin").write_bytes(b"not written by ckptfs")
+    report = verify(store)
+    assert [p for p, _ in report.corrupt] == ["rotten.bin"] and "manifest says" in report.corrupt[0][1]
+    assert report.missing == ["lost.bin"] and report.extra == ["planted.bin"] and report.ok == ["fine.bin"]
