@@ -460,6 +460,17 @@ class Publisher:
             nodes.append((name, node))
         return nodes
 
+    async def _symlink(self, name: str, node: RLink) -> None:
+        """A symlink made at `name`: its record, if the live mount still has it there (C4)."""
+        self.replica.bind(name, node)
+        if self.live_at(name, node.ino):
+            await self.call(f"record {name}", manifest.write, self.e.backend, Record.of(name, "symlink", node.meta, target=node.target), at=(name,))
+            node.shown = True
+
+    def _symlink_of(self, ino: int) -> RLink | None:
+        """A name the replica gives symlink `ino`, if it is one."""
+        return next((n for _, n in self.replica.nodes_of(ino) if isinstance(n, RLink)), None)
+
     def live_at(self, path: str, ino: int) -> bool:
         node = self.e.ns.inode_at(path)
         return node is not None and node.ino == ino
@@ -743,11 +754,11 @@ class Publisher:
                 node.made = True
                 self._made_parents(op.name)
         elif isinstance(op, Symlink):
-            node = RLink(op.ino, target=op.target, meta=op.meta)
-            self.replica.bind(op.name, node)
-            if self.live_at(op.name, op.ino):
-                await self.call(f"record {op.name}", manifest.write, self.e.backend, Record.of(op.name, "symlink", op.meta, target=op.target), at=(op.name,))
-                node.shown = True
+            await self._symlink(op.name, RLink(op.ino, target=op.target, meta=op.meta))
+        elif isinstance(op, Link) and (link := self._symlink_of(op.ino)) is not None:
+            # Another name for a symlink (link(2) of a symlink: `cp -al`, rsync --link-dest): a record of its own,
+            # as a hard-linked file's names each get a copy
+            await self._symlink(op.name, RLink(op.ino, target=link.target, meta=link.meta))
         elif isinstance(op, Link):
             node = File(op.ino)
             self.replica.bind(op.name, node)

@@ -205,6 +205,31 @@ async def test_restart_scan_shows_files_and_loads_verified(tmp_path):
     assert rig2.store.readlink(rig2.store.inode_at("last").ino) == b"ckpt/model"
 
 
+async def test_every_name_of_a_hard_linked_symlink_comes_back_after_a_restart(tmp_path):
+    """link(2) of a symlink (`cp -al`, rsync --link-dest) gives the symlink
+    another name. Its Link op was published as a file's, with no bytes and
+    no record: every extra name, and the symlink itself once its first
+    name was removed, was gone after a restart."""
+    rig = Rig(tmp_path / "store")
+    rig.mkdir("d")
+    s = rig.store.symlink(ROOT, b"s", b"a", 0, 0)
+    rig.store.link(s.ino, ROOT, b"t")
+    t = rig.store.symlink(rig.store.inode_at("d").ino, b"u", b"../b", 0, 0)
+    rig.store.link(t.ino, ROOT, b"v")
+
+    async def later():
+        rig.unlink("d/u")  # the first name goes: the other stays a symlink
+        rig.rename("t", "w")
+
+    await run_until_flushed(rig, later)
+    await run_until_flushed(rig)
+    rig2 = Rig(tmp_path / "store")
+    await rig2.engine.scan()
+    links = {p: rig2.store.readlink(rig2.store.inode_at(p).ino) for p in ("s", "w", "v")}
+    assert links == {"s": b"a", "w": b"a", "v": b"../b"}
+    assert rig2.store.inode_at("t") is None and rig2.store.inode_at("d/u") is None
+
+
 async def test_an_object_beside_objects_under_its_name_shows_the_directory_with_a_warning(tmp_path, caplog):
     """S3 and GCS can hold an object `d/a` and objects under `d/a/`, which a
     file system cannot show together: the mount shows the directory and
