@@ -29,6 +29,7 @@ idempotent: after any crash or abandoned call, doing it again is correct.
 from __future__ import annotations
 
 import collections
+import errno
 import fnmatch
 import logging
 import math
@@ -132,7 +133,7 @@ class Publisher:
                 raise Stale(what)
             try:
                 return await self._fenced(what, fn, *args, nbytes=nbytes, reading=reading, at=at)
-            except storeio.NewerInStore:
+            except (storeio.NewerInStore, storeio.StagingLost):
                 raise
             except Exception as exc:
                 op = self.current
@@ -526,6 +527,18 @@ class Publisher:
                 node.held = None
                 self.e.superseded_in_store(gen)
                 return False
+            except storeio.StagingLost as lost:
+                gen.publishing = False
+                if gen.owner is not None:  # another node's: only that node holds its bytes
+                    log.warning("%s: %s: its node stages generation %d again", path, lost, gen.generation)
+                    return await self._staged_again(gen, path) and await self._materialize(path, node, into)
+                log.warning("%s: %s: staging generation %d again from its snapshot", path, lost, gen.generation)
+                staged, digest = await self.call(f"stage {at} again", storeio.stage, self.e.backend, gen.pieces(), gen.size, None, at,
+                                                 nbytes=gen.size, reading=gen, at=(at,))
+                if digest != gen.digest:  # never: a snapshot does not change
+                    raise OSError(errno.EIO, f"{at}: its snapshot read back as {digest}, sealed as {gen.digest}") from lost
+                gen.staged = staged
+                return await self._materialize(path, node, into)
             finally:
                 gen.publishing = False
             if staged.token is not None:

@@ -38,6 +38,13 @@ class IntegrityError(OSError):
     """Bytes read from the store do not match their manifest record."""
 
 
+class StagingLost(Exception):
+    """The staged copy a publication needs is gone from the store (cleaned
+    away, or consumed by an earlier attempt whose answer was lost, its bytes
+    replaced since), and the store does not hold its bytes: only staging it
+    again from its snapshot can publish it."""
+
+
 class NewerInStore(Exception):
     """The store holds bytes at the path that this daemon did not put there,
     written after the generation being published was sealed (the torch
@@ -85,10 +92,13 @@ def publish(backend: Backend, rec: Record | None, staged: Staged, path: str, dig
         manifest.write(backend, rec)  # first: see manifest.py
     try:
         backend.publish(staged, path, pieces() if pieces is not None else (), mode=rec.mode if rec is not None else mode)
-    except FileNotFoundError:
-        if not holds(backend, path, digest):
+    except FileNotFoundError as exc:
+        if holds(backend, path, digest):
+            log.info("%s was published already by an earlier attempt", path)
+            return
+        if staged.token is None:
             raise
-        log.info("%s was published already by an earlier attempt", path)
+        raise StagingLost(f"the staged copy of {path} is gone from the store") from exc
 
 
 def publish_group(backend: Backend, items: list[tuple[Record, Staged, str, Callable[[], Iterable]]], recorded: bool = True) -> None:

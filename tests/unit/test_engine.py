@@ -205,6 +205,30 @@ async def test_restart_scan_shows_files_and_loads_verified(tmp_path):
     assert rig2.store.readlink(rig2.store.inode_at("last").ino) == b"ckpt/model"
 
 
+async def test_a_staged_copy_gone_from_the_store_is_staged_again(tmp_path, caplog):
+    """A publication whose staged copy is gone (cleaned away; on S3, an open
+    upload consumed by an attempt whose answer was lost) while the store
+    does not hold its bytes was tried again with the same dead copy for
+    ever, and every change after it waited (seen over SeaweedFS: 15 changes
+    unpublished at unmount)."""
+    rig = Rig(tmp_path / "store")
+    real = rig.backend.publish
+    lost = []
+
+    def publish(staged, path, pieces=(), mode=None):
+        if not lost and path == "model.pt":
+            lost.append(staged.token)
+            rig.backend.discard(staged)  # gone before this attempt
+        return real(staged, path, pieces, mode=mode)
+
+    rig.backend.publish = publish
+    data = os.urandom(5 << 20)  # staged ahead, then published from its staged copy
+    rig.write("model.pt", data)
+    await run_until_flushed(rig)
+    assert lost and rig.files() == {"model.pt": data}
+    assert "is gone from the store: staging generation 1 again" in caplog.text
+
+
 async def test_every_name_of_a_hard_linked_symlink_comes_back_after_a_restart(tmp_path):
     """link(2) of a symlink (`cp -al`, rsync --link-dest) gives the symlink
     another name. Its Link op was published as a file's, with no bytes and
