@@ -133,9 +133,11 @@ class Publisher:
                 raise Stale(what)
             try:
                 return await self._fenced(what, fn, *args, nbytes=nbytes, reading=reading, at=at)
-            except (storeio.NewerInStore, storeio.StagingLost):
+            except storeio.NewerInStore:
                 raise
             except Exception as exc:
+                if isinstance(exc, storeio.StagingLost) and isinstance(reading, FileGen) and reading.owner is None:
+                    raise  # staged again from its snapshot (`_materialize`); another node's is that node's to stage
                 op = self.current
                 if op is None:
                     raise
@@ -527,12 +529,9 @@ class Publisher:
                 node.held = None
                 self.e.superseded_in_store(gen)
                 return False
-            except storeio.StagingLost as lost:
+            except storeio.StagingLost as lost:  # this node's own generation (see `call`)
                 gen.publishing = False
-                if gen.owner is not None:  # another node's: only that node holds its bytes
-                    log.warning("%s: %s: its node stages generation %d again", path, lost, gen.generation)
-                    return await self._staged_again(gen, path) and await self._materialize(path, node, into)
-                log.warning("%s: %s: staging generation %d again from its snapshot", path, lost, gen.generation)
+                log.warning("%s: %s: staging generation %d again from its snapshot", path, lost.strerror, gen.generation)
                 staged, digest = await self.call(f"stage {at} again", storeio.stage, self.e.backend, gen.pieces(), gen.size, None, at,
                                                  nbytes=gen.size, reading=gen, at=(at,))
                 if digest != gen.digest:  # never: a snapshot does not change

@@ -38,11 +38,11 @@ class IntegrityError(OSError):
     """Bytes read from the store do not match their manifest record."""
 
 
-class StagingLost(Exception):
+class StagingLost(FileNotFoundError):
     """The staged copy a publication needs is gone from the store (cleaned
     away, or consumed by an earlier attempt whose answer was lost, its bytes
     replaced since), and the store does not hold its bytes: only staging it
-    again from its snapshot can publish it."""
+    again from its snapshot can publish it (another node's: only that node can)."""
 
 
 class NewerInStore(Exception):
@@ -98,7 +98,7 @@ def publish(backend: Backend, rec: Record | None, staged: Staged, path: str, dig
             return
         if staged.token is None:
             raise
-        raise StagingLost(f"the staged copy of {path} is gone from the store") from exc
+        raise StagingLost(errno.ENOENT, "its staged copy is gone from the store", path) from exc
 
 
 def publish_group(backend: Backend, items: list[tuple[Record, Staged, str, Callable[[], Iterable]]], recorded: bool = True) -> None:
