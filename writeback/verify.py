@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import manifest
-from .backend import Backend
+from .backend import Backend, SymlinkInStore
 from .manifest import Digest, Record
 
 LOOKS = 6  # at most, per finding
@@ -130,7 +130,7 @@ def _look(backend: Backend, path: str) -> tuple[str | None, str, tuple] | None:
     before = _record(backend, path)
     try:
         digest: Digest | None = manifest.digest_of(backend.read(path))
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, SymlinkInStore):  # no file there (a symlink is never followed)
         digest = None
     if _record(backend, path) != before:
         return None

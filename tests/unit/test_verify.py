@@ -3,6 +3,8 @@ while it ran is looked at again, and only what stays wrong is reported."""
 
 from __future__ import annotations
 
+import shutil
+
 from ckptfs.writeback import manifest, storeio
 from ckptfs.writeback.backend import open_store
 from ckptfs.writeback.manifest import Meta, Record
@@ -43,6 +45,9 @@ def test_what_stays_wrong_is_still_reported(tmp_path):
     (root / "rotten.bin").write_bytes(b"x" * len(b"rotten.bin" * 100))
     (root / "lost.bin").unlink()
     (root / "planted.bin").write_bytes(b"not written by ckptfs")
+    storeio.write_file(store, "d/under.bin", b"u" * 100)
+    shutil.rmtree(root / "d")
+    (root / "d").symlink_to(tmp_path)  # planted where its directory was: never followed
     report = verify(store)
     assert [p for p, _ in report.corrupt] == ["rotten.bin"] and "manifest says" in report.corrupt[0][1]
-    assert report.missing == ["lost.bin"] and report.extra == ["planted.bin"] and report.ok == ["fine.bin"]
+    assert report.missing == ["d/under.bin", "lost.bin"] and report.extra == ["planted.bin"] and report.ok == ["fine.bin"]
