@@ -1293,12 +1293,52 @@ class S3Backend(FsspecBackend):
         return upload_id, parts
 
     def _complete(self, bucket: str, key: str, upload_id: str, parts: list[dict]) -> None:
-        try:
-            self.fs.call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts})
-        except Exception as exc:
-            if "NoSuchUpload" in f"{type(exc).__name__} {exc}":  # completed already (or aborted): the caller checks which
-                raise FileNotFoundError(errno.ENOENT, "no such multipart upload", key) from None
-            raise
+        for cleared in (False, True):
+            try:
+                self.fs.call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts})
+                return
+            except Exception as exc:
+                if "NoSuchUpload" in f"{type(exc).__name__} {exc}":  # completed already (or aborted): the caller checks which
+                    raise FileNotFoundError(errno.ENOENT, "no such multipart upload", key) from None
+                if cleared or not self._clear_emptied_folder(bucket, key):
+                    raise
+
+    def _clear_emptied_folder(self, bucket: str, key: str) -> bool:
+        """Remove a folder at `key` that holds no object; True if there was one.
+
+        Stores with folders (SeaweedFS) keep a folder after its last object
+        goes, and remove it minutes later (one holding emptied folders only
+        after they went, and a console's folder key never). Until then they
+        refuse to complete an upload at its name: an internal error at every
+        try ("existing entry is a directory"), so a large file taking the
+        name of a directory that was moved or removed was retried for ever,
+        and everything after it waited. A single PUT and a copy replace such
+        a folder by themselves. Asked only after a completion failed; on a
+        store without folders the listing finds nothing. A folder holding
+        an object is left alone (the store then holds files under a file's
+        name: `storeio.scan` warns of them)."""
+        folders: list[str] = []
+        todo = [f"{key}/"]
+        while todo:
+            prefix = todo.pop()
+            kwargs = {"Bucket": bucket, "Prefix": prefix, "Delimiter": "/"}
+            while True:
+                page = self.fs.call_s3("list_objects_v2", **kwargs)
+                if any(obj["Key"] != prefix for obj in page.get("Contents") or []):
+                    return False
+                if (page.get("Contents") or page.get("CommonPrefixes")) and folders[-1:] != [prefix]:
+                    folders.append(prefix)  # listed itself, or folders under it
+                todo.extend(sub["Prefix"] for sub in page.get("CommonPrefixes") or [])
+                if not page.get("IsTruncated"):
+                    break
+                kwargs["ContinuationToken"] = page["NextContinuationToken"]
+        if not folders:
+            return False
+        for prefix in reversed(folders):  # each folder after those under it
+            self.fs.call_s3("delete_object", Bucket=bucket, Key=prefix)
+        self.fs.invalidate_cache()
+        log.info("removed the emptied folder %s that the store kept at the name of a file", key)
+        return True
 
     def _part(self, bucket: str, key: str, upload_id: str, n: int, data: bytes) -> dict:
         r = self.fs.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=n, Body=data)

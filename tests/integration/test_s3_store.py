@@ -459,3 +459,36 @@ def test_a_name_s3_cannot_hold_is_refused_when_made_not_parked_for_ever(s3, tmp_
                                         "/".join(["d" * 200] * 4 + ["f" * 200]): b"deep"}
     report = verify(open_store(url, s3.options()))
     assert report.clean, report
+
+
+def test_a_large_file_takes_the_name_of_a_folder_the_store_kept_emptied(s3, tmp_path):
+    """SeaweedFS keeps a folder after its last object goes (minutes; one
+    holding emptied folders until they go; a console's folder key for good)
+    and refuses to complete an upload at its name, with an internal error
+    at every try: a large file taking the name of a directory that was moved
+    away was retried for ever, and everything after it waited. The emptied
+    folder is removed; one holding an object is not."""
+    from ckptfs.writeback.backend import SMALL_PUT
+
+    url = s3.bucket("emptied")
+    fs = s3._s3fs()
+    for key in ("d/y/x", "e/z/x"):  # d/y: an emptied folder; e: a folder holding one
+        fs.call_s3("put_object", Bucket="emptied", Key=key, Body=b"x")
+        fs.call_s3("delete_object", Bucket="emptied", Key=key)
+    fs.call_s3("put_object", Bucket="emptied", Key="f/", Body=b"")  # a console's "create folder"
+    big = os.urandom(SMALL_PUT + (1 << 20))
+    m = start_mount(tmp_path, extra=("--store", url, *s3.cli_options()))
+    try:
+        m.path("d").mkdir()
+        for name in ("d/y", "e", "f"):
+            m.path(*name.split("/")).write_bytes(big)
+        r = run_cli("flush", str(m.mountpoint), "--timeout", "30")
+        assert r.returncode == 0, r.stderr
+        assert m.log_text().count("removed the emptied folder") == 3
+    finally:
+        stop_mount(m)
+    assert objects(s3, "emptied") == {"d/y": big, "e": big, "f": big}
+    store = open_store(url, s3.options())
+    assert verify(store).clean
+    assert not store._clear_emptied_folder("emptied", "d")  # a folder holding an object: left alone
+    assert objects(s3, "emptied") == {"d/y": big, "e": big, "f": big}
