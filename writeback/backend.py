@@ -1303,6 +1303,20 @@ class S3Backend(FsspecBackend):
                 if cleared or not self._clear_emptied_folder(bucket, key):
                     raise
 
+    def rmdir(self, path: str) -> None:
+        """Delete the folder key `path/`: a store with folders (SeaweedFS)
+        keeps an emptied folder for minutes, and a file taking its name then
+        can never be completed there (`_clear_emptied_folder`); a PUT over
+        it makes an object that no completion can replace either, for good.
+        Deleted at once, the folder is gone before anything takes its name.
+        Elsewhere it deletes a console's folder key, or nothing (one
+        request per directory removed). A folder that still holds objects
+        is not touched: stores delete exactly the key named."""
+        if path:
+            bucket, key = self._bucket_key(path)
+            self.fs.call_s3("delete_object", Bucket=bucket, Key=f"{key}/")
+            self.fs.invalidate_cache(self._abs(path))
+
     def _clear_emptied_folder(self, bucket: str, key: str) -> bool:
         """Remove a folder at `key` that holds no object; True if there was one.
 
@@ -1312,11 +1326,12 @@ class S3Backend(FsspecBackend):
         refuse to complete an upload at its name: an internal error at every
         try ("existing entry is a directory"), so a large file taking the
         name of a directory that was moved or removed was retried for ever,
-        and everything after it waited. A single PUT and a copy replace such
-        a folder by themselves. Asked only after a completion failed; on a
-        store without folders the listing finds nothing. A folder holding
-        an object is left alone (the store then holds files under a file's
-        name: `storeio.scan` warns of them)."""
+        and everything after it waited. The mount's own directories are
+        deleted as they go (`rmdir`); this clears what is left by others (a
+        console's folder key) or by a crash. Asked only after a completion
+        failed; on a store without folders the listing finds nothing. A
+        folder holding an object is left alone (the store then holds files
+        under a file's name: `storeio.scan` warns of them)."""
         folders: list[str] = []
         todo = [f"{key}/"]
         while todo:

@@ -492,3 +492,30 @@ def test_a_large_file_takes_the_name_of_a_folder_the_store_kept_emptied(s3, tmp_
     assert verify(store).clean
     assert not store._clear_emptied_folder("emptied", "d")  # a folder holding an object: left alone
     assert objects(s3, "emptied") == {"d/y": big, "e": big, "f": big}
+
+
+def test_a_file_taking_the_name_of_a_removed_directory_on_s3_can_be_replaced_by_a_large_one(s3, tmp_path):
+    """A directory removed from the mount is removed from the store at once:
+    SeaweedFS kept its emptied folder for minutes, a small file published
+    there meanwhile became an object no upload could ever be completed over,
+    and the next large file at that name was retried for ever."""
+    from ckptfs.writeback.backend import SMALL_PUT
+
+    url = s3.bucket("rmdir")
+    big = os.urandom(SMALL_PUT + (1 << 20))
+    m = start_mount(tmp_path, extra=("--store", url, *s3.cli_options()))
+    try:
+        m.path("d", "y").mkdir(parents=True)
+        m.path("d", "y", "x").write_bytes(b"x")
+        assert run_cli("flush", str(m.mountpoint)).returncode == 0
+        m.path("d", "y", "x").unlink()
+        m.path("d", "y").rmdir()
+        m.path("d", "y").write_bytes(b"small")
+        assert run_cli("flush", str(m.mountpoint)).returncode == 0
+        m.path("d", "y").write_bytes(big)
+        r = run_cli("flush", str(m.mountpoint), "--timeout", "30")
+        assert r.returncode == 0, r.stderr
+        assert "removed the emptied folder" not in m.log_text()
+    finally:
+        stop_mount(m)
+    assert objects(s3, "rmdir") == {"d/y": big}
