@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,7 +91,19 @@ class S3Server:
         fs = self._s3fs()
         if not fs.exists(name):
             fs.mkdir(name)
+            self.keep_emptied_folders(name)
         return f"s3://{name}"
+
+    def keep_emptied_folders(self, bucket: str) -> None:
+        """What the README tells SeaweedFS users to set on a bucket: its
+        background removal of emptied folders (2-3 minutes after their last
+        object goes) deletes a file that took such a folder's name meanwhile
+        (SeaweedFS 4.48). ckptfs removes the folders of the directories it
+        removes itself (`S3Backend.rmdir`)."""
+        request = urllib.request.Request(f"http://127.0.0.1:{self.ports['filer']}/buckets/{bucket}?tagging", method="PUT",
+                                         headers={"Seaweed-X-Amz-Allow-Empty-Folders": "true"})
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            assert answer.status < 300, answer.status
 
     def objects(self, bucket: str) -> dict[str, bytes]:
         """The bucket's objects (ckptfs's own prefix excluded), as a client reads them."""
