@@ -298,6 +298,11 @@ class Residency:
             # A caller of the whole file needs it in RAM (an empty file's load covers its no bytes).
             if load.error is not None and not ns.resident(ino) and (end is None or not load.target.covers(off, end)):
                 raise load.error
+            if load.finished and not ns.resident(ino) and not ns.borrow_covers(ino, off, end):
+                # Evicted again between the load's end and this caller's turn (an
+                # `evict`, a writer making room): the caller reads or changes the
+                # file's bytes right after this returns, with no await between.
+                continue
             if load.target.in_place:
                 self._read_in_place(ino)
             return
@@ -422,7 +427,7 @@ class Residency:
         target, size = load.target, load.target.size
         wanted = [d for d in load.wanted if d.size == size]
         if load.wanted and not wanted:
-            raise storeio.IntegrityError(f"checksum mismatch: the store has {size} bytes, the manifest says "
+            raise storeio.IntegrityError(f"checksum mismatch: the file has {size} bytes, the manifest says "
                                          + " or ".join(str(d) for d in load.wanted))
         whole = None if load.ranged else hasher()
         try:

@@ -1312,3 +1312,43 @@ async def test_a_directory_whose_record_cannot_be_written_does_not_keep_the_othe
     await run_until_flushed(rig)
     assert stat.S_IMODE(os.stat(tmp_path / "store" / "a").st_mode) == 0o750
     assert [rig.engine.publisher.replica.path_of(d) for d in rig.engine.publisher.dirty] == ["a/deep"]
+
+
+async def test_a_file_evicted_again_as_its_load_ends_is_loaded_again_for_the_caller(tmp_path):
+    """A load's end wakes its callers, and another task may run first: an
+    `evict` (admin, or a writer making room) dropped the file again, and the
+    caller went on with no bytes in RAM. A truncate (`truncate -s`) then set
+    the size of a file not in RAM (every later load failed: "the store has
+    98651 bytes, the manifest says 0"). Trio wakes the waiters of one event
+    in either order: the load is repeated until the evicting task has run
+    first many times."""
+    rig = Rig(tmp_path / "store")
+    rig.write("f", b"P" * 65536)
+    await run_until_flushed(rig)
+    node = rig.store.inode_at("f")
+    evicted_first = 0
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        for _ in range(60):
+            rig.engine.evict(1 << 40)
+            assert not node.data.resident
+            done: list[bool] = []
+
+            async def evictor(done: list[bool]) -> None:
+                while (load := rig.engine.residency._loads.get(node.ino)) is None:
+                    await trio.sleep(0)
+                while not load.finished:
+                    await load.changed.wait()
+                if not done:  # the caller has not gone on yet
+                    rig.engine.evict(1 << 40)
+                    done.append(False)
+
+            async with trio.open_nursery() as race:
+                race.start_soon(evictor, done)
+                await rig.engine.load(node.ino)
+                if not done:
+                    done.append(True)
+                assert node.data.resident and node.data.read(0, 4) == b"PPPP"
+            evicted_first += done[0] is False
+        n.cancel_scope.cancel()
+    assert evicted_first >= 5
