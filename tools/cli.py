@@ -421,7 +421,7 @@ def verify(target: str, path: str, store_options: tuple[str, ...]) -> None:
     16 (recorded but missing) and 32 (in the store but not in the manifest);
     2 for bad input.
     """
-    from ckptfs.writeback.backend import META, StoreError, open_store
+    from ckptfs.writeback.backend import META, StoreError, local_root, open_store
     from ckptfs.writeback.verify import verify as run_verify
 
     url = target
@@ -434,6 +434,8 @@ def verify(target: str, path: str, store_options: tuple[str, ...]) -> None:
         options = parse_store_options(store_options, os.environ.get("CKPTFS_STORE_OPTIONS"))
         backend = open_store(url, options, create=False)
     except (ValueError, StoreError) as exc:
+        if url != target and not options and local_root(url) is None:
+            _fail(f"{exc} (a mount keeps no store credentials: give its --store-option values again, or set $CKPTFS_STORE_OPTIONS)", 2)
         _fail(str(exc), 2)
     if not backend.exists(META):
         _fail(f"{url} is not a ckptfs store (it has no {META}/): neither a store a ckptfs mount ever used nor a ckptfs mount", 2)

@@ -519,3 +519,21 @@ def test_a_file_taking_the_name_of_a_removed_directory_on_s3_can_be_replaced_by_
     finally:
         stop_mount(m)
     assert objects(s3, "rmdir") == {"d/y": big}
+
+
+def test_verify_of_an_s3_mount_without_its_store_options_says_to_give_them(s3, tmp_path):
+    """A mount keeps no store credentials: `verify MOUNTPOINT` of an S3 mount
+    said only "Unable to locate credentials"."""
+    m = start_mount(tmp_path, extra=("--store", s3.bucket("verify-mount"), *s3.cli_options()))
+    try:
+        m.path("f").write_bytes(b"x")
+        assert run_cli("flush", str(m.mountpoint)).returncode == 0
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_") and k != "CKPTFS_STORE_OPTIONS"}
+        env.update(HOME=str(tmp_path), AWS_EC2_METADATA_DISABLED="true", AWS_CONFIG_FILE="/nonexistent", AWS_SHARED_CREDENTIALS_FILE="/nonexistent")
+        r = run_cli("verify", str(m.mountpoint), env=env)
+        assert r.returncode == 2 and "give its --store-option values again" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+        r = run_cli("verify", str(m.mountpoint), *s3.cli_options())
+        assert r.returncode == 0 and "1 ok" in r.stdout, r.stdout + r.stderr
+    finally:
+        stop_mount(m)
