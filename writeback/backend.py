@@ -414,6 +414,12 @@ class Backend:
     def rmdir(self, path: str) -> None:
         """Remove an empty directory where directories exist."""
 
+    def rmdirs(self, paths: list[str]) -> None:
+        """`rmdir` of each of `paths`, in their order (deepest first).
+        Stores do better than one call each."""
+        for path in paths:
+            self.rmdir(path)
+
     def move_dir(self, src: str, dst: str) -> bool:
         """Move a whole directory in one step, if this store can (True)."""
         return False
@@ -1316,6 +1322,17 @@ class S3Backend(FsspecBackend):
             bucket, key = self._bucket_key(path)
             self.fs.call_s3("delete_object", Bucket=bucket, Key=f"{key}/")
             self.fs.invalidate_cache(self._abs(path))
+
+    def rmdirs(self, paths: list[str]) -> None:
+        """The folder keys of a directory moved away member by member, and
+        of the directories in it: one DeleteObjects request per DELETE_MANY,
+        which takes them in order (deepest first: SeaweedFS deletes a
+        folder only once nothing is left in it)."""
+        keys = [self._bucket_key(path) for path in paths if path]
+        for i in range(0, len(keys), DELETE_MANY):
+            batch = keys[i : i + DELETE_MANY]
+            self.fs.call_s3("delete_objects", Bucket=batch[0][0], Delete={"Objects": [{"Key": f"{key}/"} for _, key in batch], "Quiet": True})
+        self.fs.invalidate_cache()
 
     def _clear_emptied_folder(self, bucket: str, key: str) -> bool:
         """Remove a folder at `key` that holds no object; True if there was one.

@@ -927,6 +927,10 @@ class Publisher:
                     moved.add(id(f))
             finally:
                 self.relocated = None
+            # Stores with folders (SeaweedFS) keep those of the old name, and a
+            # file later taking one's name could never be completed there.
+            folders = [f"{op.src}/{rel}" for rel, d in sorted(members, key=lambda rf: -rf[0].count("/")) if isinstance(d, Dir)]
+            await self.call(f"rmdir {op.src}", backend.rmdirs, [*folders, op.src], at=(op.src,))
         for rel, d in [("", node), *((rel, n) for rel, n in members if isinstance(n, Dir))]:
             if d.recorded is not None:  # records are by path: the new path's are written at the next sync
                 old = f"{op.src}/{rel}" if rel else op.src

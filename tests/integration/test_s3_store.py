@@ -494,33 +494,6 @@ def test_a_large_file_takes_the_name_of_a_folder_the_store_kept_emptied(s3, tmp_
     assert objects(s3, "emptied") == {"d/y": big, "e": big, "f": big}
 
 
-def test_a_file_taking_the_name_of_a_removed_directory_on_s3_can_be_replaced_by_a_large_one(s3, tmp_path):
-    """A directory removed from the mount is removed from the store at once:
-    SeaweedFS kept its emptied folder for minutes, a small file published
-    there meanwhile became an object no upload could ever be completed over,
-    and the next large file at that name was retried for ever."""
-    from ckptfs.writeback.backend import SMALL_PUT
-
-    url = s3.bucket("rmdir")
-    big = os.urandom(SMALL_PUT + (1 << 20))
-    m = start_mount(tmp_path, extra=("--store", url, *s3.cli_options()))
-    try:
-        m.path("d", "y").mkdir(parents=True)
-        m.path("d", "y", "x").write_bytes(b"x")
-        assert run_cli("flush", str(m.mountpoint)).returncode == 0
-        m.path("d", "y", "x").unlink()
-        m.path("d", "y").rmdir()
-        m.path("d", "y").write_bytes(b"small")
-        assert run_cli("flush", str(m.mountpoint)).returncode == 0
-        m.path("d", "y").write_bytes(big)
-        r = run_cli("flush", str(m.mountpoint), "--timeout", "30")
-        assert r.returncode == 0, r.stderr
-        assert "removed the emptied folder" not in m.log_text()
-    finally:
-        stop_mount(m)
-    assert objects(s3, "rmdir") == {"d/y": big}
-
-
 def test_verify_of_an_s3_mount_without_its_store_options_says_to_give_them(s3, tmp_path):
     """A mount keeps no store credentials: `verify MOUNTPOINT` of an S3 mount
     said only "Unable to locate credentials"."""
@@ -537,3 +510,36 @@ def test_verify_of_an_s3_mount_without_its_store_options_says_to_give_them(s3, t
         assert r.returncode == 0 and "1 ok" in r.stdout, r.stdout + r.stderr
     finally:
         stop_mount(m)
+
+
+@pytest.mark.parametrize("gone", ["removed", "moved"])
+def test_a_file_taking_the_name_of_a_directory_gone_from_s3_can_be_replaced_by_a_large_one(s3, tmp_path, gone):
+    """A directory removed from the mount, or moved away (member by member
+    on S3), leaves no folders in the store: SeaweedFS kept them, a small
+    file published at the directory's name became an object no upload could
+    ever be completed over, and the next large file there was retried for
+    ever."""
+    from ckptfs.writeback.backend import SMALL_PUT
+
+    url = s3.bucket(f"gone-{gone}")
+    big = os.urandom(SMALL_PUT + (1 << 20))
+    m = start_mount(tmp_path, extra=("--store", url, *s3.cli_options()))
+    try:
+        m.path("d", "sub").mkdir(parents=True)
+        m.path("d", "sub", "x").write_bytes(b"x")
+        assert run_cli("flush", str(m.mountpoint)).returncode == 0
+        if gone == "removed":
+            m.path("d", "sub", "x").unlink()
+            m.path("d", "sub").rmdir()
+            m.path("d").rmdir()
+        else:
+            os.rename(m.path("d"), m.path("e"))
+        m.path("d").write_bytes(b"small")
+        assert run_cli("flush", str(m.mountpoint)).returncode == 0
+        m.path("d").write_bytes(big)
+        r = run_cli("flush", str(m.mountpoint), "--timeout", "30")
+        assert r.returncode == 0, r.stderr
+        assert "removed the emptied folder" not in m.log_text()
+    finally:
+        stop_mount(m)
+    assert objects(s3, f"gone-{gone}") == {"d": big, **({"e/sub/x": b"x"} if gone == "moved" else {})}
