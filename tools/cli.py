@@ -443,7 +443,10 @@ def verify(target: str, path: str, store_options: tuple[str, ...]) -> None:
     if ".." in parts:
         _fail(f"{path}: a PATH in the store cannot go up ('..'): it names a place in the store, from its top", 2)
     prefix = "/".join(parts)
-    report = _verify_with_progress(run_verify, backend, prefix)
+    try:
+        report = _verify_with_progress(run_verify, backend, prefix)
+    except OSError as exc:
+        _fail(f"the store {url} failed while it was verified: {exc}")
     if prefix and not (report.ok or report.corrupt or report.missing or report.extra):
         _fail(f"{path}: no such file or directory in the store {url} or its manifest", 2)
     for p, why in report.corrupt:

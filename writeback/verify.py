@@ -6,6 +6,8 @@ between looked corrupt, missing or extra against its record of before.
 Each such finding is therefore looked at again, on its own: its record
 read before and after its bytes (a publication changes the record first,
 then the data; a move and a deletion change the data, then the record).
+An object store may say so itself: s3fs fails a read whose object was
+replaced midway (`FileExpired`, EBUSY), which is looked at again too.
 A finding stands once two looks in a row, a moment apart, find the same
 record, the same bytes and the same fault; one that turns out well (the
 publication landed) goes.
@@ -13,6 +15,7 @@ publication landed) goes.
 
 from __future__ import annotations
 
+import errno
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -62,6 +65,11 @@ def verify(backend: Backend, prefix: str = "", progress: Callable[[str, int], No
             digest = manifest.digest_of(backend.read(entry.path))
         except FileNotFoundError:
             seen.discard(entry.path)
+            continue
+        except OSError as exc:
+            if exc.errno != errno.EBUSY:
+                raise
+            report.corrupt.append((entry.path, "replaced while it was read"))  # looked at again below
             continue
         if rec.matches(digest.size, digest.xxh3):
             report.ok.append(entry.path)
@@ -132,6 +140,10 @@ def _look(backend: Backend, path: str) -> tuple[str | None, str, tuple] | None:
         digest: Digest | None = manifest.digest_of(backend.read(path))
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError, SymlinkInStore):  # no file there (a symlink is never followed)
         digest = None
+    except OSError as exc:
+        if exc.errno != errno.EBUSY:
+            raise
+        return None  # replaced while it was read: look again
     if _record(backend, path) != before:
         return None
     state = (before, digest)

@@ -543,3 +543,25 @@ def test_a_file_taking_the_name_of_a_directory_gone_from_s3_can_be_replaced_by_a
     finally:
         stop_mount(m)
     assert objects(s3, f"gone-{gone}") == {"d": big, **({"e/sub/x": b"x"} if gone == "moved" else {})}
+
+
+def test_verify_looks_again_at_an_object_replaced_while_it_was_read(s3):
+    """s3fs fails a read whose object is replaced midway (FileExpired):
+    `ckptfs verify` of a live S3 mount stopped with a traceback."""
+    from ckptfs.writeback import storeio
+
+    store = open_store(s3.bucket("replaced"), s3.options())
+    storeio.write_file(store, "f", os.urandom(80 << 20))  # more than s3fs reads ahead at once
+    read, replaced = store.read, []
+
+    def replacing_read(path):
+        chunks = read(path)
+        yield next(chunks)
+        if not replaced:
+            replaced.append(path)
+            storeio.write_file(store, "f", b"generation 2")  # published meanwhile
+        yield from chunks
+
+    store.read = replacing_read
+    report = verify(store)
+    assert replaced and report.clean and report.ok == ["f"], (report.corrupt, report.missing, report.extra)
