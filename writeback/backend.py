@@ -231,7 +231,7 @@ class _ObjectSource(Source):
 
     def __init__(self, fs: fsspec.AbstractFileSystem, path: str) -> None:
         self.fs, self.path = fs, path
-        self.size = int(fs.size(path))
+        self.size = int(_file_info(fs.info(path), path)["size"])
 
     def read(self, off: int, n: int, into: Into | None = None) -> Iterator[memoryview | bytes]:
         data = self.fs.cat_file(self.path, start=off, end=off + n)
@@ -1085,6 +1085,7 @@ class FsspecBackend(Backend):
 
     def read(self, path: str) -> Iterator[bytes]:
         with self.fs.open(self._abs(path), "rb") as f:
+            _file_info(getattr(f, "details", None) or {}, path)
             while chunk := f.read(8 << 20):
                 yield chunk
 
@@ -1469,6 +1470,16 @@ class S3Backend(FsspecBackend):
     def exists(self, path: str) -> bool:
         self.fs.invalidate_cache(self._abs(path))
         return super().exists(path)
+
+
+def _file_info(info: dict, path: str) -> dict:
+    """`info` of what an object store has at `path`, which must be a file:
+    s3fs opens a folder (SeaweedFS keeps them; a key `d/`) as an empty
+    file, and a load or `verify` of a name that became a directory read
+    0 bytes there (CORRUPT, EXTRA)."""
+    if info.get("type") == "directory":
+        raise FileNotFoundError(errno.ENOENT, "the store has a folder there, no file", path)
+    return info
 
 
 def _stamp_of(info: dict) -> float | None:

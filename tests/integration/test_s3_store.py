@@ -565,3 +565,25 @@ def test_verify_looks_again_at_an_object_replaced_while_it_was_read(s3):
     store.read = replacing_read
     report = verify(store)
     assert replaced and report.clean and report.ok == ["f"], (report.corrupt, report.missing, report.extra)
+
+
+def test_a_name_that_became_a_folder_on_s3_is_no_file_for_verify_or_a_load(s3):
+    """s3fs opens a folder as an empty file: `verify` of a live mount
+    reported a file that had just become a directory as EXTRA (0 bytes,
+    no record), and its last look had read the folder."""
+    from ckptfs.writeback import storeio
+
+    store = open_store(s3.bucket("became-folder"), s3.options())
+    storeio.write_file(store, "a", b"a file")
+    storeio.write_file(store, "b", b"b file")
+
+    def meanwhile(path: str, size: int) -> None:
+        if path == "a" and not store.exists("a/x"):  # made a directory after the listing
+            storeio.delete(store, "a")
+            storeio.write_file(store, "a/x", b"under")
+
+    report = verify(store, progress=meanwhile)
+    assert report.clean and report.ok == ["b"], (report.corrupt, report.missing, report.extra)
+    for read in (lambda: b"".join(store.read("a")), lambda: store.open_source("a")):
+        with pytest.raises(FileNotFoundError):
+            read()
