@@ -1332,7 +1332,12 @@ class S3Backend(FsspecBackend):
         keys = [self._bucket_key(path) for path in paths if path]
         for i in range(0, len(keys), DELETE_MANY):
             batch = keys[i : i + DELETE_MANY]
-            self.fs.call_s3("delete_objects", Bucket=batch[0][0], Delete={"Objects": [{"Key": f"{key}/"} for _, key in batch], "Quiet": True})
+            try:
+                self.fs.call_s3("delete_objects", Bucket=batch[0][0], Delete={"Objects": [{"Key": f"{key}/"} for _, key in batch], "Quiet": True})
+            except Exception as exc:  # a store without DeleteObjects: one request each
+                log.debug("deleting %d folder keys together failed (%s): one at a time", len(batch), exc)
+                for bucket, key in batch:
+                    self.fs.call_s3("delete_object", Bucket=bucket, Key=f"{key}/")
         self.fs.invalidate_cache()
 
     def _clear_emptied_folder(self, bucket: str, key: str) -> bool:

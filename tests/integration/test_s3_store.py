@@ -587,3 +587,24 @@ def test_a_name_that_became_a_folder_on_s3_is_no_file_for_verify_or_a_load(s3):
     for read in (lambda: b"".join(store.read("a")), lambda: store.open_source("a")):
         with pytest.raises(FileNotFoundError):
             read()
+
+
+def test_folder_keys_go_one_at_a_time_on_a_store_without_delete_objects(s3):
+    """Some S3 stores answer DeleteObjects with 501: the folder keys of a
+    directory moved away then go one request each, and the move is done."""
+    store = open_store(s3.bucket("no-batch"), s3.options())
+    fs = s3._s3fs()
+    for key in ("d/s/x", "d/y"):  # SeaweedFS keeps d/ and d/s/ once emptied
+        fs.call_s3("put_object", Bucket="no-batch", Key=key, Body=b"x")
+        fs.call_s3("delete_object", Bucket="no-batch", Key=key)
+    call = store.fs.call_s3
+
+    def without_batches(method, *args, **kwargs):
+        if method == "delete_objects":
+            raise OSError(errno.ENOSYS, "NotImplemented: DeleteObjects")
+        return call(method, *args, **kwargs)
+
+    store.fs.call_s3 = without_batches
+    store.rmdirs(["d/s", "d"])
+    listed = fs.call_s3("list_objects_v2", Bucket="no-batch", Prefix="", Delimiter="/")
+    assert not listed.get("CommonPrefixes") and not listed.get("Contents"), listed
