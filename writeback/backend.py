@@ -1390,7 +1390,8 @@ class S3Backend(FsspecBackend):
                 self._complete(*self._bucket_key(path), staged.token[len(MPU) :], staged.parts)
             else:  # renamed before its turn: the open upload is at the wrong name
                 log.info("%s was staged at %s, renamed before its turn: uploading it again at its name", path, staged.at)
-                self.discard(staged)
+                with contextlib.suppress(Exception):  # best effort: a later start aborts what is left
+                    self.discard(staged)
                 self._upload(path, pieces, staged.size, complete=True)
         else:
             self.fs.invalidate_cache(self._abs(staged.token))
@@ -1416,8 +1417,11 @@ class S3Backend(FsspecBackend):
     def discard(self, staged: Staged) -> None:
         if staged.at is not None and staged.token is not None:
             bucket, key = self._bucket_key(staged.at)
-            with contextlib.suppress(Exception):
+            try:
                 self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=staged.token[len(MPU) :])
+            except Exception as exc:
+                if "NoSuchUpload" not in f"{type(exc).__name__} {exc}":  # else completed or aborted already
+                    raise
             return
         super().discard(staged)
 

@@ -114,6 +114,7 @@ IMAGE_EVERY = 1000  # record changes between saves of the manifest image (at lea
 IMAGE_CHECK_S = 5.0
 IMAGE_RETRY_MAX_S = 300.0
 STARTUP_TRIES = 6  # of a call the mount cannot start without (scan, claim): about 15 s of backoff
+DISCARD_TRIES = 6  # of deleting staged data no file needs (transient failures; a later start removes what is left)
 
 
 class Durability(NamedTuple):
@@ -305,7 +306,11 @@ class Engine:
             return
         gen = self.pending.get(ino)
         if gen is None or gen.generation != generation or gen.owner is None or gen.state not in (State.UPLOADING, State.FAILED):
-            if gen is None or gen.generation <= generation:  # dropped here (superseded, deleted)
+            # Heard again (a new publishing node asks for every staged file): kept. Else the
+            # generation is gone here (superseded or deleted: reports travel apart from the log,
+            # so its successor's seal may come first; lost), and nothing will show what it staged.
+            again = gen is not None and gen.generation == generation and gen.staged is not None and gen.staged.token == staged.token
+            if not again:
                 self.discard_soon(staged, f"inode {ino} generation {generation}")
             return
         gen.staged, gen.digest = staged, digest
@@ -764,8 +769,7 @@ class Engine:
                 self.failed(gen, "upload", exc)
             return
         if gen.state is not State.UPLOADING or gen.attempt != attempt:  # dropped meanwhile
-            with contextlib.suppress(Exception):
-                await self.calls.run(f"discard {gen.path}", self.backend.discard, staged)
+            self.discard_soon(staged, gen.path)
             return
         self.staged(gen, staged, digest)
 
@@ -943,14 +947,23 @@ class Engine:
 
     def discard_soon(self, staged: Staged, path: str) -> None:
         """Delete staged data (or abort its upload) in the background: it
-        shows nothing, so there is no order to keep. Best effort: what a
-        failure leaves is removed at a later start (`Backend.prepare`)."""
+        shows nothing, so there is no order to keep. Transient failures are
+        tried again a few times (an upload left open costs storage until a
+        restart); what is left then is removed at a later start
+        (`Backend.prepare`)."""
         if self._nursery is not None:
             self._nursery.start_soon(self._discard, staged, path)
 
     async def _discard(self, staged: Staged, path: str) -> None:
-        with contextlib.suppress(Exception):
-            await self.calls.run(f"discard {path}", self.backend.discard, staged)
+        for tries in range(1, DISCARD_TRIES + 1):
+            try:
+                await self.calls.run(f"discard {path}", self.backend.discard, staged)
+                return
+            except Exception as exc:
+                if permanent(exc) or tries == DISCARD_TRIES:
+                    log.info("could not delete what was staged for %s (%s); a later start of the mount removes it", path, exc)
+                    return
+                await trio.sleep(self.retry.delay(tries))
 
     def _release(self, gen: FileGen) -> None:
         if gen.snapshot is not None and gen.readers == 0:

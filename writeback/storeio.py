@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -71,7 +72,8 @@ def stage(backend: Backend, pieces: Iterable[memoryview | bytes], size: int,
 
     staged = backend.stage(hashed(), size, name, elsewhere)
     if size >= 0 and h.size != size:
-        backend.discard(staged)
+        with contextlib.suppress(Exception):  # best effort: a later start removes what is left
+            backend.discard(staged)
         raise OSError(errno.EIO, f"snapshot yielded {h.size} bytes, expected {size}")
     return staged, h.digest()
 
@@ -464,7 +466,8 @@ def write_file(backend: Backend, path: str, data: bytes | memoryview, mode: int 
                      written_ns=time.time_ns(), source=f"staged:{staged.token}" if staged.token else f"put:{backend.daemon_id}")
         publish(backend, rec, staged, path, digest, lambda: (view[i : i + PIECE] for i in range(0, len(view), PIECE)))
     except BaseException:
-        backend.discard(staged)
+        with contextlib.suppress(Exception):  # the first error is the one to tell
+            backend.discard(staged)
         raise
     return digest
 

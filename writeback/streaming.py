@@ -212,8 +212,7 @@ class Streams:
                 log.error("%s: staged %d bytes while it was written, sealed %d; staging it again", gen.path, digest.size, gen.size)  # type: ignore[union-attr]
                 gen.attempt += 1
                 engine.failed(gen, "upload", OSError(f"staged {digest.size} bytes, sealed {gen.size}"))  # type: ignore[union-attr]
-            with contextlib.suppress(Exception):
-                await engine.calls.run(f"discard inode {stream.ino}", engine.backend.discard, staged)
+            engine.discard_soon(staged, f"inode {stream.ino}")
             return
         staged.size = digest.size  # staged before its size was known
         engine.counters.staged_while_written += 1

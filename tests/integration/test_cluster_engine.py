@@ -38,10 +38,11 @@ class Node:
         if sealed is not None:
             self.engine.adopt(sealed, self.ns.position)
 
-    async def start(self, nursery: trio.Nursery, follow: bool = True, engine: bool = True) -> None:
+    async def start(self, nursery: trio.Nursery, follow: bool = True, engine: bool = True, events: bool = True) -> None:
         if engine:
             await nursery.start(self.engine.run)
-        await nursery.start(self.events.run)
+        if events:  # else heard from where the events stood at `Events.start` once started (`nursery.start(self.events.run)`)
+            await nursery.start(self.events.run)
         await nursery.start(self.ns.place_seals)
         if follow:
             await nursery.start(self.ns.follow)
@@ -247,6 +248,38 @@ async def test_a_following_node_stages_a_large_file_at_its_name_and_the_publishi
             await a.engine.flush()
         assert (await trio.to_thread.run_sync(s3.objects, "atname")) == {"shard": data}
         assert not await trio.to_thread.run_sync(s3.uploads, "atname")
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_staged_report_heard_after_its_file_was_overwritten_has_its_upload_aborted(tmp_path, redis_db, s3):
+    """Node b stages a large file at its name (an upload left open there),
+    reports it, and overwrites the file. Reports travel apart from the log,
+    so the publishing node a may apply the overwrite's seal before it hears
+    the first report: that generation is gone, so a aborts its upload (else
+    it stayed open in the bucket for good, the second upload at the name
+    completed over it)."""
+    url = s3.bucket("overwritten")
+    a = Node(redis_db, url, "a", publishes=True, options=s3.options())
+    b = Node(redis_db, url, "b", publishes=False, options=s3.options())
+    first, second = os.urandom(9 << 20), os.urandom(10 << 20)
+    async with trio.open_nursery() as nursery:
+        await a.start(nursery, follow=False, events=False)  # a applies the log when told, and hears reports once its events run
+        await b.start(nursery)
+        for data in (first, second):
+            ino = await b.write(b"shard", data)
+            gen = b.engine.pending[ino]
+            with trio.fail_after(30):
+                while gen.state is not State.STAGED:  # staged, and reported
+                    await trio.sleep(0.01)
+        assert len(await trio.to_thread.run_sync(s3.uploads, "overwritten")) == 2
+        await a.ns.catch_up()  # both seals: the first generation is superseded before a hears of its upload
+        await nursery.start(a.events.run)
+        with trio.fail_after(30):
+            await a.engine.flush()
+        assert (await trio.to_thread.run_sync(s3.objects, "overwritten")) == {"shard": second}
+        with trio.fail_after(10):  # aborted in the background (no order to keep)
+            while await trio.to_thread.run_sync(s3.uploads, "overwritten"):
+                await trio.sleep(0.05)
         nursery.cancel_scope.cancel()
 
 

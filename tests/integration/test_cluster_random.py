@@ -78,6 +78,9 @@ def test_random_changes_of_large_files_on_two_nodes_end_with_the_bucket_as_the_m
         assert all(objects[k] == v for k, v in expected.items())
         # An upload left open at a name its file left before its turn is aborted in the background (it
         # shows nothing: no order to keep), so it may outlive the flush by a moment
-        wait_until(lambda: s3.uploads(bucket) == [], 30, "the uploads left open at names their files left to be aborted")
+        try:
+            wait_until(lambda: s3.uploads(bucket) == [], 30, "the uploads left open at names their files left to be aborted")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: still open at {s3.uploads(bucket)}") from None
         for m in (a, b):
             assert m.unexpected_log_errors() == [], m.unexpected_log_errors()

@@ -475,6 +475,32 @@ class FaultyBackend:
         return call
 
 
+async def test_staged_data_no_file_needs_is_deleted_though_the_first_try_fails(tmp_path):
+    """Staged data that shows nothing (its file was overwritten or deleted)
+    is deleted in the background: a transient failure is tried again (on
+    S3 an upload left open costs storage until a restart)."""
+    rig = Rig(tmp_path / "store")
+    staged = rig.backend.stage([b"x" * 1000], 1000, "f")
+    assert staged.token is not None and rig.backend.staged_exists(staged.token)
+    real, tries = rig.backend.discard, []
+
+    def discard(s):
+        tries.append(s)
+        if len(tries) == 1:
+            raise ConnectionError("injected: the store did not answer")
+        real(s)
+
+    rig.backend.discard = discard
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        rig.engine.discard_soon(staged, "f")
+        with trio.fail_after(10):
+            while len(tries) < 2:
+                await trio.sleep(0.01)
+        n.cancel_scope.cancel()
+    assert not rig.backend.staged_exists(staged.token)
+
+
 async def test_faulty_store_every_file_eventually_published_byte_identical(tmp_path):
     rig = Rig(tmp_path / "store")
     faulty = FaultyBackend(rig.backend, error_rate=0.3, latency_s=0.005, seed=7)
