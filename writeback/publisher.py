@@ -108,7 +108,11 @@ class Publisher:
         # Directories whose mode, owner or mtime may differ from their record:
         # recorded when the queue is idle (metadata is not ordered data).
         self.dirty: set[Dir] = set()
-        self.syncing = trio.Lock()
+        # Held while an op is applied, and while directory records are
+        # written (a flush writes them from its own task): a record written
+        # beside an op under way could land at a name the op just moved or
+        # removed, and bring back at a restart a directory the mount no longer has.
+        self.changing = trio.Lock()
 
     # -- store steps -------------------------------------------------------------
     async def call(self, what: str, fn, *args, nbytes: int = 0, reading: FileGen | None = None, at: tuple[str, ...] = (),
@@ -180,30 +184,10 @@ class Publisher:
         e = self.e
         while True:
             try:
-                await self._release_deferred()
-                if self.parked and trio.current_time() >= self.retry_parked_at:
-                    await self._retry_parked()
-                if not e.queue:
+                async with self.changing:
+                    idle = await self._step()
+                if idle:
                     await self._idle()
-                    continue
-                op = self.current = e.queue[0]
-                if isinstance(op, FileGen) and await self._publish_group():
-                    continue
-                if isinstance(op, Remove) and await self._remove_group():
-                    continue
-                try:
-                    if isinstance(op, FileGen):
-                        if not await self._turn(op):
-                            if self.e.link is None or not await self._publish_group(around=True):
-                                await self._idle()
-                            continue
-                    else:
-                        await self._apply(op)
-                except GiveUp:
-                    pass  # parked or skipped, loudly: it no longer blocks the queue
-                self._complete(op)
-                self._dirty_after(op)
-                await self._show_waiting_markers()
             except trio.Cancelled:
                 raise
             except Exception as exc:  # a bug: logged, and the op is tried again at the head of the queue
@@ -215,6 +199,33 @@ class Publisher:
                 await trio.sleep(e.retry.delay(op.tries if op else 1))
             finally:
                 self.current = None
+
+    async def _step(self) -> bool:
+        """Apply the op at the head of the queue (or a group of ops); True
+        if there is nothing to do until something changes."""
+        e = self.e
+        await self._release_deferred()
+        if self.parked and trio.current_time() >= self.retry_parked_at:
+            await self._retry_parked()
+        if not e.queue:
+            return True
+        op = self.current = e.queue[0]
+        if isinstance(op, FileGen) and await self._publish_group():
+            return False
+        if isinstance(op, Remove) and await self._remove_group():
+            return False
+        try:
+            if isinstance(op, FileGen):
+                if not await self._turn(op):
+                    return self.e.link is None or not await self._publish_group(around=True)
+            else:
+                await self._apply(op)
+        except GiveUp:
+            pass  # parked or skipped, loudly: it no longer blocks the queue
+        self._complete(op)
+        self._dirty_after(op)
+        await self._show_waiting_markers()
+        return False
 
     async def _idle(self) -> None:
         change = self.e.next_change()  # taken first: a change while directories sync must not be missed
@@ -264,7 +275,7 @@ class Publisher:
         for later, and the others are written all the same. True if none
         failed."""
         failed = set()
-        async with self.syncing:
+        async with self.changing:
             try:
                 for d in sorted(self.dirty, key=lambda n: -len(self.replica.path_of(n) or "")):
                     self.dirty.discard(d)  # first: a change while its record is written makes it dirty again

@@ -1291,6 +1291,62 @@ async def test_a_directory_sync_cut_short_keeps_the_directory_dirty(tmp_path):
     assert "d" in [rig.engine.publisher.replica.path_of(x) for x in rig.engine.publisher.dirty]
 
 
+async def test_a_directory_record_a_flush_writes_never_lands_at_a_name_the_directory_left(tmp_path):
+    """A flush writes the records of changed directories while the
+    publisher goes on with what was queued after it: a directory renamed
+    meanwhile got its record at its old name, after the rename had moved
+    it (at a restart, a directory the mount no longer had came back)."""
+    import threading
+
+    rig = Rig(tmp_path / "store")
+    rig.mkdir("a")
+    x = rig.mkdir("a/x")
+    inner, stall = rig.backend, manifest.record_path("a/x")
+    armed, writing, go = threading.Event(), threading.Event(), threading.Event()
+
+    class _Stalling:
+        def __getattr__(self, name):
+            attr = getattr(inner, name)
+            if name != "put":
+                return attr
+
+            def put(path, data):
+                if armed.is_set() and path == stall:
+                    writing.set()
+                    go.wait(20)
+                return attr(path, data)
+
+            return put
+
+    rig.engine.backend = _Stalling()
+    try:
+        async with trio.open_nursery() as n:
+            await n.start(rig.engine.run)
+            with trio.fail_after(20):
+                await rig.engine.flush()
+            armed.set()
+            rig.store.setattr(x.ino, mode=0o700)
+            n.start_soon(rig.engine.flush)  # its sync writes the record of a/x, and stalls there
+            with trio.fail_after(10):
+                while not writing.is_set():
+                    await trio.sleep(0.01)
+            rig.rename("a", "b")
+            with trio.move_on_after(1):  # the publisher applies the rename, if it may
+                while rig.engine.queue:
+                    await trio.sleep(0.01)
+            go.set()
+            with trio.fail_after(20):
+                await rig.engine.flush()
+            n.cancel_scope.cancel()
+    finally:
+        go.set()
+    assert manifest.read(inner, "a/x") is None
+    assert manifest.read(inner, "b/x").mode == 0o700
+    rig2 = Rig(tmp_path / "store")
+    await rig2.engine.scan()
+    assert rig2.store.inode_at("a") is None and stat.S_IMODE(rig2.store.inode_at("b/x").mode) == 0o700
+
+
 async def test_a_directory_renamed_after_the_store_lost_it_is_made_at_its_new_name(tmp_path):
     """The store's directory went missing (removed by hand) before its
     rename was published: the move finds nothing to move, and the directory
