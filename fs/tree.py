@@ -222,6 +222,20 @@ class InodeTree:
                 out.append(f"{prefix}/{os.fsdecode(name)}" if prefix else os.fsdecode(name))
         return out
 
+    def directories(self) -> list[tuple[str, int]]:
+        """Every directory under the root, each after the one holding it: (path, inode)."""
+        out: list[tuple[str, int]] = []
+        below = [("", self.inodes[ROOT])]
+        while below:
+            base, d = below.pop()
+            for name, ino in (d.children or {}).items():
+                child = self.inodes[ino]
+                if child.children is not None:
+                    path = f"{base}/{os.fsdecode(name)}" if base else os.fsdecode(name)
+                    out.append((path, ino))
+                    below.append((path, child))
+        return out
+
     def _dir_path(self, ino: int) -> str | None:
         """The path of directory `ino` ("" the root; None once unlinked).
         A loop up its parents, not a recursion: a tree may be deeper than

@@ -82,6 +82,7 @@ class Namespace(Restorer, Protocol):
     """The engine's view of the mount (implemented by fs.tree.InodeTree)."""
 
     def paths_of(self, ino: int) -> list[str]: ...
+    def directories(self) -> list[tuple[str, int]]: ...  # (path, inode) of each, parents first
     def meta_of(self, ino: int) -> tuple[int, int, int, int] | None: ...  # (mode, uid, gid, mtime_ns)
     def inode_at(self, path: str) -> Node | None: ...
     def evict(self, ino: int, generation: int) -> int: ...
@@ -623,7 +624,8 @@ class Engine:
                 await trio.sleep(self.retry.max_s)
         publisher = Publisher(self, following.markers)
         ops = list(self.queue)  # everything after `position`
-        takeover.replicate(publisher, scanned, ops, lambda path: getattr(self.ns.inode_at(path), "ino", None), self.published_gen)
+        takeover.replicate(publisher, scanned, ops, lambda path: getattr(self.ns.inode_at(path), "ino", None), self.published_gen,
+                           self.ns.directories())
         held = [g for g in self.unsettled.values() if g.seq <= position and g.state not in (State.PUBLISHED, State.DROPPED)]
         then = takeover.names_then({g: self.ns.paths_of(g.ino) for g in held}, ops)
         for gen in held:

@@ -77,10 +77,17 @@ def _replay(twin: Replica, ops: list[Op], backward: bool = False) -> None:
 
 
 def replicate(publisher: Publisher, scanned: Scanned, ops: list[Op], inode_at: Callable[[str], int | None],
-              generation_of: Mapping[int, int]) -> None:
+              generation_of: Mapping[int, int], directories: list[tuple[str, int]]) -> None:
     """Give `publisher` a replica of what the store shows (`scanned`), each
     name bound to its live inode (`bind_to_live`). Every directory is
-    dirty: its record is compared with the mount at the next idle moment."""
+    dirty: its record is compared with the mount at the next idle moment.
+
+    `directories`: the live mount's (path, inode), parents first. Those it
+    had at `P` (followed back through `ops`) that the store does not show
+    join the replica too: the old publisher made them, and writes a
+    directory's record only once its queue is quiet, so on an object store
+    (where an empty directory is its record alone) it may have gone first,
+    and they were recorded by nobody."""
     for e in scanned.entries:
         rec = scanned.records.get(e.path)
         if e.is_dir:
@@ -98,6 +105,10 @@ def replicate(publisher: Publisher, scanned: Scanned, ops: list[Op], inode_at: C
                 d = Dir(0)
                 publisher.restored(rec.path, d)
             d.recorded = rec.meta
+    then = names_then({ino: [path] for path, ino in directories}, ops)
+    for path in sorted((p for paths in then.values() for p in paths), key=lambda p: p.count("/")):
+        if publisher.replica.lookup(path) is None:
+            publisher.replica.bind(path, Dir(0))  # recorded at the next sync (not made: on a local store the scan would have found it)
     bind_to_live(publisher.replica, ops, inode_at, generation_of)
     publisher.dirty = {n for _, n in publisher.replica.walk(publisher.replica.root) if isinstance(n, Dir)} | {publisher.replica.root}
 

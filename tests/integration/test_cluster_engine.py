@@ -14,6 +14,7 @@ from ckptfs.cluster.log import SharedLog, Where
 from ckptfs.cluster.namespace import SharedNamespace
 from ckptfs.fs.memory import MemoryPool
 from ckptfs.fs.tree import ROOT, InodeTree
+from ckptfs.writeback import manifest
 from ckptfs.writeback.backend import open_store
 from ckptfs.writeback.engine import Engine, Retry
 from ckptfs.writeback.following import Following
@@ -155,6 +156,50 @@ async def test_a_node_taking_over_publishing_shows_a_file_the_gone_node_held_at_
         assert (store / "final").read_bytes() == data
         assert not (store / "tmp").exists() and not (store / "mid").exists()
         assert b.engine.published_gen[ino] == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_node_taking_over_publishing_records_a_directory_the_gone_node_made_but_had_not_recorded(tmp_path, redis_db, s3):
+    """On S3 an empty directory is its record alone, which the publishing
+    node writes once its queue is quiet. Node a applied b's mkdir and went
+    before that: the directory was in no store scan, so b, taking over, had
+    it in no replica of the store and never recorded it; a flush said all
+    was published, and a restart lost the directory."""
+    url = s3.bucket("unrecorded")
+    a = Node(redis_db, url, "a", publishes=True, options=s3.options())
+    b = Node(redis_db, url, "b", publishes=False, options=s3.options())
+
+    async def never() -> bool:  # a goes before its queue is quiet long enough to record directories
+        await trio.sleep_forever()
+
+    a.engine.publisher.sync_dirs = never
+    async with trio.open_nursery() as nursery:
+        a_alive = trio.CancelScope()
+
+        async def run_a(task_status=trio.TASK_STATUS_IGNORED) -> None:
+            with a_alive:
+                async with trio.open_nursery() as inner:
+                    await a.start(inner)
+                    task_status.started()
+                    await trio.sleep_forever()
+
+        await nursery.start(run_a)
+        await b.start(nursery)
+        await b.ns.change("mkdir", ROOT, b"d", 0o750, 0, 0)
+        await b.ns.change("mkdir", b.tree.inode_at("d").ino, b"e", 0o700, 0, 0)
+        with trio.fail_after(10):  # a applied both (the store has nothing to show for them)
+            while a.engine.queue or a.engine.publisher.position == 0:
+                await trio.sleep(0.01)
+        position = a.engine.publisher.position
+        with trio.fail_after(10):
+            while b.engine.publisher.leader_position < position:  # b heard a's progress
+                await trio.sleep(0.01)
+        a_alive.cancel()  # a is gone
+        await b.events.take_over(time.monotonic())
+        with trio.fail_after(20):
+            await b.engine.flush()
+        assert manifest.read(b.backend, "d").mode == 0o750
+        assert manifest.read(b.backend, "d/e").mode == 0o700
         nursery.cancel_scope.cancel()
 
 
