@@ -48,6 +48,20 @@ class Node:
         if follow:
             await nursery.start(self.ns.follow)
 
+    async def start_alive(self, nursery: trio.Nursery, **kw) -> trio.CancelScope:
+        """`start`, within a scope of its own: cancelled, the node is gone."""
+        alive = trio.CancelScope()
+
+        async def run(task_status=trio.TASK_STATUS_IGNORED) -> None:
+            with alive:
+                async with trio.open_nursery() as inner:
+                    await self.start(inner, **kw)
+                    task_status.started()
+                    await trio.sleep_forever()
+
+        await nursery.start(run)
+        return alive
+
     async def write(self, name: bytes, data: bytes) -> int:
         h = await self.ns.create(ROOT, name, 0o644, W, 0, 0, lambda: True)
         self.tree.write(h.fh, 0, data)
@@ -120,16 +134,7 @@ async def test_a_node_taking_over_publishing_shows_a_file_the_gone_node_held_at_
     b = Node(redis_db, store, "b", publishes=False)
     data = b"held" * 50_000
     async with trio.open_nursery() as nursery:
-        a_alive = trio.CancelScope()
-
-        async def run_a(task_status=trio.TASK_STATUS_IGNORED) -> None:
-            with a_alive:
-                async with trio.open_nursery() as inner:
-                    await a.start(inner, follow=False)  # a applies the log only when told
-                    task_status.started()
-                    await trio.sleep_forever()
-
-        await nursery.start(run_a)
+        a_alive = await a.start_alive(nursery, follow=False)  # a applies the log only when told
         await b.start(nursery)
         a.events.lease_until = 0.0  # a's lease ran out: its publisher stops at its first store step
         ino = await b.write(b"tmp", data)
@@ -174,16 +179,7 @@ async def test_a_node_taking_over_publishing_records_a_directory_the_gone_node_m
 
     a.engine.publisher.sync_dirs = never
     async with trio.open_nursery() as nursery:
-        a_alive = trio.CancelScope()
-
-        async def run_a(task_status=trio.TASK_STATUS_IGNORED) -> None:
-            with a_alive:
-                async with trio.open_nursery() as inner:
-                    await a.start(inner)
-                    task_status.started()
-                    await trio.sleep_forever()
-
-        await nursery.start(run_a)
+        a_alive = await a.start_alive(nursery)
         await b.start(nursery)
         await b.ns.change("mkdir", ROOT, b"d", 0o750, 0, 0)
         await b.ns.change("mkdir", b.tree.inode_at("d").ino, b"e", 0o700, 0, 0)
@@ -377,17 +373,8 @@ async def test_a_large_file_staged_at_its_name_by_a_dead_node_and_renamed_before
     a = Node(redis_db, url, "a", publishes=True, options=s3.options())
     b = Node(redis_db, url, "b", publishes=False, options=s3.options())
     async with trio.open_nursery() as nursery:
-        b_alive = trio.CancelScope()
-
-        async def run_b(task_status=trio.TASK_STATUS_IGNORED) -> None:
-            with b_alive:
-                async with trio.open_nursery() as inner:
-                    await b.start(inner)
-                    task_status.started()
-                    await trio.sleep_forever()
-
         await a.start(nursery, follow=False)  # a applies the log only when told (`catch_up`)
-        await nursery.start(run_b)
+        b_alive = await b.start_alive(nursery)
         ino = await b.write(b"big", os.urandom(12 << 20))
         with trio.fail_after(30):
             while b.engine.pending[ino].state is not State.STAGED:
