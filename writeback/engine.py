@@ -474,7 +474,9 @@ class Engine:
 
     def barrier(self, prefix: str = "") -> list[Op]:
         """What a flush of `prefix` ("" for everything) waits for: what is
-        unpublished now and concerns it, in journal order."""
+        unpublished now and concerns it (at or under it, or a change of a
+        directory above it: the store shows it there only once a move of
+        one is applied), in journal order."""
         ops = sorted(self.unpublished(), key=lambda op: op.seq)
         if not prefix:
             return ops
@@ -482,12 +484,18 @@ class Engine:
         def under(path: str) -> bool:
             return path == prefix or path.startswith(prefix + "/")
 
+        def concerns(path: str) -> bool:  # or a directory above it (moved, made: where its files go)
+            return under(path) or prefix.startswith(path + "/")
+
         out: list[Op] = []
         for op in ops:
             if isinstance(op, FileGen):
                 if any(under(p) for p in [*op.names, *self.ns.paths_of(op.ino)]):
                     out.append(op)
-            elif (isinstance(op, Rename) and (under(op.src) or under(op.dst))) or under(op.path):
+            elif isinstance(op, Rename | Exchange):
+                if any(concerns(p) for p in ((op.src, op.dst) if isinstance(op, Rename) else (op.a, op.b))):
+                    out.append(op)
+            elif op.path and concerns(op.path):
                 out.append(op)
         return out
 

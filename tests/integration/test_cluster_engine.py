@@ -98,6 +98,47 @@ async def test_a_file_staged_before_the_publishing_node_applied_its_seal_is_publ
         nursery.cancel_scope.cancel()
 
 
+async def test_a_read_after_a_directory_rename_waits_until_the_publishing_node_moved_the_file(tmp_path, redis_db):
+    """Node b renames the directory holding a published file of its own,
+    evicted, and reads it: the load is from the file's new path, so it
+    waits until the publishing node has applied the rename (it failed at
+    once, "missing from the store": only changes at or under the file's
+    path were waited for, not a move of a directory above it)."""
+    store = tmp_path / "store"
+    a = Node(redis_db, store, "a", publishes=True)
+    b = Node(redis_db, store, "b", publishes=False)
+    data = os.urandom(300_000)
+    async with trio.open_nursery() as nursery:
+        await a.start(nursery, follow=False)  # a applies the log only when told (`catch_up`)
+        await b.start(nursery)
+        d = await b.ns.change("mkdir", ROOT, b"d", 0o755, 0, 0)
+        h = await b.ns.create(d.ino, b"x", 0o644, W, 0, 0, lambda: True)
+        b.tree.write(h.fh, 0, data)
+        b.tree.release(h.fh)
+        await b.ns.placed()
+        ino = h.inode.ino
+        await a.ns.catch_up()
+        with trio.fail_after(20):
+            while b.engine.published_gen.get(ino) != 1:
+                await trio.sleep(0.01)
+        assert b.engine.evict_file(ino)
+        await b.ns.change("rename", ROOT, b"d", ROOT, b"e", 0)
+        loaded = trio.Event()
+
+        async def read() -> None:
+            await b.engine.load(ino)
+            loaded.set()
+
+        nursery.start_soon(read)
+        await trio.sleep(0.5)
+        assert not loaded.is_set()  # a has not moved the file yet
+        await a.ns.catch_up()
+        with trio.fail_after(20):
+            await loaded.wait()
+        assert (store / "e" / "x").read_bytes() == data and b.engine.ns.resident(ino)
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_publication_heard_before_its_seal_was_applied_settles_the_generation(tmp_path, redis_db):
     """A node that lags applying the log hears that the publishing node
     published a file before it applies the file's seal: the generation it
