@@ -115,6 +115,7 @@ class Operations(pyfuse3.Operations):
         self.shared = shared
         self.timeout = ATTR_TIMEOUT if shared is None else CLUSTER_ATTR_TIMEOUT
         self._invalidations = _Invalidations()
+        self._connected = False  # the kernel's INIT came (`init`): before it, it caches nothing, and refuses notifications
         if shared is not None:
             shared.elsewhere = self._changed_elsewhere
         self.fsync_durable = fsync_durable
@@ -133,9 +134,14 @@ class Operations(pyfuse3.Operations):
         """Attributes for a reply that gives the kernel a new reference."""
         return attributes(self.tree.ref(inode), self.timeout)
 
+    def init(self) -> None:
+        self._connected = True
+
     def _changed_elsewhere(self, op: str, args: list) -> None:
         """Cluster mode: another node's change is applied here; the kernel
         forgets what it cached of it (names, attributes, a file's pages)."""
+        if not self._connected:  # a node joining: the log applied before the kernel set up the connection
+            return
         if op in ("unlink", "rmdir"):
             pyfuse3.invalidate_entry_async(args[0], args[1], ignore_enoent=True)
         elif op == "rename":
