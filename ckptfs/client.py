@@ -161,8 +161,12 @@ class Client:
         """Send one request; return its result. `deadline`: seconds the whole
         request may take (progress lines keep a long one alive meanwhile)."""
         sock = self._connect()
+        closed = DaemonUnavailable(f"the ckptfs daemon for {self.mountpoint} closed the connection", hung=False)
         try:
-            sock.sendall(json.dumps({"version": PROTOCOL_VERSION, "op": op, **args}).encode() + b"\n")
+            try:
+                sock.sendall(json.dumps({"version": PROTOCOL_VERSION, "op": op, **args}).encode() + b"\n")
+            except (BrokenPipeError, ConnectionResetError):  # it died (or stopped) as the request went
+                raise closed from None
             end = time.monotonic() + (deadline if deadline is not None else self.timeout)
             buf = b""
             while True:
@@ -173,8 +177,10 @@ class Client:
                     except TimeoutError:
                         raise DaemonUnavailable(f"the ckptfs daemon for {self.mountpoint} did not answer within "
                                                 f"{self.timeout:g}s (hung?)", hung=True) from None
+                    except ConnectionResetError:  # it died with the request unread
+                        raise closed from None
                     if not chunk:
-                        raise DaemonUnavailable(f"the ckptfs daemon for {self.mountpoint} closed the connection", hung=False)
+                        raise closed
                     buf += chunk
                     if len(buf) > MAX_LINE:
                         raise RequestFailed("reply too long")

@@ -464,7 +464,22 @@ def test_client_detects_a_hung_and_a_dead_daemon(fresh_mount):
     finally:
         os.kill(m.pid, signal.SIGCONT)
     assert Client(m.mountpoint).ping()["pid"] == m.pid
+    # A daemon that dies while a request waits on it, unread: DaemonUnavailable (one line from the CLI), no traceback
+    os.kill(m.pid, signal.SIGSTOP)
+    got: list[BaseException] = []
+
+    def status() -> None:
+        try:
+            Client(m.mountpoint, timeout=60).status()
+        except BaseException as exc:
+            got.append(exc)
+
+    waiting = threading.Thread(target=status)
+    waiting.start()
+    time.sleep(1)  # connected, its request sent
     os.kill(m.pid, signal.SIGKILL)
+    waiting.join(60)
+    assert len(got) == 1 and isinstance(got[0], DaemonUnavailable) and "closed the connection" in str(got[0]), got
     m.proc.wait()
     with pytest.raises(DaemonUnavailable) as exc:
         Client(m.mountpoint).status()
