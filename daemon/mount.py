@@ -27,7 +27,7 @@ from ckptfs.writeback.journal import FileGen, Op, kind
 from ckptfs import runtime
 from ckptfs.config import DEFAULT_SPILL_DIR, MountConfig
 
-from . import status
+from . import status, tasks
 from .control import ControlServer
 from .metrics import Metrics
 
@@ -180,6 +180,7 @@ def _describe(op: Op, tree: InodeTree) -> str:
 async def _main(config: MountConfig, tree: InodeTree, engine: Engine, control: ControlServer, metrics: Metrics,
                 unmount: Callable[[], None], ready: Callable[[], None] | None, node: ClusterNode | None) -> list:
     async with trio.open_nursery() as nursery:
+        await nursery.start(tasks.dump_on_signal)  # first: a start that hangs can be asked what it waits for
         await nursery.start(engine.run)
         await nursery.start(control.serve)  # answers during the drain too: `ckptfs status` shows it
         metrics.watch(control.ledger.totals, trio.lowlevel.current_trio_token())

@@ -488,6 +488,23 @@ def test_client_detects_a_hung_and_a_dead_daemon(fresh_mount):
     assert r.returncode == 3 and "unavailable" in r.stdout
 
 
+def test_sigusr1_logs_what_every_task_and_thread_waits_on(fresh_mount):
+    """For a mount that stopped answering: the dump names each await stack."""
+    m = fresh_mount
+    m.path("f").write_bytes(b"x")
+    os.kill(m.pid, signal.SIGUSR1)
+    deadline = time.monotonic() + 30
+    while "task dump ends" not in m.log_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    dump = m.log_text().split("task dump (SIGUSR1)", 1)[1].split("task dump ends")[0].splitlines()
+    tasks = "\n".join(line for line in dump if "tasks: task " in line)
+    threads = "\n".join(line for line in dump if "tasks: thread " in line)
+    assert "mount.py" in tasks and "_seal_closed > " in tasks and "sleep" in tasks  # a task, indented, with its stack
+    assert "engine.py" in tasks
+    assert "thread MainThread: " in threads and "tasks.py" in threads and "thread_lines" in threads
+    assert m.path("f").read_bytes() == b"x" and Client(m.mountpoint).ping()["pid"] == m.pid  # the mount serves on
+
+
 def _as_nobody(fn) -> str:
     """Run fn() in a child process with uid/gid 65534; returns what it printed."""
     r, w = os.pipe()
