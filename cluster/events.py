@@ -7,7 +7,10 @@ One node's publisher applies the cluster's journal to the store (see
 - `restage`   the publishing node cannot show that staged data (gone, or an upload open at a name
               the file has left): its node stages it again, under a hidden key;
 - `published` the publishing node showed a generation at a path (its digest with it);
-- `progress`  the publishing node applied every op of the journal up to a sequence number;
+- `progress`  the publishing node applied every op of the journal up to a sequence number
+              (`position`), and every op up to a later one (`applied`) but the removals it holds
+              back there (`waiting`: until the files sealed before them settle; a parked or
+              lost file holds them for good);
 - `leader`    a node took over publishing (the one that published is gone):
               every node reports again what it has staged and not seen published;
 - `lost`      the publishing node lost a node's generation, taking that node for
@@ -18,18 +21,20 @@ moment it joined. They carry no file data: bytes go from a node's RAM to
 the store only.
 
 Beside the stream, the publishing node keeps, in the same transaction as
-the events before them: its `progress`, and the generations it had the turn
-of and did not publish (`held`: a completion marker waiting, a parked or
-lost file). A node joining reads both, so that it neither takes such a
-file for published nor waits for one that was.
+the events before them: its `progress` (the position and what it applied
+beyond it), and the generations it had the turn of and did not publish
+(`held`: a completion marker waiting, a parked or lost file). A node
+joining reads them, so that it neither takes such a file for published
+nor waits for what was applied.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import redis
 import trio
@@ -50,6 +55,13 @@ log = logging.getLogger(__name__)
 BLOCK_S = 1.0
 PROGRESS_EVERY_S = 0.01  # the publishing node's progress, at most this often
 KEPT = 200_000  # events kept in the stream (approximately): a node reads them within seconds
+WAITING_SENT = 256  # removals held back, named in a progress report at most (those after them count as not applied)
+
+
+class Progress(NamedTuple):
+    position: int
+    applied: int
+    waiting: list[int]
 
 
 class Events:
@@ -59,6 +71,7 @@ class Events:
         self.shared = shared
         self.key = shared.prefix + "events"
         self.progress_key = shared.prefix + "progress"
+        self.applied_key = shared.prefix + "applied"
         self.held_key = shared.prefix + "held"
         self.engine = engine
         self.me = me
@@ -190,8 +203,10 @@ class Events:
         self._last = last[0][0].decode() if last else "0-0"
         if not self.publishes:
             following: Following = self.engine.publisher  # type: ignore[assignment]
-            progress, held = r.mget([self.progress_key, self.held_key])  # written together: they agree
-            following.joined(int(progress or 0), json.loads(held) if held else [])
+            progress, applied, held = r.mget([self.progress_key, self.applied_key, self.held_key])  # written together: they agree
+            position = int(progress or 0)
+            beyond, waiting = json.loads(applied) if applied else (position, [])
+            following.joined(position, json.loads(held) if held else [], beyond, waiting)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -211,13 +226,13 @@ class Events:
             batch, self._out = self._out, []
             # Where the publishing node got and what it holds, taken at one
             # moment, for nodes that join later (`start`)
-            position = self._position() if self.publishes else None
+            progress = self._progress() if self.publishes else None
             held = None
             if self.publishes and self._held_changed:
                 held, self._held_changed = json.dumps(list(self._held.values())).encode(), False
             snapshot, self._snapshot = self._snapshot, None
             try:
-                await trio.to_thread.run_sync(self._xadd, batch, position, held, snapshot)
+                await trio.to_thread.run_sync(self._xadd, batch, progress, held, snapshot)
                 self._unreachable = False
             except redis.RedisError as exc:
                 if not self._unreachable:  # once per outage
@@ -228,12 +243,14 @@ class Events:
                 self._snapshot = self._snapshot or snapshot
                 await trio.sleep(0.5)
 
-    def _xadd(self, batch: list[bytes], position: int | None, held: bytes | None, snapshot: tuple[int, bytes, float] | None) -> None:
+    def _xadd(self, batch: list[bytes], progress: Progress | None, held: bytes | None,
+              snapshot: tuple[int, bytes, float] | None) -> None:
         pipe = self.shared.redis.pipeline(transaction=True)  # a node joining sees all of it or none
         for raw in batch:
             pipe.xadd(self.key, {"e": raw}, maxlen=KEPT, approximate=True)
-        if position is not None:
-            pipe.set(self.progress_key, position)
+        if progress is not None:
+            pipe.set(self.progress_key, progress.position)
+            pipe.set(self.applied_key, json.dumps([progress.applied, progress.waiting]))
         if held is not None:
             pipe.set(self.held_key, held)
         if snapshot is not None:
@@ -241,28 +258,33 @@ class Events:
         pipe.execute()
 
     async def _report_progress(self) -> None:
-        reported = -1
+        reported = None
         while self.publishes:
             change = self.engine.next_change()
-            position = self._position()
-            if position != reported:
-                self._post({"e": "progress", "position": position})
-                reported = position
+            progress = self._progress()
+            if progress != reported:
+                self._post({"e": "progress", "position": progress.position, "applied": progress.applied, "waiting": progress.waiting})
+                reported = progress
             await change.wait()
             await trio.sleep(PROGRESS_EVERY_S)
 
-    def _position(self) -> int:
-        """Every op up to this sequence number had its turn at the store
-        (applied; a file published, held or parked). Never less than where
-        the node this one took over from got: the generations it held come
-        first in the queue again, but they had their turn."""
+    def _progress(self) -> Progress:
+        """Every op up to `applied` had its turn at the store (applied; a
+        file published, held or parked), but the removals held back
+        (`waiting`); `position` is just before the first of those: where a
+        node taking over applies the journal from again. Never less than
+        where the node this one took over from got: the generations it held
+        come first in the queue again, but they had their turn."""
         p = self.engine.publisher
-        position = p.position
-        if p.deferred:
-            position = min(position, p.deferred[0][1].seq - 1)
+        applied = p.position
         if self.engine.queue:
-            position = min(position, self.engine.queue[0].seq - 1)
-        return max(position, self._took_over_at)
+            applied = min(applied, self.engine.queue[0].seq - 1)
+        applied = max(applied, self._took_over_at)
+        waiting = [op.seq for _, op in itertools.islice(p.deferred, WAITING_SENT + 1) if op.seq <= applied]
+        if len(waiting) > WAITING_SENT:  # a long list is cut: what comes after the last one named counts as not applied
+            applied = waiting.pop() - 1
+        position = max(min(applied, waiting[0] - 1), self._took_over_at) if waiting else applied
+        return Progress(position, applied, waiting)
 
     async def _receive(self) -> None:
         waiter = self.shared.waiter(BLOCK_S)
@@ -299,7 +321,7 @@ class Events:
             e.published_elsewhere(event["ino"], event["gen"], event["path"], _digest(event["digest"]))
         elif kind == "progress" and not self.publishes and self.leader in (None, event["by"]):
             following: Following = e.publisher  # type: ignore[assignment]
-            following.progress(event["position"])
+            following.progress(event["position"], event["applied"], event["waiting"])
         elif kind == "lost" and event["to"] == self.me:
             e.lost_here(event["ino"], event["gen"], event["why"])
         elif kind == "leader" and not self.publishes:

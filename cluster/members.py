@@ -35,7 +35,7 @@ READY_TIMEOUT_S = 120.0
 # afresh), else 0.
 _JOIN = """
 if redis.call('GET', KEYS[1]) then return 0 end
-redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9])
+redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9], KEYS[10])
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
@@ -115,7 +115,8 @@ class Membership:
                                    f"({', '.join(sorted(live))}) took over: unmount every node of the cluster, then mount again")
             time.sleep(0.2)  # one of them is taking over
         self.publishes = bool(self._join(keys=[self.leader_key, s.head_key, s.log_key, self.ready_key, s.prefix + "events",
-                                               self.members_key, s.prefix + "progress", s.prefix + "held", s.snapshot_key],
+                                               self.members_key, s.prefix + "progress", s.prefix + "applied", s.prefix + "held",
+                                               s.snapshot_key],
                                          args=[self.me, int(LEADER_TTL_S * 1000)]))
         self.beat()
         return self.publishes

@@ -5,24 +5,37 @@ log's seals and changes, in its order, with the same sequence numbers), but
 one node's `Publisher` applies it to the store. Every other node runs a
 `Following` publisher: it never touches the store; it completes each op of
 its journal once the publishing node reports it applied (`progress`), and
-learns where files were shown (`showed`) so that reads load them. Its own
+learns where files were shown (`showed`) so that reads load them.
+
+The publishing node holds a removal back until the files sealed before it
+settle (a parked or lost file: for good). Its progress then names two
+points: its `position`, just before the first removal held back, from
+which a node taking over applies the journal again; and how far it
+`applied` everything else. Ops between the two are done here as there
+(barriers, loads and flushes do not wait for them) but stay queued: a node
+taking over applies them again. Its own
 generations are staged by its upload workers and reported to the publishing
 node (`ClusterLink.staged`); they are published when that node says so.
 """
 
 from __future__ import annotations
 
-from .journal import Op
+from .journal import FileGen, Op
 from .manifest import Digest, Meta
 from .publisher import Publisher
 from .replica import Shown
+from .state import State
 
 
 class Following(Publisher):
     def __init__(self, engine, markers) -> None:
         super().__init__(engine, markers)
         self.leader_position = 0  # the publishing node applied every op up to this sequence number
-        self.joined_at = 0  # where it was when this node joined
+        self.leader_applied = 0  # and every op up to this one but the removals it holds back
+        self.waiting: set[int] = set()  # those removals (sequence numbers)
+        self._looked_at = 0  # ops up to this sequence number were done beyond the position, or held back
+        self._held_back: dict[int, Op] = {}  # ops beyond the position that the publishing node holds back
+        self.joined_at = 0  # where it was when this node joined (every generation up to there had its turn)
         self._held: dict[tuple[int, int], tuple[int, str, str]] = {}  # what it held or parked then: (ino, generation) -> (seq, owner, error)
         self._digests: dict[int, tuple[int, Digest | None]] = {}  # inode -> (generation, digest) the publishing node showed
 
@@ -31,6 +44,8 @@ class Following(Publisher):
         while True:
             while e.queue and self._applied(e.queue[0]):
                 self._complete(e.queue[0])
+            if self._done_beyond():
+                e.notify()
             await e.wait_change()
 
     def _applied(self, op: Op) -> bool:
@@ -39,14 +54,47 @@ class Following(Publisher):
         a file that is not published stays unsettled here as there."""
         return op.seq <= self.leader_position
 
-    def joined(self, position: int, held: list[list]) -> None:
+    def _done_beyond(self) -> bool:
+        """Complete the namespace ops the publishing node applied beyond its
+        position (its files' generations settle as it shows them); True if any."""
+        done = [op for seq, op in self._held_back.items() if seq not in self.waiting]
+        for op in done:
+            del self._held_back[op.seq]
+            op.done.set()
+        new: list[Op] = []
+        for op in reversed(self.e.queue):  # the ops not looked at yet are at its end
+            if op.seq <= self._looked_at:
+                break
+            new.append(op)
+        for op in reversed(new):
+            if op.seq > self.leader_applied:
+                break
+            self._looked_at = op.seq
+            if isinstance(op, FileGen):
+                continue
+            if op.seq in self.waiting:
+                self._held_back[op.seq] = op
+            else:
+                op.done.set()
+                done.append(op)
+        return bool(done)
+
+    def settled(self, gen: FileGen) -> bool:
+        if super().settled(gen):
+            return True
+        # dropped by an op the publishing node applied beyond its position (a newer seal, a removal not held back)
+        return (gen.state is State.DROPPED and gen.superseded_by is None and gen.dropped_by <= self.leader_applied
+                and gen.dropped_by not in self.waiting)
+
+    def joined(self, position: int, held: list[list], applied: int, waiting: list[int]) -> None:
         """This node joined a running cluster whose publishing node had
-        applied every op up to `position`: the generations up to there were
-        published long ago, but for those it `held` or parked then (rows of
-        seq, inode, generation, owner, error)."""
-        self.joined_at = position
+        applied every op up to `position`, and up to `applied` all but the
+        removals `waiting`: the generations up to there were published long
+        ago, but for those it `held` or parked then (rows of seq, inode,
+        generation, owner, error)."""
+        self.joined_at = max(position, applied)
         self._held = {(ino, generation): (seq, owner, error) for seq, ino, generation, owner, error in held}
-        self.progress(position)
+        self.progress(position, applied, waiting)
 
     def settled_before_join(self, seq: int) -> bool:
         return seq <= self.joined_at
@@ -54,10 +102,13 @@ class Following(Publisher):
     def held_at_join(self, ino: int, generation: int) -> tuple[int, str, str] | None:
         return self._held.get((ino, generation))
 
-    def progress(self, position: int) -> None:
-        """The publishing node applied every op up to `position`."""
-        if position > self.leader_position:
-            self.leader_position = position
+    def progress(self, position: int, applied: int | None = None, waiting: list[int] = ()) -> None:
+        """The publishing node applied every op up to `position`, and up to
+        `applied` every op but the removals `waiting`."""
+        applied = position if applied is None else applied
+        if position > self.leader_position or applied != self.leader_applied or set(waiting) != self.waiting:
+            self.leader_position = max(position, self.leader_position)
+            self.leader_applied, self.waiting = applied, set(waiting)
             self.e.notify()
 
     def shown(self, ino: int) -> tuple[str, Shown] | None:

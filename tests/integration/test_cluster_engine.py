@@ -69,6 +69,16 @@ class Node:
         await self.ns.placed()
         return h.inode.ino
 
+async def take_over_when_heard(a: Node, a_alive: trio.CancelScope, b: Node) -> int:
+    """Once b heard how far a got, a goes and b publishes from there; returns a's position."""
+    position = a.engine.publisher.position
+    with trio.fail_after(10):
+        while b.engine.publisher.leader_position < position:
+            await trio.sleep(0.01)
+    a_alive.cancel()
+    await b.events.take_over(time.monotonic())
+    return position
+
 
 async def test_a_file_staged_before_the_publishing_node_applied_its_seal_is_published(tmp_path, redis_db):
     """Node b's `staged` report reaches the publishing node a before a has
@@ -188,15 +198,10 @@ async def test_a_node_taking_over_publishing_shows_a_file_the_gone_node_held_at_
         with trio.fail_after(10):  # a's turn of the seal and of the first rename came; the second waits
             while not (a.engine.queue and getattr(a.engine.queue[0], "dst", "") == "final" and a.engine.publisher.current is not None):
                 await trio.sleep(0.01)
-        position = a.engine.publisher.position
-        with trio.fail_after(10):
-            while b.engine.publisher.leader_position < position:  # b heard a's progress
-                await trio.sleep(0.01)
-        a_alive.cancel()  # a is gone
-        await b.events.take_over(time.monotonic())
+        position = await take_over_when_heard(a, a_alive, b)
         # b holds the file again at the head of its queue, before a's position; the progress it
         # reports (which a node joining now counts as settled) still starts where a got.
-        assert b.engine.queue[0].seq <= position and b.events._position() >= position
+        assert b.engine.queue[0].seq <= position and b.events._progress().position >= position
         with trio.fail_after(20):
             await b.engine.flush()
         assert (store / "final").read_bytes() == data
@@ -227,12 +232,7 @@ async def test_a_node_taking_over_publishing_records_a_directory_the_gone_node_m
         with trio.fail_after(10):  # a applied both (the store has nothing to show for them)
             while a.engine.queue or a.engine.publisher.position == 0:
                 await trio.sleep(0.01)
-        position = a.engine.publisher.position
-        with trio.fail_after(10):
-            while b.engine.publisher.leader_position < position:  # b heard a's progress
-                await trio.sleep(0.01)
-        a_alive.cancel()  # a is gone
-        await b.events.take_over(time.monotonic())
+        await take_over_when_heard(a, a_alive, b)
         with trio.fail_after(20):
             await b.engine.flush()
         assert manifest.read(b.backend, "d").mode == 0o750
@@ -525,4 +525,50 @@ async def test_a_node_joining_after_a_snapshot_knows_what_is_published_and_what_
         with trio.fail_after(10):
             await d.engine.flush()  # nothing but the lost files, which wait for nobody
         assert d.tree.inode_at("b2").size == 1002 and d.tree.inode_at("b-after").size == 500
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_removal_held_behind_a_parked_file_holds_no_other_nodes_read_of_what_came_after(tmp_path, redis_db):
+    """The publishing node holds a removal back while a file sealed before
+    it is unsettled; a parked file (here: a symlink planted in the store
+    where its directory goes) holds it for good. Its progress stopped just
+    before that removal, so every other node, and every node joining later,
+    took everything after it for not applied yet: a load of a file renamed
+    since waited for ever (a node that rejoined a cluster hung in its first
+    reads)."""
+    store = tmp_path / "store"
+    (store / "top").mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (store / "top" / "bad").symlink_to(elsewhere)
+    a = Node(redis_db, store, "a", publishes=True)
+    b = Node(redis_db, store, "b", publishes=False)
+    async with trio.open_nursery() as nursery:
+        await a.start(nursery)
+        await b.start(nursery)
+        top = await b.ns.change("mkdir", ROOT, b"top", 0o755, 0, 0)
+        bad = await b.ns.change("mkdir", top.ino, b"bad", 0o755, 0, 0)
+        h = await b.ns.create(bad.ino, b"f", 0o644, W, 0, 0, lambda: True)
+        b.tree.write(h.fh, 0, b"never published")
+        b.tree.release(h.fh)
+        await b.ns.placed()
+        await b.write(b"gone", b"removed after the parked file")
+        with trio.fail_after(20):
+            while not (store / "gone").exists():
+                await trio.sleep(0.01)
+        await b.ns.change("unlink", ROOT, b"gone")
+        ino = await a.write(b"w", b"written by a")
+        await a.ns.change("rename", ROOT, b"w", ROOT, b"w2", 0)
+        with trio.fail_after(20):  # a applied all it can: the removal waits for the parked file
+            while not (a.engine.publisher.deferred and not a.engine.queue and (store / "w2").exists()):
+                await trio.sleep(0.01)
+        assert (store / "gone").exists()
+        with trio.fail_after(10):
+            await b.engine.published_for_load(ino)
+        c = Node(redis_db, store, "c", publishes=False)  # joins now
+        await c.start(nursery)
+        with trio.fail_after(10):
+            await c.ns.catch_up()
+            await c.engine.published_for_load(ino)
+        assert list(elsewhere.iterdir()) == []
         nursery.cancel_scope.cancel()
