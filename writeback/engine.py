@@ -460,7 +460,8 @@ class Engine:
         """What is not in the store yet: unsettled generations (held and
         parked ones included), queued renames and removals, waiting removals."""
         out: list[Op] = [g for g in self.unsettled.values() if not self.publisher.settled(g) and g.state is not State.DROPPED]
-        out += [op for op in self.queue if not isinstance(op, FileGen)]
+        # (a following node's queue keeps ops the publishing node applied beyond its position: done, see following.py)
+        out += [op for op in self.queue if not isinstance(op, FileGen) and not op.done.is_set()]
         out += [op for _, op in self.publisher.deferred]
         return out + self.skipped
 
