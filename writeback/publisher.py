@@ -947,6 +947,9 @@ class Publisher:
                 old = f"{op.src}/{rel}" if rel else op.src
                 await self.call(f"record {old}", manifest.delete, backend, old, at=(old,))
                 d.recorded = None
+        there = self.replica.lookup(op.dst)
+        if isinstance(there, Dir) and there is not node:  # what a gone publisher moved there already stays known
+            self.replica.merge_moved(node, there)
         self.replica.bind(op.dst, node)
         self._made_parents(op.dst)
         for rel, f in members:  # hard links whose Link's turn found them elsewhere

@@ -147,6 +147,21 @@ class Replica:
             self._by_ino.setdefault(node.ino, set()).add(node)
         return old
 
+    def merge_moved(self, moving: Dir, there: Dir) -> None:
+        """Directory `moving` goes where `there` is: in the mount `there` was
+        empty (a directory a rename replaces must be), so what it holds in the
+        store a move of `moving` put there, left halfway by a publisher that
+        died (member by member on an object store). It joins `moving`, where
+        `moving` does not have it (a member both have was copied and not yet
+        deleted: the move goes on from `moving`'s)."""
+        for name, node in list(there.children.items()):
+            mine = moving.children.get(name)
+            if mine is None:
+                self.detach(node)
+                self.bind_in(moving, name, node)
+            elif isinstance(mine, Dir) and isinstance(node, Dir):
+                self.merge_moved(mine, node)
+
     def detach(self, node: Node) -> None:
         if node.parent is not None and node.parent.children.get(node.name) is node:
             del node.parent.children[node.name]

@@ -67,6 +67,9 @@ def _replay(twin: Replica, ops: list[Op], backward: bool = False) -> None:
             src, dst = (op.dst, op.src) if backward else (op.src, op.dst)
             moving = twin.lookup(src)
             if moving is not None:
+                there = twin.lookup(dst)
+                if not backward and isinstance(moving, Dir) and isinstance(there, Dir) and there is not moving:
+                    twin.merge_moved(moving, there)  # a move the gone publisher left halfway
                 twin.bind(dst, moving)
         elif isinstance(op, Exchange):
             _swap(twin, op.a, op.b)

@@ -4,6 +4,7 @@ node applies the log, and so the order in which the nodes hear things."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -14,7 +15,7 @@ from ckptfs.cluster.log import SharedLog, Where
 from ckptfs.cluster.namespace import SharedNamespace
 from ckptfs.fs.memory import MemoryPool
 from ckptfs.fs.tree import ROOT, InodeTree
-from ckptfs.writeback import manifest
+from ckptfs.writeback import manifest, storeio
 from ckptfs.writeback.backend import open_store
 from ckptfs.writeback.engine import Engine, Retry
 from ckptfs.writeback.following import Following
@@ -575,4 +576,43 @@ async def test_a_removal_held_behind_a_parked_file_holds_no_other_nodes_read_of_
             await c.ns.catch_up()
             await c.engine.published_for_load(ino)
         assert list(elsewhere.iterdir()) == []
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_directory_move_the_gone_node_left_halfway_keeps_what_it_moved_already(tmp_path, redis_db):
+    """Node a had moved one member of `e` to `a/x` (the rename of `e` over
+    the empty `a/x`, member by member as on an object store) when it died.
+    Node b, taking over, applies the rename again. Its replica of the store
+    lost the member already moved: first bound to no inode (reads of it got
+    EIO, 'in neither RAM nor the store'), then dropped with the old `a/x`."""
+    store = tmp_path / "store"
+    a = Node(redis_db, store, "a", publishes=True)
+    b = Node(redis_db, store, "b", publishes=False)
+    async with trio.open_nursery() as nursery:
+        a_alive = await a.start_alive(nursery)
+        await b.start(nursery)
+        top = await b.ns.change("mkdir", ROOT, b"a", 0o755, 0, 0)
+        await b.ns.change("mkdir", top.ino, b"x", 0o755, 0, 0)
+        e = await b.ns.change("mkdir", ROOT, b"e", 0o755, 0, 0)
+        inos = {}
+        for name in (b"x", b"z"):
+            h = await b.ns.create(e.ino, name, 0o644, W, 0, 0, lambda: True)
+            b.tree.write(h.fh, 0, name * 1000)
+            b.tree.release(h.fh)
+            await b.ns.placed()
+            inos[name] = h.inode.ino
+        with trio.fail_after(20):
+            while not ((store / "e" / "x").exists() and (store / "e" / "z").exists() and (store / "a" / "x").is_dir()):
+                await trio.sleep(0.01)
+        a.events.lease_until = 0.0  # a's publisher stops at its next store step: the rename's
+        await b.ns.change("rename", ROOT, b"e", top.ino, b"x", 0)
+        rec = manifest.read(b.backend, "e/x")  # what a did of it before it died: one member moved
+        storeio.show(b.backend, dataclasses.replace(rec, path="a/x/x"), "e/x", "a/x/x", True)
+        await take_over_when_heard(a, a_alive, b)
+        with trio.fail_after(20):
+            await b.engine.flush()
+        assert (store / "a" / "x" / "x").read_bytes() == b"x" * 1000 and (store / "a" / "x" / "z").read_bytes() == b"z" * 1000
+        assert not (store / "e").exists()
+        for name, ino in inos.items():  # where a load reads them
+            assert b.engine.publisher_shown(ino)[0] == f"a/x/{name.decode()}"
         nursery.cancel_scope.cancel()

@@ -39,3 +39,19 @@ def test_live_names_are_followed_back_to_the_names_they_had_before_the_queued_ch
     now = {"gen-x": ["final"], "gen-d": ["dir2/sub/f"], "gen-l": ["hard", "orig"], "gen-p": ["q"]}
     then = takeover.names_then(now, ops)
     assert then == {"gen-x": ["x.tmp"], "gen-d": ["dir/sub/f"], "gen-l": ["orig"], "gen-p": ["p"]}
+
+
+def test_a_directory_move_the_gone_publisher_left_halfway_binds_what_it_moved_already():
+    """Node a moved `e` to `a/x` member by member (an object store) and died
+    after two of three: the store shows `a/x/x` and `a/x/y` (and, copied
+    but not yet deleted, `e/y` too), and `e/z`. The rename is queued again;
+    its replay used to put the moving directory in place of `a/x` and its
+    members with it, so `a/x/x` and `a/x/y` were bound to no inode: the new
+    publisher did not know where they were, and reads of them got EIO."""
+    replica = _store("a/", "a/x/", "a/x/x", "a/x/y", "e/", "e/y", "e/z")
+    ops = [Rename(1, "e", "a/x", 0, True)]
+    live = {"a": 20, "a/x": 21, "a/x/x": 22, "a/x/y": 23, "a/x/z": 24}
+    takeover.bind_to_live(replica, ops, live.get, {})
+    ino = {path: node.ino for path, node in replica.walk(replica.root)}
+    assert ino["e"] == 21 and ino["e/z"] == 24 and ino["a/x/x"] == 22
+    assert ino["e/y"] == 23 and ino["a/x/y"] == 0  # the copy the move goes on from; the other is replaced by it
