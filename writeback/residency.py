@@ -479,16 +479,22 @@ class Residency:
         (its turns do not wait for loads: a rename, an exchange or a
         removal moves the file or puts another in its place, a newer
         generation replaces its bytes, a file deleted at one name comes
-        back to it from another). A change of that path under way is
-        waited for first; then the load starts again from where the store
-        shows the file now."""
+        back to it from another), or the file was sealed anew meanwhile. A
+        change of that path under way is waited for first; then the load
+        starts again from where the store shows the file now."""
         path = load.path
         op = self.e.publisher.current
         if op is not None and any(path == p or path.startswith(p + "/") for p in _paths(op)):
             await op.done.wait()
         found = self.e.publisher_shown(load.ino)
-        return found is not None and (load.disturbed or found[0] != path
-                                      or (found[1].digest is not None and found[1].digest not in load.wanted))
+        if found is None:
+            return False
+        newer = self.e.pending.get(load.ino)
+        if newer is not None and newer.generation > found[1].generation:
+            # sealed anew (in cluster mode, by another node) while the load waited, for room say: the
+            # file's size is the new one; its bytes come once published (`Engine.published_for_load`)
+            return True
+        return load.disturbed or found[0] != path or (found[1].digest is not None and found[1].digest not in load.wanted)
 
     def _failed(self, path: str, why: str) -> OSError:
         self.verify_failures[path] = why

@@ -26,10 +26,11 @@ W = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
 
 
 class Node:
-    def __init__(self, redis_db, store, name: str, publishes: bool, options: dict | None = None, late: bool = False) -> None:
+    def __init__(self, redis_db, store, name: str, publishes: bool, options: dict | None = None, late: bool = False,
+                 memory: int = 1 << 28) -> None:
         self.backend = open_store(str(store), options)
         self.backend.prepare(f"{name}-{os.getpid()}-{time.time_ns():x}", time.time())
-        self.tree = InodeTree(MemoryPool(1 << 28))
+        self.tree = InodeTree(MemoryPool(memory))
         self.engine = Engine(self.backend, self.tree, retry=Retry(first_s=0.01, max_s=0.05))
         shared = SharedLog(Where(redis_db.url, str(redis_db.password_file)))
         shared.open(str(store))
@@ -615,4 +616,58 @@ async def test_a_directory_move_the_gone_node_left_halfway_keeps_what_it_moved_a
         assert not (store / "e").exists()
         for name, ino in inos.items():  # where a load reads them
             assert b.engine.publisher_shown(ino)[0] == f"a/x/{name.decode()}"
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_load_that_waited_for_room_while_another_node_rewrote_the_file_loads_the_new_bytes(tmp_path, redis_db):
+    """Node a loads b's file: first it waits for room in its RAM budget,
+    full of its own unpublished bytes. Meanwhile b rewrites the file, and b's
+    seal reaches a: the load then expected the new size from bytes the store
+    still shows for the old one, and failed with EIO ('checksum mismatch',
+    counted as a verify failure) instead of waiting for the new ones."""
+    store = tmp_path / "store"
+    a = Node(redis_db, store, "a", publishes=True, memory=4 << 20)
+    b = Node(redis_db, store, "b", publishes=False)
+    async with trio.open_nursery() as nursery:
+        await a.start(nursery)
+        await b.start(nursery, engine=False)  # b stages nothing until its engine runs
+        ino = await a.write(b"f", b"1" * 3_000_000)
+        with trio.fail_after(10):
+            while a.engine.published_gen.get(ino) != 1:
+                await trio.sleep(0.01)
+        assert a.engine.residency.evict_file(ino)
+        a.events.lease_until = 0.0  # a's publisher stops: its own next file holds its RAM budget
+        await a.write(b"g", b"g" * (2 << 20))
+        loaded = trio.Event()
+        got: list[BaseException] = []
+
+        async def load() -> None:
+            try:
+                await a.engine.residency.load(ino)
+            except BaseException as exc:
+                got.append(exc)
+            loaded.set()
+
+        nursery.start_soon(load)
+        await trio.sleep(0.3)  # waiting for room
+        assert not loaded.is_set()
+        await b.write(b"first", b"b's file before f, unstaged: a's publisher waits on it, not on f")
+        h = await b.ns.create(ROOT, b"f", 0o644, W, 0, 0, lambda: True)  # b rewrites f
+        b.tree.write(h.fh, 0, b"2" * 3_500_000)
+        b.tree.release(h.fh)
+        await b.ns.placed()
+        with trio.fail_after(10):
+            while getattr(a.engine.pending.get(ino), "generation", 0) != 2:
+                await trio.sleep(0.01)
+        a.events.lease_until = time.monotonic() + 60  # g is published, then evicted: room for the load
+        with trio.move_on_after(2):
+            await loaded.wait()
+        assert not got and not a.engine.verify_failures, got  # it waits for the new bytes
+        await nursery.start(b.engine.run)
+        with trio.fail_after(20):
+            await loaded.wait()
+        assert not got, got
+        h = a.tree.open(ino, os.O_RDONLY)
+        assert bytes(a.tree.read(h.fh, 0, 4_000_000)) == b"2" * 3_500_000
+        a.tree.release(h.fh)
         nursery.cancel_scope.cancel()
