@@ -1144,8 +1144,15 @@ class Publisher:
         return False
 
     def blocked_by_parked(self) -> bool:
-        e = self.e
-        return bool(e.unsettled) and next(iter(e.unsettled.values())).state is State.PARKED
+        """What waits for the first unsettled generation waits for a parked
+        one: it, or the one that superseded it before its turn."""
+        self.trim_settled()
+        if not self.e.unsettled:
+            return False
+        gen = next(iter(self.e.unsettled.values()))
+        while gen.state is State.DROPPED and gen.superseded_by is not None:
+            gen = gen.superseded_by
+        return gen.state is State.PARKED
 
     async def _release_deferred(self) -> None:
         while self.deferred and not self._gated(self.deferred[0][1].seq):

@@ -20,6 +20,7 @@ from ckptfs.writeback import manifest
 from ckptfs.writeback.backend import DAEMONS, STAGING, Backend, open_store
 from ckptfs.writeback.calls import Deadlines
 from ckptfs.writeback.engine import Retry
+from ckptfs.writeback.journal import FileGen, Remove
 from ckptfs.writeback.state import State
 from ckptfs.writeback.verify import verify
 
@@ -913,3 +914,33 @@ async def test_a_crash_between_deleting_a_file_and_its_record_leaves_no_record_o
     again.backend.prepare("next-daemon", time.time())
     assert manifest.read(again.backend, "big") is None
     assert verify(again.backend).clean
+
+
+async def test_a_removal_behind_a_parked_file_that_replaced_an_earlier_generation_is_stuck_not_waited_for(tmp_path):
+    """The first unsettled generation is one the parked file superseded
+    before its turn. Removals after it wait for the parked file, as behind
+    any parked file; a flush used to take them for still under way and
+    waited for ever (in a cluster: `flush --cluster` ran out its timeout
+    behind a file lost with its node, rewritten just before)."""
+    rig = Rig(tmp_path / "store", retry=Retry(first_s=0.01, max_s=0.05, park_after=2, parked_s=3600))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "store" / "top").mkdir(parents=True)
+    (tmp_path / "store" / "top" / "bad").symlink_to(elsewhere)
+    rig.write("gone", b"published, then removed")
+    rig.mkdir("top")
+    rig.mkdir("top/bad")
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        with trio.fail_after(10):
+            await rig.engine.flush()
+        rig.write("top/bad/f", b"first")
+        rig.write("top/bad/f", b"second: supersedes the first before its turn")
+        rig.unlink("gone")
+        with trio.fail_after(10):
+            await rig.engine.flush()  # returns: what is left is stuck behind the parked file
+        assert "gone" in rig.files()  # the removal waits for the parked file
+        left = rig.engine.unpublished()
+        assert [op.name for op in left if isinstance(op, Remove)] == ["gone"]
+        assert [op.state for op in left if isinstance(op, FileGen)] == [State.PARKED]
+        n.cancel_scope.cancel()
