@@ -541,7 +541,8 @@ class Engine:
         if gen is not None and gen.owner is not None:
             await self.wait_published(ino, gen.generation)
         paths = self.ns.paths_of(ino)
-        if self.link is not None and not self.link.publishes and paths:
+        # Following: also while this node takes over publishing, until its replica of the store is built (`take_over`)
+        if self.publisher.follows and paths:
             left = Left(self, self.barrier(paths[0]))
             while not left.settled():
                 await self.wait_change()

@@ -28,6 +28,8 @@ from .state import State
 
 
 class Following(Publisher):
+    follows = True
+
     def __init__(self, engine, markers) -> None:
         super().__init__(engine, markers)
         self.leader_position = 0  # the publishing node applied every op up to this sequence number

@@ -89,6 +89,8 @@ DIR_SYNC_QUIET_S = 0.2  # directory records are written after the queue has been
 
 
 class Publisher:
+    follows = False  # a cluster node's `Following`: another node applies the journal to the store
+
     def __init__(self, engine: Engine, markers: tuple[str, ...] = MARKERS) -> None:
         self.e = engine
         self.replica = Replica()

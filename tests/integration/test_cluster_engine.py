@@ -4,6 +4,7 @@ node applies the log, and so the order in which the nodes hear things."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -71,6 +72,17 @@ class Node:
         self.tree.release(h.fh)  # seals: its place in the log comes next
         await self.ns.placed()
         return h.inode.ino
+
+@contextlib.asynccontextmanager
+async def a_dies_later(redis_db, store):
+    """Node a publishes, in a scope of its own (`a_alive`: cancelled, a is gone); node b follows."""
+    a = Node(redis_db, store, "a", publishes=True)
+    b = Node(redis_db, store, "b", publishes=False)
+    async with trio.open_nursery() as nursery:
+        a_alive = await a.start_alive(nursery)
+        await b.start(nursery)
+        yield nursery, a, a_alive, b
+
 
 async def take_over_when_heard(a: Node, a_alive: trio.CancelScope, b: Node) -> int:
     """Once b heard how far a got, a goes and b publishes from there; returns a's position."""
@@ -587,11 +599,7 @@ async def test_a_directory_move_the_gone_node_left_halfway_keeps_what_it_moved_a
     lost the member already moved: first bound to no inode (reads of it got
     EIO, 'in neither RAM nor the store'), then dropped with the old `a/x`."""
     store = tmp_path / "store"
-    a = Node(redis_db, store, "a", publishes=True)
-    b = Node(redis_db, store, "b", publishes=False)
-    async with trio.open_nursery() as nursery:
-        a_alive = await a.start_alive(nursery)
-        await b.start(nursery)
+    async with a_dies_later(redis_db, store) as (nursery, a, a_alive, b):
         top = await b.ns.change("mkdir", ROOT, b"a", 0o755, 0, 0)
         await b.ns.change("mkdir", top.ino, b"x", 0o755, 0, 0)
         e = await b.ns.change("mkdir", ROOT, b"e", 0o755, 0, 0)
@@ -670,4 +678,30 @@ async def test_a_load_that_waited_for_room_while_another_node_rewrote_the_file_l
         h = a.tree.open(ino, os.O_RDONLY)
         assert bytes(a.tree.read(h.fh, 0, 4_000_000)) == b"2" * 3_500_000
         a.tree.release(h.fh)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_load_while_this_node_takes_over_publishing_waits_for_the_new_replica(tmp_path, redis_db):
+    """Node b takes over from a, which died before applying b's rename of
+    a's file. A read on b during the takeover (its store scan under way)
+    took b for the publishing node already, skipped the wait for that
+    rename, and loaded from the new name, not in the store yet: EIO,
+    'missing from the store'."""
+    store = tmp_path / "store"
+    async with a_dies_later(redis_db, store) as (nursery, a, a_alive, b):
+        ino = await a.write(b"x", b"a's file" * 1000)
+        with trio.fail_after(10):
+            while not (store / "x").exists():
+                await trio.sleep(0.01)
+        a.events.lease_until = 0.0  # a applies nothing more
+        await b.ns.change("rename", ROOT, b"x", ROOT, b"y", 0)
+        nursery.start_soon(take_over_when_heard, a, a_alive, b)
+        with trio.fail_after(10):
+            while not b.events.publishes:  # the takeover began; b's replica of the store is not built yet
+                await trio.sleep(0)
+        assert isinstance(b.engine.publisher, Following)
+        with trio.fail_after(20):
+            await b.engine.residency.load(ino)
+        assert not b.engine.verify_failures
+        assert (store / "y").read_bytes() == b"a's file" * 1000
         nursery.cancel_scope.cancel()
