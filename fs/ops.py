@@ -64,6 +64,8 @@ def _errors(fn: F) -> F:
             raise
         except OSError as exc:
             code = exc.errno or errno.EIO
+            if code == errno.EIO:  # why, where the cause logged nothing (a lost file's read, say)
+                log.debug("%s answered EIO: %s", name, exc)
             raise pyfuse3.FUSEError(code) from None
         except MemoryError:
             log.error("out of memory in %s", name)

@@ -289,13 +289,14 @@ def test_C6_checksums_recorded_and_corruption_reads_as_eio(tmp_path):
     assert sorted(report.ok) == ["bad.pt", "good.pt"] and report.clean
     (mount.store / "bad.pt").write_bytes(b"x" * 50_000)  # bit rot, same size
     assert [p for p, _ in verify_store(mount.store).corrupt] == ["bad.pt"]
-    again = start_mount(tmp_path)
+    again = start_mount(tmp_path, extra=("--log-level", "DEBUG"))
     again.allowed_log_errors.append("checksum mismatch")
     try:
         assert again.path("good.pt").read_bytes() == b"g" * 50_000
         with pytest.raises(OSError) as e:
             again.path("bad.pt").read_bytes()
         assert e.value.errno == 5  # EIO, never silent
+        assert " answered EIO: " in again.log_text() and "checksum mismatch" in again.log_text()  # each EIO answer says why
     finally:
         stop_mount(again)
 
