@@ -714,3 +714,41 @@ def test_a_node_joining_while_another_renames_logs_no_errors(tmp_path, redis_db)
             if late is not None:
                 stop_mount(late)
         assert errors == [], errors[:5]
+
+
+def test_after_a_node_died_with_a_lost_file_the_others_and_the_node_rejoining_read_what_changed_since(tmp_path, redis_db):
+    """Node b dies with a file it never staged (lost). A removal after that
+    is held back for good (until the lost file is rewritten or deleted).
+    The publishing node's progress stopped there, so every other node, and
+    b mounted again under its name, waited for ever on the reads of any
+    file changed after it: `cat` hung, and `ls` of its directory behind it."""
+    store = tmp_path / "store"
+    with nodes(tmp_path, redis_db, "abc") as (a, b, c):
+        a.path("old").write_bytes(b"published, then removed")
+        wait_until(lambda: "old" in store_files(store), 20, "the file to remove")
+        with staging_blocked(store, b):
+            b.path("shard-b").write_bytes(b"b" * 100_000)
+            b.proc.kill()
+            b.proc.wait()
+        for m in (a, c):
+            wait_until(lambda m=m: "LOST shard-b" in m.log_text(), 20, f"node {m.mountpoint.parent.name} reporting the lost shard")
+            m.allowed_log_errors += ["LOST shard-b", "node b died"]
+        a.path("old").unlink()  # held back behind the lost file
+        a.path("x").write_bytes(b"written after the removal")
+        a.path("x").rename(a.path("y"))
+        wait_until(lambda: "y" in store_files(store), 20, "the renamed file in the store")
+        assert "old" in store_files(store)
+        subprocess.run(["fusermount3", "-u", "-z", str(b.mountpoint)], capture_output=True)
+        again = start_mount(tmp_path / "b-again", store=store,
+                            extra=("--cluster", redis_db.url, "--cluster-password-file", str(redis_db.password_file), "--node", "b"))
+        again.allowed_log_errors += ["LOST shard-b", "node b died"]
+        try:
+            for m in (c, again):  # neither holds y: each loads it, after the publishing node applied the rename
+                got = subprocess.run(["cat", str(m.path("y"))], capture_output=True, timeout=30)
+                assert got.stdout == b"written after the removal", got
+            r = run_cli("flush", str(again.mountpoint), "--cluster", "--timeout", "30")
+            assert r.returncode == 1 and "shard-b" in r.stderr and "old" in r.stderr, r.stdout + r.stderr  # stuck behind the lost file, said
+            totals = json.loads(run_cli("status", str(c.mountpoint), "--json").stdout)["totals"]
+            assert totals["queue"] == 2, totals  # the lost file and the removal behind it
+        finally:
+            stop_mount(again)
