@@ -20,6 +20,9 @@ node (`ClusterLink.staged`); they are published when that node says so.
 
 from __future__ import annotations
 
+import bisect
+import itertools
+
 from .journal import FileGen, Op
 from .manifest import Digest, Meta
 from .publisher import Publisher
@@ -63,12 +66,14 @@ class Following(Publisher):
         for op in done:
             del self._held_back[op.seq]
             op.done.set()
-        new: list[Op] = []
-        for op in reversed(self.e.queue):  # the ops not looked at yet are at its end
-            if op.seq <= self._looked_at:
-                break
-            new.append(op)
-        for op in reversed(new):
+        if self.leader_applied <= self._looked_at:
+            return bool(done)
+        queue = self.e.queue
+        # The first op not looked at yet: the queue is in journal order. A bisection, not a walk from either
+        # end: while a removal is held back, the ops before it pile up at the front, the ops the publishing
+        # node has not applied yet at the back, and this runs at every change of the engine.
+        start = bisect.bisect_right(queue, self._looked_at, key=lambda op: op.seq)
+        for op in itertools.islice(queue, start, None):
             if op.seq > self.leader_applied:
                 break
             self._looked_at = op.seq
@@ -79,6 +84,9 @@ class Following(Publisher):
             else:
                 op.done.set()
                 done.append(op)
+        else:  # every op up to `applied` may not have reached this node's journal yet
+            return bool(done)
+        self._looked_at = self.leader_applied  # an op after it is queued: all before it are here
         return bool(done)
 
     def settled(self, gen: FileGen) -> bool:
