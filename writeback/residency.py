@@ -154,6 +154,7 @@ class Residency:
         self.verify_failures: dict[str, str] = {}
         self._expected: dict[int, Record] = {}  # restart: the record each file must match
         self._unverifiable: dict[int, str] = {}  # restart: files whose record could not be read
+        self._unfound: set[int] = set()  # files found in no replica of the store, said once each (`_start`)
         self._loads: dict[int, _Load] = {}  # loads in progress
         self._failures: dict[int, int] = {}  # loads of a file that failed in a row, for a passing reason
         self.served_in_place: collections.OrderedDict[int, None] = collections.OrderedDict()  # least recently read first
@@ -173,6 +174,7 @@ class Residency:
         self.lru.pop(ino, None)
         self._expected.pop(ino, None)
         self._unverifiable.pop(ino, None)
+        self._unfound.discard(ino)
 
     def expect(self, ino: int, record: Record) -> None:
         self._expected[ino] = record
@@ -323,7 +325,14 @@ class Residency:
     async def _start(self, ino: int, in_place: bool = False) -> _Load | None:
         found = self.e.publisher_shown(ino)
         if found is None:
-            raise OSError(errno.EIO, "the file's data is in neither RAM nor the store")
+            # A fault of ckptfs itself (the file's bytes are gone from RAM, and the publisher's replica of
+            # the store shows it nowhere): said once per file, every read of it answers EIO
+            why = "its data is in neither RAM nor the store"
+            if ino not in self._unfound:
+                self._unfound.add(ino)
+                paths = self.e.ns.paths_of(ino)
+                log.error("cannot load %s (inode %d): %s", paths[0] if paths else "a file with no name", ino, why)
+            raise OSError(errno.EIO, why)
         path, shown = found
         if ino in self._unverifiable:
             self._fail(path, "its record in the store cannot be read")

@@ -332,6 +332,24 @@ async def test_eviction_frees_only_published_and_reloads(tmp_path):
     rig.store.release(h.fh)
 
 
+async def test_a_file_no_replica_shows_reads_as_eio_said_once_as_an_error(tmp_path, caplog):
+    """A fault of ckptfs itself: an evicted file that the publisher's replica
+    of the store shows nowhere. Its reads answered EIO and logged nothing;
+    now the first says which file, as an error, and later ones stay quiet."""
+    rig = Rig(tmp_path / "store")
+    rig.write("pub", b"P" * (8 << 20))
+    await run_until_flushed(rig)
+    rig.engine.evict(1 << 40)
+    pub = rig.store.inode_at("pub")
+    rig.engine.publisher.replica.lookup("pub").shown = None  # as if the replica lost track of it
+    for _ in range(2):
+        with pytest.raises(OSError) as err:
+            await rig.engine.load(pub.ino)
+        assert err.value.errno == errno.EIO
+    said = [r for r in caplog.records if r.levelname == "ERROR" and "neither RAM nor the store" in r.getMessage()]
+    assert len(said) == 1 and "pub" in said[0].getMessage()
+
+
 async def test_ram_eviction_leaves_spilled_files_and_spill_room_evicts_them(tmp_path):
     """A spilled file holds no RAM: making room in RAM used to evict it
     all the same (its local copy lost for nothing, and, freeing "0 bytes",
