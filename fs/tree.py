@@ -574,6 +574,10 @@ class InodeTree:
         if flags & os.O_TRUNC and writable and inode.data is not None:
             if inode.data.size:
                 self.truncate(inode, 0)
+            elif not inode.data.resident:
+                # Empty, its bytes elsewhere (in the store, or lost with another node): none of them
+                # will be read, so none need loading. A write after this open used to load them first.
+                inode.data.clear()
             self._drop_setid(inode, keeps_setid)
         handle = Handle(self._next_fh, inode, writable, bool(flags & os.O_APPEND), keeps_setid)
         self._next_fh += 1

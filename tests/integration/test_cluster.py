@@ -716,6 +716,25 @@ def test_a_node_joining_while_another_renames_logs_no_errors(tmp_path, redis_db)
         assert errors == [], errors[:5]
 
 
+def test_an_empty_file_lost_with_its_node_is_rewritten_on_another(tmp_path, redis_db):
+    """Rewriting a lost file (open with O_TRUNC, then write) is how a job
+    resolves it. For an empty one, the write after the open tried to load
+    the lost bytes first and failed with EIO: the chaos runs' writes that
+    failed on a survivor right after a node was killed."""
+    store = tmp_path / "store"
+    with nodes(tmp_path, redis_db, "ab") as (a, b):
+        with staging_blocked(store, b):
+            b.path("empty-b").write_bytes(b"")
+            b.proc.kill()
+            b.proc.wait()
+        wait_until(lambda: "LOST empty-b" in a.log_text(), 20, "the lost file reported")
+        a.allowed_log_errors += ["LOST empty-b", "node b died"]
+        with open(a.path("empty-b"), "wb") as f:
+            f.write(b"rewritten")
+        assert a.path("empty-b").read_bytes() == b"rewritten"
+        wait_until(lambda: store_files(store).get("empty-b") == b"rewritten", 20, "the rewritten file in the store")
+
+
 def test_after_a_node_died_with_a_lost_file_the_others_and_the_node_rejoining_read_what_changed_since(tmp_path, redis_db):
     """Node b dies with a file it never staged (lost). A removal after that
     is held back for good (until the lost file is rewritten or deleted).

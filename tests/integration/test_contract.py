@@ -474,6 +474,30 @@ def test_C9_remount_shows_files_at_once_and_loads_verified(tmp_path):
         stop_mount(second)
 
 
+def test_C9_an_empty_file_restored_from_the_store_is_rewritten_without_its_old_bytes(tmp_path):
+    """An O_TRUNC open replaces a file's bytes: a write after it never needs
+    the old ones. For an empty file whose bytes were not in RAM (restored
+    from the store, or in a cluster another node's file lost with it), the
+    write loaded them first, and failed with EIO where they could not be
+    loaded (here: gone from the store under the mount)."""
+    first = start_mount(tmp_path)
+    try:
+        first.path("empty").write_bytes(b"")
+        assert umount(first).returncode == 0
+    finally:
+        stop_mount(first)
+    second = start_mount(tmp_path)
+    second.allowed_log_errors += ["cannot load empty from the store"]
+    try:
+        (second.store / "empty").unlink()
+        with open(second.path("empty"), "wb") as f:
+            f.write(b"rewritten")
+        assert second.path("empty").read_bytes() == b"rewritten"
+        wait_store_matches(second.store, {"empty": b"rewritten"})
+    finally:
+        stop_mount(second)
+
+
 def test_kill9_during_writeback_leaves_only_whole_verified_files(tmp_path):
     mount = start_mount(tmp_path)
     try:
