@@ -171,7 +171,7 @@ class Events:
         following: Following = self.engine.publisher  # type: ignore[assignment]
         self._took_over_at = following.leader_position
         self.publishes = True  # what the others stage is this node's to show from now on
-        await self.engine.take_over(following.leader_position)
+        self._took_over_at = await self.engine.take_over(following.leader_position)
         self._held_changed = True  # what the gone node held is held again at its turn: the list starts anew
         assert self._nursery is not None
         self._nursery.start_soon(self._report_progress)

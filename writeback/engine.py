@@ -33,7 +33,7 @@ from typing import NamedTuple, Protocol
 
 import trio
 
-from . import manifest, storeio, takeover
+from . import exchange, manifest, storeio, takeover
 from .backend import HEARTBEAT_S, IMAGE, INDEX, Backend, Staged, StoreError
 from .calls import Deadlines, StoreCalls, permanent
 from .journal import LOST, Attrs, Exchange, FileGen, Link, Mkdir, Op, Remove, Rename, Snapshot, Symlink, kind
@@ -616,15 +616,15 @@ class Engine:
             with trio.CancelScope() as self._publishing:
                 await self.publisher.run()
 
-    async def take_over(self, position: int) -> None:
+    async def take_over(self, position: int) -> int:
         """Cluster mode: this node now publishes for the cluster; the node
         that did is gone, and had applied every op up to `position` to the
-        store. Its replica of the store is rebuilt (see `takeover`) and a
-        `Publisher` takes the place of this node's `Following` one."""
+        store (or further: an exchange's plan in the store may say so). Its
+        replica of the store is rebuilt (see `takeover`) and a `Publisher`
+        takes the place of this node's `Following` one. Returns the position
+        it took over at."""
         assert self.link is not None
         following = self.publisher
-        while self.queue and self.queue[0].seq <= position:
-            following._complete(self.queue[0])
         while True:
             try:
                 scanned = await self.patiently("scan the store", storeio.scan, self.backend)
@@ -632,6 +632,12 @@ class Engine:
             except StoreError as exc:
                 log.error("cannot take over publishing for the cluster yet: %s; trying again in %.0fs", exc, self.retry.max_s)
                 await trio.sleep(self.retry.max_s)
+        if scanned.exchanged > position:  # it applied an exchange after its last report, so everything before it too
+            log.info("the gone node applied the journal up to position %d (an exchange), beyond the %d it reported",
+                     scanned.exchanged, position)
+            position = scanned.exchanged
+        while self.queue and self.queue[0].seq <= position:
+            following._complete(self.queue[0])
         publisher = Publisher(self, following.markers)
         ops = list(self.queue)  # everything after `position`
         takeover.replicate(publisher, scanned, ops, lambda path: getattr(self.ns.inode_at(path), "ino", None), self.published_gen,
@@ -652,6 +658,7 @@ class Engine:
         self.publisher = publisher
         self._publishing.cancel()
         self.notify()
+        return position
 
     def follow(self, following: Publisher) -> None:
         """Cluster mode: another node took over publishing from this one
@@ -1064,7 +1071,13 @@ class Engine:
     async def claim(self, daemon_id: str, started: float) -> None:
         """Become the store's writer (`Backend.prepare`): after the scan."""
         sole = self.link is None or self.link.publishes  # a node joining a running cluster: others stage too
-        await self.patiently("claim the store", self.backend.prepare, daemon_id, started, sole)
+
+        def claim() -> None:
+            self.backend.prepare(daemon_id, started, sole)
+            if sole:  # the scan finished the last exchange's plan; the journal positions it names are not this journal's
+                exchange.forget(self.backend)
+
+        await self.patiently("claim the store", claim)
         for mark in self._outside:  # the scan read every record: what they warned of is known
             await self.patiently("claim the store", self.backend.delete, mark)
 

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from . import manifest, storeio
+from . import exchange, manifest, storeio
 from .backend import META
 from .calls import StoreTimeout
 from .journal import Attrs, Exchange, FileGen, Link, Mkdir, Op, Remove, Rename, Symlink
@@ -1019,12 +1019,16 @@ class Publisher:
         them in one rename(2) (or moves the side it has); an object store
         moves each file through a hidden name. Then the records follow: each
         file's and symlink's at its new path, the directories' at the next
-        sync; a record at an old path that nothing replaced goes."""
+        sync; a record at an old path that nothing replaced goes. The store
+        applies it as a plan kept while it runs (`exchange`): a crash, or a
+        takeover, finishes it rather than apply it again or leave it halfway."""
         a, b = self.replica.lookup(op.a), self.replica.lookup(op.b)
         backend = self.e.backend
         sides = ((op.a, op.b, a), (op.b, op.a, b))  # (old path, new path, node)
         members = {old: [("", node), *self.replica.walk(node)] if node is not None else [] for old, _, node in sides}
         files = {old: [(rel, n) for rel, n in ms if isinstance(n, File) and n.shown is not None] for old, ms in members.items()}
+        plan = exchange.Plan(op.seq, f"{op.a} and {op.b}")
+        records_first, store_changes, moves_after = plan.phases
 
         def under(top: str, rel: str) -> str:
             return f"{top}/{rel}" if rel else top
@@ -1033,9 +1037,7 @@ class Publisher:
         # both sides is copied to one first, then the originals go, then each
         # comes back at its new path from its hidden copy (one side's file
         # may take a name where the other had a directory: nothing of either
-        # may be in the way). Each new path's record names where its bytes
-        # wait: a restart after a crash finishes the moves (storeio.scan)
-        # rather than lose what waited there.
+        # may be in the way).
         hidden = {} if backend.dirs else {under(old, rel): backend.hidden_name() for old, fs in files.items() for rel, _ in fs}
         deleted: set[str] = set()  # with their records
         # The records first, each naming what its path may hold until the move
@@ -1047,66 +1049,68 @@ class Publisher:
                 assert isinstance(f, File) and f.shown is not None
                 path = under(new, rel)
                 source = f"hidden:{hidden[under(old, rel)]} {under(old, rel)}" if hidden else f"move:{under(old, rel)}"
-                rec = Record.of(path, "file", f.shown.meta, current=f.shown.digest, previous=leaving.get(path), source=source)
-                await self.call(f"record {path}", manifest.write, backend, rec, at=(path,))
+                plan.record(0, Record.of(path, "file", f.shown.meta, current=f.shown.digest, previous=leaving.get(path), source=source))
+        made: list[Dir] = []
         if backend.dirs:
             there = {old: bool(files[old]) or (isinstance(node, Dir) and node.made) for old, _, node in sides}
             if there[op.a] and there[op.b]:
-                await self.call(f"exchange {op.a} and {op.b}", storeio.swap, backend, op.a, op.b, [], at=(op.a, op.b))
+                store_changes.append(["swap", op.a, op.b, None])
             for old, new, node in sides:
                 if not there[old] or there[new]:
                     continue
-                if not isinstance(node, Dir) or not await self.call(f"move {old} to {new}", backend.move_dir, old, new, at=(old, new)):
-                    for rel, f in files[old]:
-                        assert isinstance(f, File) and f.shown is not None
-                        await self.call(f"move {under(old, rel)} to {under(new, rel)}", storeio.move, backend, under(old, rel),
-                                        under(new, rel), f.shown.digest, at=(under(old, rel), under(new, rel)))
+                moving = [[rel, exchange.digest_arg(f.shown.digest)] for rel, f in files[old] if isinstance(f, File) and f.shown is not None]
+                store_changes.append(["move-tree", old, new, moving] if isinstance(node, Dir) else ["move", old, new, moving[0][1]])
             for _old, new, _node in sides:  # made in the mount after it moved there: their Mkdir's turn could not
                 for rel, d in members[_old]:
                     if isinstance(d, Dir) and not d.made and self.live_at(under(new, rel), d.ino):
-                        await self.call(f"mkdir {under(new, rel)}", backend.mkdir, under(new, rel), at=(under(new, rel),))
-                        d.made = True
+                        store_changes.append(["mkdir", under(new, rel)])
+                        made.append(d)
         else:
-            for src, tmp in hidden.items():
-                await self.call(f"copy {src} to {tmp}", backend.copy, src, tmp, at=(tmp,))
+            records_first.extend(["copy", src, tmp] for src, tmp in hidden.items())
             dests = {under(new, rel) for old, new, _ in sides for rel, _ in files[old]}
             for old, _new, _node in sides:
                 for rel, f in files[old]:
+                    assert isinstance(f, File) and f.shown is not None
                     src = under(old, rel)
                     if src in dests:  # its record names the bytes that come: only these go
-                        await self.call(f"delete {src}", backend.delete, src, at=(src,))
+                        store_changes.append(["delete", src])
                     else:
-                        await self.call(f"delete {src}", storeio.delete, backend, src, f.shown, at=(src,))
+                        store_changes.append(["delete-file", src, exchange.digest_arg(f.shown.digest), list(f.shown.meta)])
                         deleted.add(src)
             for old, new, _node in sides:
                 for rel, f in files[old]:
                     assert isinstance(f, File) and f.shown is not None
-                    src, dst = hidden[under(old, rel)], under(new, rel)
-                    await self.call(f"move {src} to {dst}", storeio.move, backend, src, dst, f.shown.digest, at=(src, dst))
-        had = {id(n): n.shown for ms in members.values() for _, n in ms if isinstance(n, RLink)}
+                    moves_after.append(["move", hidden[under(old, rel)], under(new, rel), exchange.digest_arg(f.shown.digest)])
+        shown_links: list[RLink] = []
         written: set[str] = set()
         for _old, new, _node in sides:
             for rel, n in members[_old]:
                 path = under(new, rel)
                 if isinstance(n, File) and n.shown is not None:
-                    rec = Record.of(path, "file", n.shown.meta, current=n.shown.digest, source=f"move:{under(_old, rel)}")
+                    plan.record(2, Record.of(path, "file", n.shown.meta, current=n.shown.digest, source=f"move:{under(_old, rel)}"))
                 elif isinstance(n, RLink) and (n.shown or self.live_at(path, n.ino)):
-                    rec = Record.of(path, "symlink", n.meta, target=n.target)
-                    n.shown = True
+                    plan.record(2, Record.of(path, "symlink", n.meta, target=n.target))
+                    shown_links.append(n)
                 else:
                     continue
-                await self.call(f"record {path}", manifest.write, backend, rec, at=(path,))
                 written.add(path)
         for old, _new, _node in sides:
             for rel, n in members[old]:
                 path = under(old, rel)
-                recorded = ((isinstance(n, File) and n.shown is not None) or (isinstance(n, RLink) and had[id(n)])
+                recorded = ((isinstance(n, File) and n.shown is not None) or (isinstance(n, RLink) and n.shown)
                             or (isinstance(n, Dir) and n.recorded is not None))
+                if recorded and path not in written and path not in deleted:
+                    moves_after.append(["unrecord", path])
+        await self.call(f"exchange {op.a} and {op.b}", exchange.begin, backend, plan, at=(op.a, op.b))
+        for link in shown_links:
+            link.shown = True
+        for d in made:
+            d.made = True
+        for ms in members.values():
+            for _rel, n in ms:
                 if isinstance(n, Dir):
                     n.recorded = None  # written at its new path at the next sync
                     self.dirty.add(n)
-                if recorded and path not in written and path not in deleted:
-                    await self.call(f"record {path}", manifest.delete, backend, path, at=(path,))
         for node in (a, b):
             if node is not None:
                 self.replica.detach(node)

@@ -9,7 +9,6 @@ vouch for.
 
 from __future__ import annotations
 
-import bisect
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -19,8 +18,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
-from . import manifest
-from .backend import DAEMONS, IMAGE, META, STAGING, UNKNOWN, Backend, Entry, Staged, StoreError, parents
+from . import exchange, manifest
+from .backend import DAEMONS, IMAGE, META, UNKNOWN, Backend, Entry, Staged, StoreError, parents
 from .manifest import Digest, Record
 
 if TYPE_CHECKING:
@@ -231,6 +230,7 @@ class Scanned:
     image: manifest.Image  # every record: what the daemon's manifest image starts from
     outside: list[str]  # marks of record changes made without a daemon (all records were read)
     indexed: bool  # the records came from the manifest index or image, not all from their objects
+    exchanged: int = 0  # the journal position of the last exchange the store applied, as its plan says (`exchange`)
 
 
 def scan(backend: Backend) -> Scanned:
@@ -238,7 +238,9 @@ def scan(backend: Backend) -> Scanned:
     claims the store (`Backend.prepare`), while dead daemons' staging is still
     there: a record whose data is missing is a crash leftover (removed) if the
     bytes it was being published from still exist; otherwise the file was
-    lost from the store, and its record stays so `verify` reports it."""
+    lost from the store, and its record stays so `verify` reports it. An
+    exchange a crash cut short is finished first."""
+    exchanged = exchange.finish(backend)
     outside = backend.find(manifest.OUTSIDE)
     # The listing waits on the store, the records' decoding on the CPU: side by side.
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckptfs-scan") as pool:
@@ -256,7 +258,6 @@ def scan(backend: Backend) -> Scanned:
     _refuse_nested(backend, entries)
     records, unreadable = image.records()
     entries, records = _nameable(entries, records)
-    entries = _finish_moves(backend, entries, records, image)
     entries, hidden = _one_per_name(entries)
     files = {e.path for e in entries if not e.is_dir}
     moved_to = {r.source[len("move:") :]: p for p, r in records.items() if r.source.startswith("move:") and p in files}
@@ -268,7 +269,7 @@ def scan(backend: Backend) -> Scanned:
         if path in moved_to and records[moved_to[path]].current == rec.current:
             leftover = True  # moved away (a directory move), its old record not yet deleted
         elif kind == "hidden":
-            leftover = True  # not finished (`_finish_moves`): its bytes are still where they came from
+            leftover = True  # an exchange's record written before its move, the move not finished: its bytes are still where they came from
         elif kind in ("put", "delete"):
             # A small object PUT whole: nothing was staged to prove it. Only a
             # daemon that died (its heartbeat still there, no longer live) can
@@ -303,7 +304,7 @@ def scan(backend: Backend) -> Scanned:
         image.forget([manifest.record_path(path)])
         del records[path]
     image.packed()  # here, in a worker thread: the daemon keeps it packed
-    return Scanned(entries, records, unreadable, image, outside, index is not None)
+    return Scanned(entries, records, unreadable, image, outside, index is not None, exchanged)
 
 
 def _refuse_nested(backend: Backend, entries: list[Entry]) -> None:
@@ -370,81 +371,6 @@ def _above(path: str) -> Iterator[str]:
     while at != -1:
         yield path[:at]
         at = path.find("/", at + 1)
-
-
-def _finish_moves(backend: Backend, entries: list[Entry], records: dict[str, Record], image: manifest.Image) -> list[Entry]:
-    """Finish the moves of an exchange on an object store that a crash cut
-    short (`Publisher._exchange`): every file of both sides was copied to a
-    hidden name, then the originals went, then each moved to its new path,
-    whose record says `hidden:<hidden name> <old path>`.
-
-    A file whose hidden copy is still there moves now if what is in
-    its way (a file at its new path, above it where it needs a directory,
-    or under it) can go: only a file whose own bytes wait at a hidden name for a move
-    made now, and that does not hold the bytes a finished move brought it.
-    The old paths of the files moved now go, records too. Nothing is lost:
-    the files of an exchange cut short are each at their old or their new
-    path (not all at one: an exchange on an object store is not atomic).
-    Returns the store's entries after that."""
-    present = sorted(e.path for e in entries if not e.is_dir)
-    is_present = set(present)
-    moves: dict[str, tuple[str, str]] = {}  # new path -> (hidden name, old path)
-    for path, rec in records.items():
-        if rec.kind == "file" and rec.current is not None and rec.source.startswith("hidden:"):
-            hidden, _, old = rec.source[len("hidden:") :].partition(" ")
-            if _hidden(hidden) and backend.exists(hidden):
-                moves[path] = (hidden, old)
-    if not moves:
-        return entries
-    filled = set()  # old paths that hold what came to them already
-    for _hidden_name, old in moves.values():
-        rec = records.get(old)
-        if (old in is_present and old not in moves and rec is not None and rec.source.startswith("hidden:") and rec.current is not None
-                and holds(backend, old, rec.current)):
-            filled.add(old)
-
-    def in_the_way(path: str) -> set[str]:
-        found = {*_above(path), path}
-        out = {p for p in found if p in is_present}
-        i = bisect.bisect_left(present, path + "/")
-        while i < len(present) and present[i].startswith(path + "/"):
-            out.add(present[i])
-            i += 1
-        return out
-
-    while True:  # drop the moves that would delete what no move made now takes
-        deletable = {old for _, old in moves.values()} - filled
-        blocked = [p for p in moves if not in_the_way(p) <= deletable]
-        if not blocked:
-            break
-        for p in blocked:
-            del moves[p]
-        if not moves:
-            return entries
-    gone = ({old for _, old in moves.values()} - filled) & is_present
-    for path in sorted(gone):
-        log.info("deleting %s: an exchange cut short by a crash had copied its bytes to a hidden name for another", path)
-        backend.delete(path)
-        if path not in moves and path in records:
-            manifest.delete(backend, path)
-            image.forget([manifest.record_path(path)])
-            del records[path]
-    for path, (hidden, _old) in sorted(moves.items()):
-        log.info("finishing the move of %s from %s, where an exchange had copied it (an earlier crash)", path, hidden)
-        move(backend, hidden, path, records[path].current)
-    files = (is_present - gone) | set(moves)
-
-    def stale(e: Entry) -> bool:  # a directory listed where a file is now, or under one
-        return e.path in gone or (e.is_dir and (e.path in files or any(a in files for a in _above(e.path))))
-
-    return [e for e in entries if not stale(e)] + [Entry(p, records[p].current.size, False) for p in sorted(moves)]  # type: ignore[union-attr]
-
-
-def _hidden(path: str) -> bool:
-    """A name `Backend.hidden_name` gives (a record's source names one: a
-    record is input, and a restart moves nothing else into the mount)."""
-    parts = path.split("/")
-    return path.startswith(STAGING + "/") and len(parts) == 4 and all(p not in ("", ".", "..") for p in parts)
 
 
 # -- whole files, straight to and from the store --------------------------------

@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import os
 import time
 
+import pytest
 import trio
 from ckptfs.cluster import snapshot
 from ckptfs.cluster.events import Events
 from ckptfs.cluster.log import SharedLog, Where
 from ckptfs.cluster.namespace import SharedNamespace
 from ckptfs.fs.memory import MemoryPool
-from ckptfs.fs.tree import ROOT, InodeTree
-from ckptfs.writeback import manifest, storeio
+from ckptfs.fs.tree import RENAME_EXCHANGE, ROOT, InodeTree
+from ckptfs.writeback import manifest, storeio, verify
 from ckptfs.writeback.backend import open_store
 from ckptfs.writeback.engine import Engine, Retry
 from ckptfs.writeback.following import Following
@@ -704,4 +706,50 @@ async def test_a_load_while_this_node_takes_over_publishing_waits_for_the_new_re
             await b.engine.residency.load(ino)
         assert not b.engine.verify_failures
         assert (store / "y").read_bytes() == b"a's file" * 1000
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+async def test_a_node_taking_over_does_not_undo_an_exchange_the_gone_node_applied_beyond_its_last_report(tmp_path, redis_db, kind, request):
+    """Node a applied b's exchange of `x` and `y` to the store and died
+    before it reported that progress: on a local store right after the
+    rename(2) that swaps them, on S3 after the first original was deleted
+    (a restart's scan finishes such an exchange from the hidden copies).
+    Node b took over from the last progress it heard and applied the
+    exchange again: undone in the store, each name holding the other's
+    bytes, with records to match (verify found nothing). The exchange's plan,
+    kept in the store while it runs, tells b how far a got."""
+    if kind == "s3":
+        s3 = request.getfixturevalue("s3")
+        url, options = s3.bucket("exchanged"), s3.options()
+    else:
+        url, options = str(tmp_path / "store"), None
+    a = Node(redis_db, url, "a", publishes=True, options=options)
+    b = Node(redis_db, url, "b", publishes=False, options=options)
+    async with trio.open_nursery() as nursery:
+        a_alive = await a.start_alive(nursery)
+        await b.start(nursery)
+        await b.write(b"x", b"x" * 1000)
+        await b.write(b"y", b"y" * 2000)
+        with trio.fail_after(20):
+            while a.engine.queue or not (b.backend.exists("x") and b.backend.exists("y")):
+                await trio.sleep(0.01)
+        step = "exchange" if kind == "local" else "delete"
+        real = getattr(a.backend, step)
+
+        def then_die(*args):
+            real(*args)
+            trio.from_thread.run_sync(a_alive.cancel)
+            raise OSError(errno.EIO, "node a died")
+
+        setattr(a.backend, step, then_die)
+        await b.ns.change("rename", ROOT, b"x", ROOT, b"y", RENAME_EXCHANGE)
+        with trio.fail_after(20):
+            while not a_alive.cancel_called:
+                await trio.sleep(0.01)
+        await b.events.take_over(time.monotonic())
+        with trio.fail_after(20):
+            await b.engine.flush()
+        assert b"".join(b.backend.read("x")) == b"y" * 2000 and b"".join(b.backend.read("y")) == b"x" * 1000
+        assert verify.verify(b.backend).clean
         nursery.cancel_scope.cancel()

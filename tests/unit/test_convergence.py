@@ -19,7 +19,7 @@ import pytest
 import trio
 import xxhash
 from ckptfs.fs.tree import RENAME_EXCHANGE, ROOT
-from ckptfs.writeback import manifest
+from ckptfs.writeback import exchange, manifest
 from ckptfs.writeback.backend import DAEMONS, IMAGE, new_daemon_id
 from ckptfs.writeback.manifest import Meta, Record
 from ckptfs.writeback.verify import verify
@@ -583,16 +583,17 @@ async def test_a_crash_right_after_an_exchange_in_a_local_store_leaves_every_fil
 
 @pytest.mark.parametrize(("kind", "call", "nth"), [(kind, call, n) for kind, most in (("files", 2), ("directories", 3), ("a directory and a file", 3))
                                                      for call in ("copy", "delete", "move") for n in range(1, most + 1)])
-async def test_a_crash_in_an_exchange_on_an_object_store_loses_no_file(tmp_path, kind, call, nth):
+async def test_a_crash_in_an_exchange_on_an_object_store_is_finished_by_the_restart(tmp_path, kind, call, nth):
     """An object store exchanges two names file by file through hidden
     names. They moved a's files there first: a crash then left a with no
     file and b with its own, and the restart dropped a's record as a
-    leftover, losing a's bytes. Now every file is copied to a hidden name
-    first, and its new path's record names that copy: a restart
-    finishes each move whose way is clear (not atomic: an exchange on an
-    object store never is), and deletes only files copied for a move it
-    makes. A file may take the name of a directory: nothing of the other
-    side is in its way then."""
+    leftover, losing a's bytes. Then every file was copied to a hidden name
+    first, and a restart finished the moves whose way was clear, which left
+    an exchange cut short before all its copies were made halfway done:
+    some files at their old names, some at their new. Now the store keeps
+    the exchange's plan while it runs, and the restart finishes it from
+    where it was: the store shows the exchange done. A file may take the
+    name of a directory: nothing of the other side is in its way then."""
     url = f"memory://{tmp_path.name}/exchange"
     rig = Rig(url)
     one, two, three = os.urandom(3000), os.urandom(5000), os.urandom(700)
@@ -617,9 +618,22 @@ async def test_a_crash_in_an_exchange_on_an_object_store_loses_no_file(tmp_path,
     def files(view):  # path -> its bytes' hash (short, for a readable failure)
         return {p: xxhash.xxh3_64_hexdigest(v[3])[:8] for p, v in view.items() if v[0] == "file"}
 
-    was, now, got = files(before), files(after), files(back)
-    assert set(was.values()) <= set(got.values())  # every file still somewhere
-    assert all(h in (was.get(p), now.get(p)) for p, h in got.items())  # at a name it had, or was given
+    assert files(back) == files(after) != files(before)
+
+
+async def test_an_exchange_plan_planted_in_the_store_that_names_ckptfs_own_objects_is_not_followed(tmp_path):
+    """The store keeps an exchange's plan while it runs, and a restart
+    finishes a plan it finds: input, like the records. A plan whose steps
+    name ckptfs's own objects (a record, to delete it) or a path out of the
+    mount's names is not followed: the restart shows the store as it is."""
+    url = f"memory://{tmp_path.name}/planted"
+    rig = Rig(url)
+    rig.write("a", b"one" * 1000)
+    await _flushed_view(rig)
+    planted = [[["delete", manifest.record_path("a")]], [["move", "a", "../b", None]], []]
+    rig.backend.put(exchange.PLAN, exchange.Plan(7, "a and b", planted).encode())
+    back = await _restarted_view(tmp_path, url)
+    assert back["a"][3] == b"one" * 1000 and manifest.read(rig.backend, "a") is not None
 
 
 async def test_a_hard_link_in_a_directory_moved_on_an_object_store_is_copied_from_where_its_file_went(tmp_path):
