@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -57,6 +58,10 @@ class Plan:
     what: str  # "a and b", for the log
     phases: list[list[list]] = field(default_factory=lambda: [[] for _ in range(PHASES)])  # steps: [kind, *args], JSON
     done: int = 0  # phases done
+    # One thread at a time applies it: a try abandoned at its deadline goes
+    # on in its thread, and the next try must not run another phase beside it
+    # (a phase's steps may be done again only before the next phase begins).
+    applying: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def record(self, phase: int, rec: Record) -> None:
         self.phases[phase].append(["record", json.loads(rec.encode())])
@@ -120,12 +125,13 @@ def begin(backend: Backend, plan: Plan) -> None:
     """Keep `plan` in the store, then apply it. A swap's step is given the
     identities of both entries first: done again, it sees whether the
     entries were swapped already."""
-    for steps in plan.phases:
-        for step in steps:
-            if step[0] == "swap" and step[3] is None:
-                step[3] = [_identity(backend, step[1]), _identity(backend, step[2])]
-    backend.put(PLAN, plan.encode())
-    run(backend, plan)
+    with plan.applying:
+        for steps in plan.phases:
+            for step in steps:
+                if step[0] == "swap" and step[3] is None:
+                    step[3] = [_identity(backend, step[1]), _identity(backend, step[2])]
+        backend.put(PLAN, plan.encode())
+        _apply(backend, plan)
 
 
 def _identity(backend: Backend, path: str) -> list | None:
@@ -137,6 +143,11 @@ def run(backend: Backend, plan: Plan) -> None:
     """Apply what is left of `plan`, a phase at a time, each kept as done in
     the store before the next begins. Tried again after a failure, from the
     phase it failed in."""
+    with plan.applying:
+        _apply(backend, plan)
+
+
+def _apply(backend: Backend, plan: Plan) -> None:
     from . import storeio  # a cycle: storeio's scan finishes plans
 
     while plan.done < PHASES:

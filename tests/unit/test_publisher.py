@@ -944,3 +944,42 @@ async def test_a_removal_behind_a_parked_file_that_replaced_an_earlier_generatio
         assert [op.name for op in left if isinstance(op, Remove)] == ["gone"]
         assert [op.state for op in left if isinstance(op, FileGen)] == [State.PARKED]
         n.cancel_scope.cancel()
+
+
+async def test_an_exchange_whose_try_lands_late_is_not_applied_beside_the_next_try(tmp_path):
+    """An exchange on an object store is one store call, its plan. A try
+    abandoned at its deadline goes on in its thread; the next try applied
+    the plan beside it. The late thread, still deleting the originals,
+    then deleted the files the next try had moved to those names: both lost."""
+    url = f"memory://{tmp_path.name}/late"
+    rig = Rig(url)
+    rig.write("x", b"x" * 1000)
+    rig.write("y", b"y" * 2000)
+    await run_until_flushed(rig)
+    rig.engine.calls.deadlines = Deadlines(call_s=0.3, min_rate=1 << 40)
+    release = threading.Event()
+    real = rig.backend.delete
+    held = []
+
+    def delete(path):
+        if path in ("x", "y") and not held:  # the first original's delete answers late
+            held.append(path)
+            release.wait(20)
+        return real(path)
+
+    rig.backend.delete = delete
+    rig.store.rename(ROOT, b"x", ROOT, b"y", RENAME_EXCHANGE)
+
+    async def late():
+        await trio.sleep(1.5)  # long after the next try would have moved both files
+        release.set()
+
+    try:
+        with trio.fail_after(30):
+            await run_until_flushed(rig, late)
+            while rig.engine.calls.stragglers():  # the late try is done too
+                await trio.sleep(0.05)
+    finally:
+        release.set()
+    assert held and [b"".join(rig.backend.read(p)) for p in ("x", "y")] == [b"y" * 2000, b"x" * 1000]
+    assert verify(rig.backend).clean
