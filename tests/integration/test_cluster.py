@@ -368,6 +368,45 @@ def test_redis_lost_while_mounted_blocks_changes_for_a_bound_then_eio_and_loses_
             assert "LOST" not in m.log_text() and "no longer publishes" not in m.log_text()
 
 
+def test_sigusr1_names_the_fuse_request_that_waits_and_the_workers_that_wait_for_the_next(tmp_path, redis_db):
+    """A task dump (`kill -USR1`) of a mount whose mkdir waits for Redis
+    names that request (its lookup first) with its await stack from its handler down, and no
+    other: pyfuse3's workers waiting for the next request are counted, not
+    listed. Before, each idle worker was listed as a request of one frame
+    (trio's lock or wait, awaited by pyfuse3's compiled code), so a dump of
+    a mount whose callers the kernel held read as requests stuck in a lock."""
+    with nodes(tmp_path, redis_db, names="a") as (a,):
+        a.allowed_log_errors += ["cannot reach the cluster's Redis", "cannot read the cluster's", "Redis for this node's heartbeat",
+                                 "lease to publish for the cluster ran out", "the cluster's publishing node (a) is not keeping its key"]
+        made: list = []
+        os.kill(redis_db.proc.pid, signal.SIGSTOP)
+        try:
+            t = threading.Thread(target=lambda: made.append(_outcome(lambda: a.path("d").mkdir())), daemon=True)
+            t.start()
+            time.sleep(1)  # the mkdir waits for Redis
+            os.kill(a.pid, signal.SIGUSR1)
+            wait_until(lambda: "task dump ends" in a.log_text(), 30, "the task dump")
+        finally:
+            os.kill(redis_db.proc.pid, signal.SIGCONT)
+        t.join(60)
+        assert made, "the mkdir never returned"
+        rest = a.log_text().partition("task dump (SIGUSR1): ")[2]
+        dump = rest.split("task dump ends")[0]
+        requests = [line for line in dump.splitlines() if "tasks: request " in line]
+        assert len(requests) == 1, requests
+        # its lookup or the mkdir itself, each waiting on Redis in the shared namespace
+        assert re.search(r"request fs/ops.py:\d+ wrapper > fs/ops.py:\d+ (lookup|mkdir) > .*cluster/namespace.py", requests[0]), requests[0]
+        idle = int(re.search(r"(\d+) FUSE workers waiting for the next request", dump).group(1))
+        assert idle >= 1
+
+
+def _outcome(fn) -> object:
+    try:
+        return fn()
+    except OSError as exc:
+        return exc
+
+
 def test_a_node_joining_after_redis_lost_the_log_is_told_at_once(tmp_path, redis_db):
     """Redis lost its data (FLUSHALL here; a restart without persistence is
     the same). The publishing node keeps renewing its key, so a node mounted
