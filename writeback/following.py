@@ -47,6 +47,11 @@ class Following(Publisher):
     async def run(self) -> None:
         e = self.e
         while True:
+            if e.publisher is not self:
+                # Replaced (this node took over publishing) after a change woke it: the
+                # cancellation comes at its next checkpoint, and what is queued now is
+                # the new publisher's (the gone node's held generations, due again).
+                return
             while e.queue and self._applied(e.queue[0]):
                 self._complete(e.queue[0])
             if self._done_beyond():

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import errno
 import os
+import threading
 import time
 
 import pytest
@@ -752,4 +753,50 @@ async def test_a_node_taking_over_does_not_undo_an_exchange_the_gone_node_applie
             await b.engine.flush()
         assert b"".join(b.backend.read("x")) == b"y" * 2000 and b"".join(b.backend.read("y")) == b"x" * 1000
         assert verify.verify(b.backend).clean
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_file_the_gone_node_held_before_an_exchange_beyond_its_report_is_published_by_the_node_taking_over(tmp_path, redis_db):
+    """b writes `x` and exchanges it with `y` before a's turn of `x`, so a
+    holds that generation (its name shows another file), and moves it with
+    the exchange; a dies in the exchange, after reporting the file's turn.
+    b takes over where the exchange's plan says, beyond a's report, and
+    holds the file again at the head of its queue. Its `Following`, woken
+    before it was replaced, completed that generation as applied by a: it
+    was never published, and every flush waited for it."""
+    store = tmp_path / "store"
+    async with a_dies_later(redis_db, store) as (nursery, a, a_alive, b):
+        await b.write(b"y", b"y" * 2000)
+        with trio.fail_after(20):
+            while a.engine.queue or not (store / "y").exists():
+                await trio.sleep(0.01)
+        staged, go = threading.Event(), threading.Event()
+        stage, move = b.backend.stage, a.backend.move
+
+        def stage_later(*args, **kwargs):  # b stages x after the exchange: a's turn of x finds its name taken
+            staged.wait(20)
+            return stage(*args, **kwargs)
+
+        def move_then_die(*args):  # the exchange's one move: y's file to x (x's file is not in the store yet)
+            go.wait(20)
+            move(*args)
+            trio.from_thread.run_sync(a_alive.cancel)
+            raise OSError(errno.EIO, "node a died")
+
+        b.backend.stage, a.backend.move = stage_later, move_then_die
+        x = await b.write(b"x", b"x" * 1000)
+        await b.ns.change("rename", ROOT, b"x", ROOT, b"y", RENAME_EXCHANGE)
+        staged.set()
+        seq = b.engine.pending[x].seq
+        with trio.fail_after(20):  # a had x's turn (held it) and b heard so; a is in the exchange
+            while b.engine.publisher.leader_position < seq:
+                await trio.sleep(0.01)
+        go.set()
+        with trio.fail_after(20):
+            while not a_alive.cancel_called:
+                await trio.sleep(0.01)
+        await b.events.take_over(time.monotonic())
+        with trio.fail_after(20):
+            await b.engine.flush()
+        assert (store / "y").read_bytes() == b"x" * 1000 and (store / "x").read_bytes() == b"y" * 2000
         nursery.cancel_scope.cancel()
