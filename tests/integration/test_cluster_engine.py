@@ -98,6 +98,17 @@ async def take_over_when_heard(a: Node, a_alive: trio.CancelScope, b: Node) -> i
     return position
 
 
+async def take_over_once_dead(a_alive: trio.CancelScope, b: Node) -> None:
+    """Once a is gone (its store call killed it), b takes over from the last
+    progress it heard, and flushes."""
+    with trio.fail_after(20):
+        while not a_alive.cancel_called:
+            await trio.sleep(0.01)
+    await b.events.take_over(time.monotonic())
+    with trio.fail_after(20):
+        await b.engine.flush()
+
+
 async def test_a_file_staged_before_the_publishing_node_applied_its_seal_is_published(tmp_path, redis_db):
     """Node b's `staged` report reaches the publishing node a before a has
     applied b's seal from the log (a lags): a keeps the report for that
@@ -745,12 +756,7 @@ async def test_a_node_taking_over_does_not_undo_an_exchange_the_gone_node_applie
 
         setattr(a.backend, step, then_die)
         await b.ns.change("rename", ROOT, b"x", ROOT, b"y", RENAME_EXCHANGE)
-        with trio.fail_after(20):
-            while not a_alive.cancel_called:
-                await trio.sleep(0.01)
-        await b.events.take_over(time.monotonic())
-        with trio.fail_after(20):
-            await b.engine.flush()
+        await take_over_once_dead(a_alive, b)
         assert b"".join(b.backend.read("x")) == b"y" * 2000 and b"".join(b.backend.read("y")) == b"x" * 1000
         assert verify.verify(b.backend).clean
         nursery.cancel_scope.cancel()
@@ -792,11 +798,6 @@ async def test_a_file_the_gone_node_held_before_an_exchange_beyond_its_report_is
             while b.engine.publisher.leader_position < seq:
                 await trio.sleep(0.01)
         go.set()
-        with trio.fail_after(20):
-            while not a_alive.cancel_called:
-                await trio.sleep(0.01)
-        await b.events.take_over(time.monotonic())
-        with trio.fail_after(20):
-            await b.engine.flush()
+        await take_over_once_dead(a_alive, b)
         assert (store / "y").read_bytes() == b"x" * 1000 and (store / "x").read_bytes() == b"y" * 2000
         nursery.cancel_scope.cancel()
