@@ -100,6 +100,19 @@ def _check(step: list) -> None:
         hidden_ok = (kind, i) in (("copy", 2), ("move", 1))
         if not isinstance(path, str) or not (_hidden(path) if hidden_ok and path.startswith(META + "/") else _mount_path(path)):
             raise ValueError(f"a {kind} step names {path!r}")
+    if kind == "move":
+        _digest(step[3])
+    elif kind == "delete-file":
+        if _digest(step[2]) is None or not all(v is None or isinstance(v, int) for v in step[3]):
+            raise ValueError("a delete-file step names no digest, or no meta")
+        Meta(*step[3])
+    elif kind == "move-tree":
+        for rel, d in step[3]:
+            if rel and not _mount_path(rel):
+                raise ValueError(f"a move-tree step names {rel!r}")
+            _digest(d)
+    elif kind == "swap" and step[3] is not None:
+        [None if i is None else tuple(int(n) for n in i) for i in step[3]]
 
 
 def _mount_path(path: str) -> bool:
@@ -114,7 +127,11 @@ def _hidden(path: str) -> bool:
 
 
 def _digest(d: dict | None) -> Digest | None:
-    return None if d is None else Digest(d["size"], d["xxh3"], tuple(d.get("blocks", ())))
+    if d is None:
+        return None
+    if not (isinstance(d["size"], int) and isinstance(d["xxh3"], str) and all(isinstance(b, str) for b in d.get("blocks", ()))):
+        raise ValueError(f"not a digest: {d!r}")
+    return Digest(d["size"], d["xxh3"], tuple(d.get("blocks", ())))
 
 
 def digest_arg(d: Digest | None) -> dict | None:
@@ -200,9 +217,13 @@ def finish(backend: Backend) -> int:
     if plan is None:
         return 0
     if plan.done < PHASES:
-        log.info("finishing the exchange of %s that a crash cut short (phase %d of %d)",
-                                         plan.what, plan.done + 1, PHASES)
-        run(backend, plan)
+        log.info("finishing the exchange of %s that a crash cut short (phase %d of %d)", plan.what, plan.done + 1, PHASES)
+        try:
+            run(backend, plan)
+        except FileNotFoundError as exc:  # what it moves is gone: changed since without ckptfs
+            log.warning("cannot finish the exchange of %s (%s): the store keeps what it holds, and the plan goes", plan.what, exc)
+            backend.delete(PLAN)
+            return 0
     return plan.seq
 
 

@@ -621,19 +621,25 @@ async def test_a_crash_in_an_exchange_on_an_object_store_is_finished_by_the_rest
     assert files(back) == files(after) != files(before)
 
 
-async def test_an_exchange_plan_planted_in_the_store_that_names_ckptfs_own_objects_is_not_followed(tmp_path):
+@pytest.mark.parametrize("planted", ["ckptfs's own objects", "no digest", "a file that is gone"])
+async def test_an_exchange_plan_planted_in_the_store_that_cannot_be_followed_is_not(tmp_path, planted):
     """The store keeps an exchange's plan while it runs, and a restart
     finishes a plan it finds: input, like the records. A plan whose steps
     name ckptfs's own objects (a record, to delete it) or a path out of the
-    mount's names is not followed: the restart shows the store as it is."""
+    mount's names, or that is not well formed, is not followed; nor is one
+    whose files are gone (changed without ckptfs since): the restart shows
+    the store as it is, where a failing step would stop every mount."""
     url = f"memory://{tmp_path.name}/planted"
     rig = Rig(url)
     rig.write("a", b"one" * 1000)
     await _flushed_view(rig)
-    planted = [[["delete", manifest.record_path("a")]], [["move", "a", "../b", None]], []]
-    rig.backend.put(exchange.PLAN, exchange.Plan(7, "a and b", planted).encode())
+    steps = {"ckptfs's own objects": [[["delete", manifest.record_path("a")]], [["move", "a", "../b", None]], []],
+             "no digest": [[], [["delete-file", "a", {"size": "big"}, [420, None, None, None]]], []],
+             "a file that is gone": [[["copy", "gone", ".ckptfs/staging/d/x"]], [["delete", "a"]], []]}[planted]
+    rig.backend.put(exchange.PLAN, exchange.Plan(7, "a and b", steps).encode())
     back = await _restarted_view(tmp_path, url)
     assert back["a"][3] == b"one" * 1000 and manifest.read(rig.backend, "a") is not None
+    assert exchange.read(rig.backend) is None
 
 
 async def test_a_hard_link_in_a_directory_moved_on_an_object_store_is_copied_from_where_its_file_went(tmp_path):
