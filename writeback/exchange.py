@@ -81,7 +81,7 @@ class Plan:
         return plan
 
 
-_PATHS = {"unrecord": (1,), "copy": (1, 2), "delete": (1,), "delete-file": (1,), "move": (1, 2), "swap": (1, 2), "move-tree": (1, 2),
+_PATHS = {"rmdirs": (), "unrecord": (1,), "copy": (1, 2), "delete": (1,), "delete-file": (1,), "move": (1, 2), "swap": (1, 2), "move-tree": (1, 2),
           "mkdir": (1,)}
 
 
@@ -111,6 +111,9 @@ def _check(step: list) -> None:
             if rel and not _mount_path(rel):
                 raise ValueError(f"a move-tree step names {rel!r}")
             _digest(d)
+    elif kind == "rmdirs":
+        if not all(isinstance(p, str) and _mount_path(p) for p in step[1]):
+            raise ValueError(f"a rmdirs step names {step[1]!r}")
     elif kind == "swap" and step[3] is not None:
         [None if i is None else tuple(int(n) for n in i) for i in step[3]]
 
@@ -191,6 +194,8 @@ def _apply(backend: Backend, plan: Plan) -> None:
                         storeio.move(backend, f"{old}/{rel}" if rel else old, f"{new}/{rel}" if rel else new, _digest(d))
             elif kind == "mkdir":
                 backend.mkdir(args[0])
+            elif kind == "rmdirs":
+                backend.rmdirs(args[0])
             else:
                 raise ValueError(f"unknown step {kind!r} in the exchange plan")
         plan.done += 1

@@ -1077,6 +1077,12 @@ class Publisher:
                     else:
                         store_changes.append(["delete-file", src, exchange.digest_arg(f.shown.digest), list(f.shown.meta)])
                         deleted.add(src)
+            # The folders of a directory side go before anything takes their names: a store with
+            # folders (SeaweedFS) keeps them emptied, and an object put at such a name can never be
+            # replaced by a completed upload (`Backend.rmdir`)
+            folders = [under(old, rel) for old, _new, _node in sides for rel, n in members[old] if isinstance(n, Dir)]
+            if folders:
+                store_changes.append(["rmdirs", sorted(folders, key=lambda p: -p.count("/"))])
             for old, new, _node in sides:
                 for rel, f in files[old]:
                     assert isinstance(f, File) and f.shown is not None

@@ -512,13 +512,15 @@ def test_verify_of_an_s3_mount_without_its_store_options_says_to_give_them(s3, t
         stop_mount(m)
 
 
-@pytest.mark.parametrize("gone", ["removed", "moved"])
+@pytest.mark.parametrize("gone", ["removed", "moved", "exchanged"])
 def test_a_file_taking_the_name_of_a_directory_gone_from_s3_can_be_replaced_by_a_large_one(s3, tmp_path, gone):
-    """A directory removed from the mount, or moved away (member by member
-    on S3), leaves no folders in the store: SeaweedFS kept them, a small
-    file published at the directory's name became an object no upload could
-    ever be completed over, and the next large file there was retried for
-    ever."""
+    """A directory removed from the mount, moved away (member by member
+    on S3), or exchanged with a file, leaves no folders in the store:
+    SeaweedFS kept them, a small file published at the directory's name
+    (the exchanged file, too) became an object no upload could ever be
+    completed over, and the next large file there was retried for ever."""
+    import ctypes
+
     from ckptfs.writeback.backend import SMALL_PUT
 
     url = s3.bucket(f"gone-{gone}")
@@ -532,8 +534,13 @@ def test_a_file_taking_the_name_of_a_directory_gone_from_s3_can_be_replaced_by_a
             m.path("d", "sub", "x").unlink()
             m.path("d", "sub").rmdir()
             m.path("d").rmdir()
-        else:
+        elif gone == "moved":
             os.rename(m.path("d"), m.path("e"))
+        else:
+            m.path("e").write_bytes(b"e")
+            assert run_cli("flush", str(m.mountpoint)).returncode == 0
+            libc = ctypes.CDLL(None, use_errno=True)
+            assert libc.renameat2(-100, os.fsencode(m.path("d")), -100, os.fsencode(m.path("e")), 2) == 0, os.strerror(ctypes.get_errno())
         m.path("d").write_bytes(b"small")
         assert run_cli("flush", str(m.mountpoint)).returncode == 0
         m.path("d").write_bytes(big)
@@ -542,7 +549,7 @@ def test_a_file_taking_the_name_of_a_directory_gone_from_s3_can_be_replaced_by_a
         assert "removed the emptied folder" not in m.log_text()
     finally:
         stop_mount(m)
-    assert objects(s3, f"gone-{gone}") == {"d": big, **({"e/sub/x": b"x"} if gone == "moved" else {})}
+    assert objects(s3, f"gone-{gone}") == {"d": big, **({"e/sub/x": b"x"} if gone != "removed" else {})}
 
 
 def test_verify_looks_again_at_an_object_replaced_while_it_was_read(s3):
