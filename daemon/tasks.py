@@ -94,20 +94,18 @@ def untasked(seen: set[int]) -> Untasked:
     (for /dev/fuse, or for the lock that takes turns reading it)."""
     live = [o for o in gc.get_objects() if isinstance(o, types.CoroutineType) and o.cr_frame is not None]
     awaited = {id(c.cr_await) for c in live if c.cr_await is not None}
-    found = Untasked([], 0, [])
+    requests, idle, others = [], 0, []
     for c in live:
         if id(c) in awaited or id(c) in seen:
             continue
         frames = _frames(list(_chain(c)))
         if any(f.startswith("fs/ops.py") for f in frames):
-            found.requests.append(_stack(frames))
+            requests.append(_stack(frames))
         elif all(f.startswith(_TRIO) for f in frames):
-            found = found._replace(idle_workers=found.idle_workers + 1)
+            idle += 1
         else:
-            found.others.append(_stack(frames))
-    found.requests.sort()
-    found.others.sort()
-    return found
+            others.append(_stack(frames))
+    return Untasked(sorted(requests), idle, sorted(others))
 
 
 def thread_lines() -> list[str]:

@@ -1058,7 +1058,7 @@ class Publisher:
             for old, new, node in sides:
                 if not there[old] or there[new]:
                     continue
-                moving = [[rel, exchange.digest_arg(f.shown.digest)] for rel, f in files[old] if isinstance(f, File) and f.shown is not None]
+                moving = [[rel, exchange.digest_arg(f.shown.digest)] for rel, f in files[old]]  # files: each shows its bytes
                 store_changes.append(["move-tree", old, new, moving] if isinstance(node, Dir) else ["move", old, new, moving[0][1]])
             for _old, new, _node in sides:  # made in the mount after it moved there: their Mkdir's turn could not
                 for rel, d in members[_old]:

@@ -335,10 +335,10 @@ def _nameable(entries: list[Entry], records: dict[str, Record]) -> tuple[list[En
     if not any(map(_suspect, (e.path for e in entries))) and not any(map(_suspect, records)):
         return entries, records
     for e in entries:
-        if not e.is_dir and not _is_nameable(e.path):
+        if not e.is_dir and not nameable(e.path):
             log.warning("the store holds %s, which no file system can name: left out of the mount (it stays in the store)", e.path)
-    return ([e for e in entries if not _suspect(e.path) or _is_nameable(e.path)],
-            {p: r for p, r in records.items() if not _suspect(p) or _is_nameable(p)})
+    return ([e for e in entries if not _suspect(e.path) or nameable(e.path)],
+            {p: r for p, r in records.items() if not _suspect(p) or nameable(p)})
 
 
 def _suspect(path: str) -> bool:
@@ -347,7 +347,8 @@ def _suspect(path: str) -> bool:
     return path != "" and ("//" in path or "/." in path or path[0] in "./" or path[-1] == "/" or "\0" in path or len(path) > NAME_MAX)
 
 
-def _is_nameable(path: str) -> bool:
+def nameable(path: str) -> bool:
+    """Whether a file system can name `path` (each part: not empty, `.` or `..`, no NUL, at most NAME_MAX bytes)."""
     return all(part not in ("", ".", "..") and "\0" not in part and len(part.encode(errors="surrogateescape")) <= NAME_MAX
                for part in path.split("/"))
 
