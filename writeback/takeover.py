@@ -35,13 +35,15 @@ if TYPE_CHECKING:
     from .storeio import Scanned
 
 
-def _twin(paths: Iterable[tuple[str, object]]) -> tuple[Replica, dict[Node, object]]:
+def _twin(paths: Iterable[tuple[str, object]], dirs: bool = False) -> tuple[Replica, dict[Node, object]]:
     """A throwaway replica of stand-ins for `paths` (parents before their
-    children), each mapped to what it stands for."""
+    children), each mapped to what it stands for: a directory's stand-in is
+    a directory (`dirs`: every one is), so that binding what is under it
+    keeps it rather than putting a new directory in its place."""
     twin = Replica()
     of: dict[Node, object] = {}
     for path, what in paths:
-        stand_in = Dir(ino=0) if isinstance(what, Dir) else Node(ino=0)
+        stand_in = Dir(ino=0) if dirs or isinstance(what, Dir) else Node(ino=0)
         twin.bind(path, stand_in)
         of[stand_in] = what
     return twin, of
@@ -108,7 +110,7 @@ def replicate(publisher: Publisher, scanned: Scanned, ops: list[Op], inode_at: C
                 d = Dir(0)
                 publisher.restored(rec.path, d)
             d.recorded = rec.meta
-    then = names_then({ino: [path] for path, ino in directories}, ops)
+    then = names_then({ino: [path] for path, ino in directories}, ops, dirs=True)
     for path in sorted((p for paths in then.values() for p in paths), key=lambda p: p.count("/")):
         if publisher.replica.lookup(path) is None:
             publisher.replica.bind(path, Dir(0))  # recorded at the next sync (not made: on a local store the scan would have found it)
@@ -132,11 +134,12 @@ def bind_to_live(replica: Replica, ops: list[Op], inode_at: Callable[[str], int 
             node.shown = Shown(ino, generation_of.get(ino, 0), node.shown.digest, node.shown.meta)
 
 
-def names_then(now: Mapping[object, list[str]], ops: list[Op]) -> dict[object, list[str]]:
+def names_then(now: Mapping[object, list[str]], ops: list[Op], dirs: bool = False) -> dict[object, list[str]]:
     """The names each key's paths in the live mount (`now`) had before
     `ops` happened: the paths followed back through them. A name that one
-    of them made (a hard link) had no earlier name and is left out."""
-    twin, of = _twin([(path, key) for key, paths in now.items() for path in paths])
+    of them made (a hard link) had no earlier name and is left out.
+    `dirs`: the keys are directories (parents first)."""
+    twin, of = _twin([(path, key) for key, paths in now.items() for path in paths], dirs)
     _replay(twin, ops, backward=True)
     then: dict[object, list[str]] = {key: [] for key in now}
     for path, stand_in in twin.walk(twin.root):

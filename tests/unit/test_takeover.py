@@ -41,6 +41,18 @@ def test_live_names_are_followed_back_to_the_names_they_had_before_the_queued_ch
     assert then == {"gen-x": ["x.tmp"], "gen-d": ["dir/sub/f"], "gen-l": ["orig"], "gen-p": ["p"]}
 
 
+def test_live_directories_are_followed_back_with_the_directories_under_them():
+    """The directories of the live mount, parents first, followed back to
+    the names they had at the gone node's position (the node taking over
+    records those the store does not show). A directory's stand-in was a
+    plain node: binding the directory under it (`e/y/x`, moved there since)
+    put a new directory in its place, and `e/y` was followed back to no name,
+    so its record was never written and a restart lost its attributes."""
+    ops = [Rename(1, "d", "e/y/x", 0, True)]
+    now = {3: ["e"], 6: ["e/y"], 2: ["e/y/x"], 7: ["e/y/x/z"]}
+    assert takeover.names_then(now, ops, dirs=True) == {3: ["e"], 6: ["e/y"], 2: ["d"], 7: ["d/z"]}
+
+
 def test_a_directory_move_the_gone_publisher_left_halfway_binds_what_it_moved_already():
     """Node a moved `e` to `a/x` member by member (an object store) and died
     after two of three: the store shows `a/x/x` and `a/x/y` (and, copied
