@@ -4,9 +4,12 @@
 
 from __future__ import annotations
 
-from ckptfs.writeback import takeover
+from ckptfs.writeback import storeio, takeover
 from ckptfs.writeback.journal import Exchange, Link, Remove, Rename
+from ckptfs.writeback.publisher import Publisher
 from ckptfs.writeback.replica import Dir, File, Replica, Shown
+
+from tests.unit.test_engine import Rig
 
 
 def _store(*paths: str) -> Replica:
@@ -41,16 +44,20 @@ def test_live_names_are_followed_back_to_the_names_they_had_before_the_queued_ch
     assert then == {"gen-x": ["x.tmp"], "gen-d": ["dir/sub/f"], "gen-l": ["orig"], "gen-p": ["p"]}
 
 
-def test_live_directories_are_followed_back_with_the_directories_under_them():
-    """The directories of the live mount, parents first, followed back to
-    the names they had at the gone node's position (the node taking over
-    records those the store does not show). A directory's stand-in was a
-    plain node: binding the directory under it (`e/y/x`, moved there since)
-    put a new directory in its place, and `e/y` was followed back to no name,
-    so its record was never written and a restart lost its attributes."""
-    ops = [Rename(1, "d", "e/y/x", 0, True)]
-    now = {3: ["e"], 6: ["e/y"], 2: ["e/y/x"], 7: ["e/y/x/z"]}
-    assert takeover.names_then(now, ops, dirs=True) == {3: ["e"], 6: ["e/y"], 2: ["d"], 7: ["d/z"]}
+def test_a_directory_the_store_does_not_show_is_bound_with_a_directory_moved_under_it_since(tmp_path):
+    """The node taking over records the directories the store does not
+    show: the live mount's, followed back to their names at the gone node's
+    position (`names_then`). A directory's stand-in there was a plain node:
+    binding the directory under it (`e/y/x`, renamed there from `d` since)
+    put a new directory in its place, and `e/y` was followed back to no
+    name, bound to no inode, never recorded: a restart lost its attributes."""
+    rig = Rig(tmp_path / "store")
+    publisher = Publisher(rig.engine)
+    live = {"e": 3, "e/y": 6, "e/y/x": 2, "e/y/x/z": 7}
+    takeover.replicate(publisher, storeio.Scanned([], {}, [], None, [], False), [Rename(1, "d", "e/y/x", 2, True)], live.get, {},
+                       list(live.items()))
+    bound = {path: node.ino for path, node in publisher.replica.walk(publisher.replica.root)}
+    assert bound == {"e": 3, "e/y": 6, "d": 2, "d/z": 7}  # d and d/z: their names at the position, renamed since
 
 
 def test_a_directory_move_the_gone_publisher_left_halfway_binds_what_it_moved_already():
