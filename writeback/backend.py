@@ -887,7 +887,7 @@ def _write_new(dir_fd: int, name: str, pieces: Iterable[memoryview | bytes], syn
     fd = os.open(name, flags, 0o600, dir_fd=dir_fd)
     try:
         direct = direct and _set_direct(fd, True)
-        off = 0
+        off = end = 0  # end: where the bytes written so far end (a new file: its size)
         for piece in pieces:
             if is_hole(piece):
                 off += len(piece)
@@ -904,7 +904,9 @@ def _write_new(dir_fd: int, name: str, pieces: Iterable[memoryview | bytes], syn
                     direct = _set_direct(fd, False)  # alignment the device wants is larger: buffered from here
                     continue
                 view, off = view[n:], off + n
-        os.ftruncate(fd, off)
+            end = off
+        if off > end:  # it ends in a hole
+            os.ftruncate(fd, off)
         if sync:
             os.fsync(fd)
     except BaseException:

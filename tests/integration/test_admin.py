@@ -611,6 +611,14 @@ def test_metrics_agree_with_status(tmp_path):
         assert got["ckptfs_retries_total"] == got["ckptfs_failures_total"] == 0
         assert got["ckptfs_fuse_request_seconds_count{op=create}"] >= 4
         assert got["ckptfs_fuse_request_seconds_count{op=write}"] >= 4
+        # each request in exactly one latency bucket (cumulative: +Inf holds them all), and its time summed
+        creates = got["ckptfs_fuse_request_seconds_count{op=create}"]
+        assert got["ckptfs_fuse_request_seconds_bucket{le=+Inf,op=create}"] == creates
+        assert got["ckptfs_fuse_request_seconds_bucket{le=2.5e-05,op=create}"] <= got["ckptfs_fuse_request_seconds_bucket{le=10.0,op=create}"] == creates
+        assert 0 < got["ckptfs_fuse_request_seconds_sum{op=create}"] < creates
+        # errors by operation and errno: lookups of a name that is not there
+        assert not m.path("ck", "missing").exists() and not m.path("ck", "missing2").exists()
+        assert _scrape(port)["ckptfs_fuse_request_errors_total{errno=2,op=lookup}"] >= got.get("ckptfs_fuse_request_errors_total{errno=2,op=lookup}", 0) + 2
         assert got["ckptfs_upload_bytes_per_second"] > 0
         # one INFO line per published file, with size and throughput
         wait_until(lambda: m.log_text().count("published ck/") == 4, 10, "log lines")

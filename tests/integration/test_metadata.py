@@ -189,6 +189,30 @@ def test_sparse_files_stay_sparse_in_the_store_and_after_a_restart(tmp_path):
         stop_mount(m)
 
 
+def test_files_ending_in_a_hole_keep_their_size_in_a_local_store(tmp_path):
+    """The store file is sized by its last hole, not by its last bytes
+    written (a small file written whole at publication, and a large staged
+    one; and one that is all hole)."""
+    m = start_mount(tmp_path)
+    try:
+        sizes = {"small.bin": (b"head", 60_000), "large.bin": (os.urandom(1 << 20), 100 << 20), "hole.bin": (b"", 5000)}
+        for name, (data, size) in sizes.items():
+            with open(m.path(name), "wb") as f:
+                f.write(data)
+                f.truncate(size)
+        assert run_cli("flush", str(m.mountpoint), "--timeout", "120").returncode == 0
+        for name, (data, size) in sizes.items():
+            with open(m.store / name, "rb") as f:
+                assert os.fstat(f.fileno()).st_size == size, name
+                assert f.read(len(data)) == data
+                f.seek(size - 4096)
+                assert f.read() == bytes(4096), name
+        r = run_cli("verify", str(m.mountpoint))
+        assert r.returncode == 0, r.stdout + r.stderr
+    finally:
+        stop_mount(m)
+
+
 def test_a_file_larger_than_the_ram_budget_reads_back_after_a_restart(tmp_path):
     """Read in place from the local store, verified block by block, and the
     daemon's RSS stays within the budget (it used to fetch the whole file
