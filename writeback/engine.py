@@ -461,7 +461,10 @@ class Engine:
         parked ones included), queued renames and removals, waiting removals."""
         out: list[Op] = [g for g in self.unsettled.values() if not self.publisher.settled(g) and g.state is not State.DROPPED]
         # (a following node's queue keeps ops the publishing node applied beyond its position: done, see following.py)
-        out += [op for op in self.queue if not isinstance(op, FileGen) and not op.done.is_set()]
+        # Published generations still queued here: shown at one name, their
+        # turn not over (`waiting`).
+        leads = not self.publisher.follows
+        out += [op for op in self.queue if not op.done.is_set() and (not isinstance(op, FileGen) or (leads and op.state is State.PUBLISHED))]
         out += [op for _, op in self.publisher.deferred]
         return out + self.skipped
 
@@ -501,16 +504,18 @@ class Engine:
         return out
 
     def waiting(self, op: Op) -> bool:
-        """Not applied yet (a dropped generation needs nothing more; a
-        published one whose turn still shows it under its other names, its
-        hard links, is not applied yet; nor is one whose application sealed
-        a file again, until that generation is)."""
+        """Not applied yet (a dropped generation needs nothing more; on the
+        node that publishes, a published one whose turn has not ended is
+        not applied yet: its turn shows it under its other names, its hard
+        links, and after a takeover the gone node may have shown it at one
+        name only; nor is one whose application sealed a file again, until
+        that generation is)."""
         if op.resealed is not None and self.waiting(op.resealed):
             return True
         if isinstance(op, FileGen):
             if op.state is State.DROPPED:
                 return False
-            return not self.publisher.settled(op) or (self.publisher.current is op and bool(self.queue) and self.queue[0] is op)
+            return not self.publisher.settled(op) or (not self.publisher.follows and not op.done.is_set())
         return not op.done.is_set()
 
     def stuck(self, op: Op) -> bool:
@@ -646,6 +651,7 @@ class Engine:
         then = takeover.names_then({g: self.ns.paths_of(g.ino) for g in held}, ops)
         for gen in held:
             gen.names = then[gen] or self.ns.paths_of(gen.ino)
+            gen.done = trio.Event()  # completed above, as the gone node's; its turn again (`waiting`)
         publisher.position = position
         publisher.parked = {g for g in following.parked if g.state is State.PARKED}
         for gen in publisher.parked:
@@ -912,6 +918,7 @@ class Engine:
         if gen.state is State.PUBLISHED:
             return
         gen.move(State.PUBLISHED)
+        gen.shown_at = path
         self.touched.add(gen.ino)
         if self.pending.get(gen.ino) is gen:
             del self.pending[gen.ino]

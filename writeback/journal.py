@@ -68,6 +68,7 @@ class FileGen(Op):
     retry_at: float = 0.0  # trio time before which a failed step is not retried
     owner: str | None = None  # cluster mode: the node whose RAM holds it (None: this one), which stages it
     hidden: bool = False  # cluster mode: staged again under a hidden key, never at a name (`Publisher._staged_again`)
+    shown_at: str = ""  # the name it was first shown at (published there: by this node, or by the publishing node, which said so)
 
     @property
     def path(self) -> str:

@@ -339,16 +339,23 @@ class Publisher:
         if gen.state is State.PARKED:
             self._hold(gen, gen.names)
             return True
+        names = gen.names
         if gen.state is State.PUBLISHED and self.shown(gen.ino) is not None:
-            return True  # shown ahead of its turn, by the node that published before this one (cluster mode)
+            # Shown ahead of its turn (cluster mode), at its one name; or by the
+            # node that published before this one, which died in its turn:
+            # its other names (hard links) may still show older bytes, and
+            # are shown again, copied from the name it said it showed.
+            names = [name for name in gen.names if name != gen.shown_at]
+            if not names:
+                return True
         if gen.staged is None and gen.state is not State.PUBLISHED:
             return False  # still uploading, or its upload failed and is scheduled again
         if gen.retry_at > trio.current_time():
             await trio.sleep_until(gen.retry_at)
             return False
-        log.debug("turn of %s generation %d (seq %d) as %s", gen.path, gen.generation, gen.seq, gen.names)
-        await self._clear_way(gen.names)
-        for name, node in self._hold(gen, gen.names):
+        log.debug("turn of %s generation %d (seq %d) as %s", gen.path, gen.generation, gen.seq, names)
+        await self._clear_way(names)
+        for name, node in self._hold(gen, names):
             await self._materialize(name, node)
         return True
 
@@ -665,12 +672,18 @@ class Publisher:
 
     def _shown_source(self, gen: FileGen, exclude: Node) -> str | None:
         """Where the store shows `gen` under another name (a hard link's);
-        inside a directory being moved, where it is now."""
+        inside a directory being moved, where it is now. The name it was
+        first shown at comes first: after a takeover, the replica gives
+        every name of the file the generation last published, and only
+        that name is known to hold its bytes."""
+        found = None
         for path, other in self.replica.nodes_of(gen.ino):
             if (other is not exclude and isinstance(other, File) and other.shown and other.shown.ino == gen.ino
                     and other.shown.generation == gen.generation):
-                return self._now_at(path, other)
-        return None
+                if path == gen.shown_at:
+                    return self._now_at(path, other)
+                found = found or self._now_at(path, other)
+        return found
 
     def _now_at(self, path: str, node: Node) -> str:
         """Where the store has the bytes `node` shows at `path` (`relocated`)."""

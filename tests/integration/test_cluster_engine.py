@@ -801,3 +801,31 @@ async def test_a_file_the_gone_node_held_before_an_exchange_beyond_its_report_is
         await take_over_once_dead(a_alive, b)
         assert (store / "y").read_bytes() == b"x" * 1000 and (store / "x").read_bytes() == b"y" * 2000
         nursery.cancel_scope.cancel()
+
+
+async def test_a_new_generation_the_gone_node_showed_at_one_name_of_a_hard_link_only_is_shown_at_the_other(tmp_path, redis_db):
+    """b rewrites a file that has two names (a hard link). a publishes the
+    new generation at its first name, reports it, and dies before the
+    second (found by a takeover explorer). b heard the generation published,
+    took the one name showing it for all, and never showed it at the other:
+    the store kept the old bytes there for good."""
+    store = tmp_path / "store"
+    async with a_dies_later(redis_db, store) as (nursery, a, a_alive, b):
+        q = await b.write(b"q", b"1" * 300_000)
+        await b.ns.change("link", q, ROOT, b"x")
+        with trio.fail_after(20):
+            while a.engine.queue or not (store / "x").exists():
+                await trio.sleep(0.01)
+        copy = a.backend.copy
+
+        def die(*args):  # the second name's copy, after the record: a is gone
+            trio.from_thread.run_sync(a_alive.cancel)
+            raise OSError(errno.EIO, "node a died")
+
+        a.backend.copy = die
+        await b.write(b"q", b"2" * 1000)  # the same inode: both names
+        await take_over_once_dead(a_alive, b)
+        a.backend.copy = copy
+        assert (store / "q").read_bytes() == (store / "x").read_bytes() == b"2" * 1000
+        assert verify.verify(b.backend).clean
+        nursery.cancel_scope.cancel()
