@@ -645,7 +645,11 @@ class Engine:
             following._complete(self.queue[0])
         publisher = Publisher(self, following.markers)
         ops = list(self.queue)  # everything after `position`
-        takeover.replicate(publisher, scanned, ops, lambda path: getattr(self.ns.inode_at(path), "ino", None), self.published_gen,
+        def published(ino: int) -> tuple[int, Digest | None]:
+            generation = self.published_gen.get(ino, 0)
+            return generation, following.heard(ino, generation)
+
+        takeover.replicate(publisher, scanned, ops, lambda path: getattr(self.ns.inode_at(path), "ino", None), published,
                            self.ns.directories())
         held = [g for g in self.unsettled.values() if g.seq <= position and g.state not in (State.PUBLISHED, State.DROPPED)]
         then = takeover.names_then({g: self.ns.paths_of(g.ino) for g in held}, ops)

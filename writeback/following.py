@@ -135,9 +135,12 @@ class Following(Publisher):
         if not paths:
             return None
         generation = self.e.published_gen.get(ino, 0)
+        return paths[0], Shown(ino, generation, self.heard(ino, generation), Meta())
+
+    def heard(self, ino: int, generation: int) -> Digest | None:
+        """The digest of `generation` of `ino` that the publishing node said it showed (None: not heard)."""
         heard = self._digests.get(ino)
-        digest = heard[1] if heard is not None and heard[0] == generation else None
-        return paths[0], Shown(ino, generation, digest, Meta())
+        return heard[1] if heard is not None and heard[0] == generation else None
 
     def showed(self, ino: int, generation: int, path: str, digest: Digest | None) -> None:
         old = self._digests.get(ino)

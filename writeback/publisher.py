@@ -43,7 +43,7 @@ from . import exchange, manifest, storeio
 from .backend import META
 from .calls import StoreTimeout
 from .journal import Attrs, Exchange, FileGen, Link, Mkdir, Op, Remove, Rename, Symlink
-from .manifest import Record
+from .manifest import Digest, Record
 from .replica import Dir, File, Node, Replica, Shown
 from .replica import Link as RLink
 from .state import State
@@ -1350,6 +1350,11 @@ class Publisher:
     def showed(self, ino: int, generation: int, path: str, digest) -> None:
         """Cluster mode: the publishing node showed `generation` of `ino` at
         `path` (heard by the nodes that follow it; see `Following`)."""
+
+    def heard(self, ino: int, generation: int) -> Digest | None:
+        """Cluster mode: the digest of `generation` of `ino` that the
+        publishing node said it showed (None: not heard, or this node publishes)."""
+        return None
 
     # -- restart ----------------------------------------------------------------
     def restored(self, path: str, node: Node) -> None:

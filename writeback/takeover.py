@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from . import journal
 from .journal import Exchange, Op, Remove, Rename
-from .manifest import Meta
+from .manifest import Digest, Meta
 from .replica import Dir, File, Link, Node, Replica, Shown
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ def _replay(twin: Replica, ops: list[Op], backward: bool = False) -> None:
 
 
 def replicate(publisher: Publisher, scanned: Scanned, ops: list[Op], inode_at: Callable[[str], int | None],
-              generation_of: Mapping[int, int], directories: list[tuple[str, int]]) -> None:
+              published: Callable[[int], tuple[int, Digest | None]], directories: list[tuple[str, int]]) -> None:
     """Give `publisher` a replica of what the store shows (`scanned`), each
     name bound to its live inode (`bind_to_live`). Every directory is
     dirty: its record is compared with the mount at the next idle moment.
@@ -114,14 +114,19 @@ def replicate(publisher: Publisher, scanned: Scanned, ops: list[Op], inode_at: C
     for path in sorted((p for paths in then.values() for p in paths), key=lambda p: p.count("/")):
         if publisher.replica.lookup(path) is None:
             publisher.replica.bind(path, Dir(0))  # recorded at the next sync (not made: on a local store the scan would have found it)
-    bind_to_live(publisher.replica, ops, inode_at, generation_of)
+    bind_to_live(publisher.replica, ops, inode_at, published)
     publisher.dirty = {n for _, n in publisher.replica.walk(publisher.replica.root) if isinstance(n, Dir)} | {publisher.replica.root}
 
 
-def bind_to_live(replica: Replica, ops: list[Op], inode_at: Callable[[str], int | None], generation_of: Mapping[int, int]) -> None:
+def bind_to_live(replica: Replica, ops: list[Op], inode_at: Callable[[str], int | None],
+                 published: Callable[[int], tuple[int, Digest | None]]) -> None:
     """Bind every name of `replica` (the store as scanned, inodes unknown)
     to the inode the live mount has there after `ops`; names that `ops`
-    remove stay bound to no inode (0)."""
+    remove stay bound to no inode (0). A file's name shows the generation
+    last `published` (with its digest, if heard), unless its record names
+    other bytes: older ones, at a name the gone node died before showing
+    that generation at (a hard link's), which must not be read or copied
+    as that generation (generation 0: some older one)."""
     twin, of = _twin(list(replica.walk(replica.root)))
     _replay(twin, ops)
     for path, stand_in in list(twin.walk(twin.root)):
@@ -131,7 +136,10 @@ def bind_to_live(replica: Replica, ops: list[Op], inode_at: Callable[[str], int 
         ino = inode_at(path) or 0
         replica.rebind_ino(node, ino)
         if isinstance(node, File) and node.shown is not None:
-            node.shown = Shown(ino, generation_of.get(ino, 0), node.shown.digest, node.shown.meta)
+            generation, digest = published(ino)
+            if digest is not None and node.shown.digest != digest:
+                generation = 0
+            node.shown = Shown(ino, generation, node.shown.digest, node.shown.meta)
 
 
 def names_then(now: Mapping[object, list[str]], ops: list[Op], dirs: bool = False) -> dict[object, list[str]]:

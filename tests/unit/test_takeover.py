@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ckptfs.writeback import storeio, takeover
 from ckptfs.writeback.journal import Exchange, Link, Remove, Rename
+from ckptfs.writeback.manifest import Digest
 from ckptfs.writeback.publisher import Publisher
 from ckptfs.writeback.replica import Dir, File, Replica, Shown
 
@@ -27,13 +28,30 @@ def test_store_names_are_bound_to_the_inodes_found_where_the_queued_changes_move
     ops = [Rename(1, "tmp", "step", 0, True), Remove(2, "gone", 0, False), Exchange(3, "a", "b"),
            Rename(4, "old", "new", 0, False)]
     live = {"step": 10, "step/shard": 11, "new": 12, "a": 13, "b": 14}
-    takeover.bind_to_live(replica, ops, live.get, {11: 3})
+    takeover.bind_to_live(replica, ops, live.get, lambda ino: ({11: 3}.get(ino, 0), None))
     ino = {path: node.ino for path, node in replica.walk(replica.root)}
     assert ino["tmp"] == 10 and ino["tmp/shard"] == 11 and ino["old"] == 12 and ino["gone"] == 0
     assert ino["a"] == 14 and ino["b"] == 13  # exchanged since: each is the other's inode now
     shard = replica.lookup("tmp/shard")
     assert isinstance(shard, File) and shard.shown is not None and (shard.shown.ino, shard.shown.generation) == (11, 3)
     assert [p for p, _ in replica.nodes_of(11)] == ["tmp/shard"]
+
+
+def test_a_name_whose_record_names_other_bytes_than_the_generation_last_published_shows_an_older_one():
+    """A file with two names (a hard link): the gone node showed its newest
+    generation at `q` and died before `x`, whose record still names the
+    older bytes. Both names were taken to show the newest generation, so a
+    load or a copy could take the older bytes at `x` for it."""
+    new, old = Digest(1000, "7" * 32), Digest(300_000, "1" * 32)
+    replica = Replica()
+    replica.bind("q", File(0, shown=Shown(0, 0, new)))
+    replica.bind("x", File(0, shown=Shown(0, 0, old)))
+    takeover.bind_to_live(replica, [], {"q": 5, "x": 5}.get, lambda ino: (2, new) if ino == 5 else (0, None))
+    shown = {path: (node.shown.ino, node.shown.generation) for path, node in replica.walk(replica.root)}
+    assert shown == {"q": (5, 2), "x": (5, 0)}
+    # the digest not heard: the generation last published, as before
+    takeover.bind_to_live(replica, [], {"q": 5, "x": 5}.get, lambda ino: (2, None))
+    assert {path: node.shown.generation for path, node in replica.walk(replica.root)} == {"q": 2, "x": 2}
 
 
 def test_live_names_are_followed_back_to_the_names_they_had_before_the_queued_changes():
@@ -54,8 +72,8 @@ def test_a_directory_the_store_does_not_show_is_bound_with_a_directory_moved_und
     rig = Rig(tmp_path / "store")
     publisher = Publisher(rig.engine)
     live = {"e": 3, "e/y": 6, "e/y/x": 2, "e/y/x/z": 7}
-    takeover.replicate(publisher, storeio.Scanned([], {}, [], None, [], False), [Rename(1, "d", "e/y/x", 2, True)], live.get, {},
-                       list(live.items()))
+    takeover.replicate(publisher, storeio.Scanned([], {}, [], None, [], False), [Rename(1, "d", "e/y/x", 2, True)], live.get,
+                       lambda ino: (0, None), list(live.items()))
     bound = {path: node.ino for path, node in publisher.replica.walk(publisher.replica.root)}
     assert bound == {"e": 3, "e/y": 6, "d": 2, "d/z": 7}  # d and d/z: their names at the position, renamed since
 
@@ -70,7 +88,7 @@ def test_a_directory_move_the_gone_publisher_left_halfway_binds_what_it_moved_al
     replica = _store("a/", "a/x/", "a/x/x", "a/x/y", "e/", "e/y", "e/z")
     ops = [Rename(1, "e", "a/x", 0, True)]
     live = {"a": 20, "a/x": 21, "a/x/x": 22, "a/x/y": 23, "a/x/z": 24}
-    takeover.bind_to_live(replica, ops, live.get, {})
+    takeover.bind_to_live(replica, ops, live.get, lambda ino: (0, None))
     ino = {path: node.ino for path, node in replica.walk(replica.root)}
     assert ino["e"] == 21 and ino["e/z"] == 24 and ino["a/x/x"] == 22
     assert ino["e/y"] == 23 and ino["a/x/y"] == 0  # the copy the move goes on from; the other is replaced by it
