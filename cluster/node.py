@@ -285,3 +285,6 @@ class _Noted:
         for name, mode, size, mtime_ns, uid, gid in files:
             self.entries.append([f"{parent}/{name}" if parent else name, stat.S_IFREG | mode, size, mtime_ns, "", uid, gid])
         return self.tree.restore_files(parent, files)
+
+    def inode_at(self, path):
+        return self.tree.inode_at(path)

@@ -39,7 +39,7 @@ from .calls import Deadlines, StoreCalls, permanent
 from .journal import LOST, Attrs, Exchange, FileGen, Link, Mkdir, Op, Remove, Rename, Snapshot, Symlink, kind
 from .manifest import Digest, Meta, record_path
 from .publisher import MARKERS, Publisher
-from .replica import Dir, File, Shown
+from .replica import Dir, File, Replica, Shown
 from .replica import Link as RLink
 from .residency import Counters, LoadTarget, Residency
 from .state import State
@@ -76,6 +76,7 @@ class Restorer(Protocol):
     def restore(self, path: str, mode: int, size: int = 0, mtime_ns: int | None = None, target: str = "", uid: int | None = None,
                 gid: int | None = None) -> Node: ...  # one entry, as recorded
     def restore_files(self, parent: str, files: list[tuple[str, int, int, int, int | None, int | None]]) -> list[Node]: ...
+    def inode_at(self, path: str) -> Node | None: ...
 
 
 class Namespace(Restorer, Protocol):
@@ -84,7 +85,6 @@ class Namespace(Restorer, Protocol):
     def paths_of(self, ino: int) -> list[str]: ...
     def directories(self) -> list[tuple[str, int]]: ...  # (path, inode) of each, parents first
     def meta_of(self, ino: int) -> tuple[int, int, int, int] | None: ...  # (mode, uid, gid, mtime_ns)
-    def inode_at(self, path: str) -> Node | None: ...
     def evict(self, ino: int, generation: int) -> int: ...
     def begin_load(self, ino: int, spill: bool) -> LoadTarget | None: ...
     def begin_borrow(self, ino: int) -> LoadTarget | None: ...  # reads served from the store file in place
@@ -1036,9 +1036,11 @@ class Engine:
         self.residency.recheck = scanned.indexed
         replica = self.publisher.replica
         n = 0
+        parents: set[str] = set()  # where the replica may have made directories as parents (`_bind_made`)
         # A listing gives each directory's entries together: files are
         # restored a directory at a time (its lookup done once).
         for (is_dir, parent), run in itertools.groupby(entries, key=lambda e: (e.is_dir, e.path.rpartition("/")[0])):
+            parents.add(parent)
             if is_dir:
                 for e in run:
                     node = ns.restore(e.path, stat.S_IFDIR | 0o755)
@@ -1068,6 +1070,7 @@ class Engine:
             if rec.kind == "symlink":
                 node = ns.restore(rec.path, stat.S_IFLNK | 0o777, 0, rec.mtime_ns, rec.target, rec.uid, rec.gid)
                 self.publisher.restored(rec.path, RLink(node.ino, target=rec.target, shown=True, meta=rec.meta))
+                parents.add(rec.path.rpartition("/")[0])
         dirs = [rec for rec in records.values() if rec.kind == "dir"]
         for rec in sorted(dirs, key=lambda r: -(r.path.count("/") + bool(r.path))):
             meta = _restorable(rec.meta)
@@ -1077,6 +1080,8 @@ class Engine:
                 d = Dir(node.ino)
                 self.publisher.restored(rec.path, d)
             d.recorded = rec.meta
+            parents.add(rec.path)
+        _bind_made(replica, ns, parents)
         return n
 
     async def claim(self, daemon_id: str, started: float) -> None:
@@ -1145,6 +1150,27 @@ class Engine:
         self._wake.set()
         self._wake = trio.Event()
 
+
+
+
+def _bind_made(replica: Replica, ns: Restorer, paths: set[str]) -> None:
+    """Bind the directories the replica made as parents while a restart
+    restored what is under them (`Replica.directory`: no inode) to the
+    mount's directories there. An object store lists no directory that
+    holds no file, and records are restored deepest first: a directory
+    left with no inode is never recorded again (`Publisher.sync_dirs`
+    skips it), so its changes after the restart would be lost at the next.
+    `paths` and their ancestors are looked at."""
+    seen: set[str] = set()
+    for path in paths:
+        while path and path not in seen:
+            seen.add(path)
+            d = replica.lookup(path)
+            if isinstance(d, Dir) and not d.ino:
+                node = ns.inode_at(path)
+                if node is not None:
+                    replica.rebind_ino(d, node.ino)
+            path = path.rpartition("/")[0]
 
 
 def _restorable(meta: Meta) -> Meta:

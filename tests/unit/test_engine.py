@@ -254,6 +254,36 @@ async def test_every_name_of_a_hard_linked_symlink_comes_back_after_a_restart(tm
     assert rig2.store.inode_at("t") is None and rig2.store.inode_at("d/u") is None
 
 
+async def test_a_directory_on_an_object_store_changed_after_a_restart_keeps_its_change(tmp_path):
+    """An object store holds an empty directory as its record alone. A
+    restart restores records deepest first: `d/y` made `d` a node of no
+    inode in the publisher's replica, as its parent, and `d`'s own record
+    left it so. A chmod or utime of `d` after the restart was never
+    recorded, and the next restart lost it (found by a crash explorer). A
+    directory implied only by a file another tool wrote (`x`) is changed
+    too."""
+    url = f"memory://{tmp_path.name}-dirs"
+    rig = Rig(url)
+    rig.mkdir("d")
+    rig.mkdir("d/y")
+    await run_until_flushed(rig)
+    rig.backend.put("x/g", b"by another tool")  # no record: x is implied by the file
+    rig = Rig(url, claim=False)
+    await rig.engine.scan()
+    rig.backend.prepare("again", time.time())
+
+    async def change():
+        for path in ("d", "d/y", "x"):
+            rig.store.setattr(rig.store.inode_at(path).ino, mode=stat.S_IFDIR | 0o700, mtime_ns=123_000_000_000)
+
+    await run_until_flushed(rig, change)
+    back = Rig(url, claim=False)
+    await back.engine.scan()
+    for path in ("d", "d/y", "x"):
+        inode = back.store.inode_at(path)
+        assert (inode.mode & 0o7777, inode.mtime_ns) == (0o700, 123_000_000_000), path
+
+
 async def test_an_object_beside_objects_under_its_name_shows_the_directory_with_a_warning(tmp_path, caplog):
     """S3 and GCS can hold an object `d/a` and objects under `d/a/`, which a
     file system cannot show together: the mount shows the directory and
