@@ -1036,15 +1036,16 @@ class Engine:
         self.residency.recheck = scanned.indexed
         replica = self.publisher.replica
         n = 0
-        parents: set[str] = set()  # where the replica may have made directories as parents (`_bind_made`)
+        dirs_at: set[str] = set()  # every directory restored, and where the replica may have made one as a parent (`_bind_made`)
         # A listing gives each directory's entries together: files are
         # restored a directory at a time (its lookup done once).
         for (is_dir, parent), run in itertools.groupby(entries, key=lambda e: (e.is_dir, e.path.rpartition("/")[0])):
-            parents.add(parent)
+            dirs_at.add(parent)
             if is_dir:
                 for e in run:
                     node = ns.restore(e.path, stat.S_IFDIR | 0o755)
                     self.publisher.restored(e.path, Dir(node.ino))
+                    dirs_at.add(e.path)
                 continue
             found = []
             for e in run:
@@ -1070,7 +1071,7 @@ class Engine:
             if rec.kind == "symlink":
                 node = ns.restore(rec.path, stat.S_IFLNK | 0o777, 0, rec.mtime_ns, rec.target, rec.uid, rec.gid)
                 self.publisher.restored(rec.path, RLink(node.ino, target=rec.target, shown=True, meta=rec.meta))
-                parents.add(rec.path.rpartition("/")[0])
+                dirs_at.add(rec.path.rpartition("/")[0])
         dirs = [rec for rec in records.values() if rec.kind == "dir"]
         for rec in sorted(dirs, key=lambda r: -(r.path.count("/") + bool(r.path))):
             meta = _restorable(rec.meta)
@@ -1080,8 +1081,10 @@ class Engine:
                 d = Dir(node.ino)
                 self.publisher.restored(rec.path, d)
             d.recorded = rec.meta
-            parents.add(rec.path)
-        _bind_made(replica, ns, parents)
+            dirs_at.add(rec.path)
+        # A directory the store has no record of comes back with the time of
+        # this restart: recorded at the next sync, the next restart shows it so.
+        self.publisher.dirty.update(d for d in _bind_made(replica, ns, dirs_at) if d.recorded is None)
         return n
 
     async def claim(self, daemon_id: str, started: float) -> None:
@@ -1153,24 +1156,29 @@ class Engine:
 
 
 
-def _bind_made(replica: Replica, ns: Restorer, paths: set[str]) -> None:
+def _bind_made(replica: Replica, ns: Restorer, paths: set[str]) -> list[Dir]:
     """Bind the directories the replica made as parents while a restart
     restored what is under them (`Replica.directory`: no inode) to the
     mount's directories there. An object store lists no directory that
     holds no file, and records are restored deepest first: a directory
     left with no inode is never recorded again (`Publisher.sync_dirs`
     skips it), so its changes after the restart would be lost at the next.
-    `paths` and their ancestors are looked at."""
+    `paths` and their ancestors are looked at; returns those directories
+    (the root aside)."""
     seen: set[str] = set()
+    found: list[Dir] = []
     for path in paths:
         while path and path not in seen:
             seen.add(path)
             d = replica.lookup(path)
-            if isinstance(d, Dir) and not d.ino:
-                node = ns.inode_at(path)
-                if node is not None:
-                    replica.rebind_ino(d, node.ino)
+            if isinstance(d, Dir):
+                if not d.ino:
+                    node = ns.inode_at(path)
+                    if node is not None:
+                        replica.rebind_ino(d, node.ino)
+                found.append(d)
             path = path.rpartition("/")[0]
+    return found
 
 
 def _restorable(meta: Meta) -> Meta:

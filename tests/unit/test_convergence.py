@@ -785,7 +785,8 @@ async def test_a_stale_symlink_record_where_the_store_has_other_entries_does_not
     manifest.write(rig.backend, Record.of(stale, "symlink", Meta(mode=0o777), target="t"))
     back = await _restarted_view(tmp_path)
     assert back["d/f"][3] == b"kept" and back["g"][3] == b"also kept" and back["s"][3] == b"elsewhere"
-    assert manifest.read(rig.backend, stale) is None
+    left = manifest.read(rig.backend, stale)
+    assert left is None or (stale == "d" and left.kind == "dir")  # the directory's own record, written after the restart
 
 
 async def test_a_hard_link_renamed_over_a_file_then_moved_with_its_directory_shows_its_own_bytes(tmp_path):

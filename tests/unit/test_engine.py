@@ -284,6 +284,24 @@ async def test_a_directory_on_an_object_store_changed_after_a_restart_keeps_its_
         assert (inode.mode & 0o7777, inode.mtime_ns) == (0o700, 123_000_000_000), path
 
 
+async def test_a_directory_the_store_has_no_record_of_comes_back_with_the_same_time_after_the_next_restart(tmp_path):
+    """A directory the store holds no record of (made by another tool, or
+    by a daemon killed before it recorded it) comes back with the time of
+    the restart. It was never recorded after it, so every restart showed
+    it with a new mtime (found by a crash explorer)."""
+    for url in (str(tmp_path / "store"), f"memory://{tmp_path.name}-unrecorded"):
+        rig = Rig(url, claim=False)
+        rig.backend.put("x/y/g", b"by another tool")
+        await rig.engine.scan()
+        rig.backend.prepare("first", time.time())
+        await run_until_flushed(rig)
+        first = {path: rig.store.inode_at(path).mtime_ns for path in ("x", "x/y")}
+        time.sleep(0.01)
+        back = Rig(url, claim=False)
+        await back.engine.scan()
+        assert {path: back.store.inode_at(path).mtime_ns for path in ("x", "x/y")} == first, url
+
+
 async def test_an_object_beside_objects_under_its_name_shows_the_directory_with_a_warning(tmp_path, caplog):
     """S3 and GCS can hold an object `d/a` and objects under `d/a/`, which a
     file system cannot show together: the mount shows the directory and
