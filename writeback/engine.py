@@ -1154,8 +1154,6 @@ class Engine:
         self._wake = trio.Event()
 
 
-
-
 def _bind_made(replica: Replica, ns: Restorer, paths: set[str]) -> list[Dir]:
     """Bind the directories the replica made as parents while a restart
     restored what is under them (`Replica.directory`: no inode) to the

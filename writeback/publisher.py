@@ -344,8 +344,9 @@ class Publisher:
             # Shown ahead of its turn (cluster mode), at its one name; or by the
             # node that published before this one, which died in its turn:
             # its other names (hard links) may still show older bytes, and
-            # are shown again, copied from the name it said it showed.
-            names = [name for name in gen.names if name != gen.shown_at]
+            # are shown again, copied from the name it said it showed. (No
+            # such name: published before this node joined, its turn long over.)
+            names = [name for name in gen.names if name != gen.shown_at] if gen.shown_at else []
             if not names:
                 return True
         if gen.staged is None and gen.state is not State.PUBLISHED:
