@@ -26,8 +26,9 @@ the journal positions it names mean nothing to a new journal.
 Phases: (1) the records first, each naming what its path may hold until
 the move, and on an object store every file copied to its hidden name;
 (2) the originals deleted and the directory side's folder keys with them
-(object store), or the entries swapped or moved (local store); (3) each hidden copy moved to its new path, the final
-records, the old paths' records removed.
+(object store), or the entries swapped or moved (local store); (3) each
+hidden copy moved to its new path, the final records, the old paths'
+records removed.
 """
 
 from __future__ import annotations
