@@ -270,12 +270,13 @@ def scan(backend: Backend) -> Scanned:
             leftover = True  # moved away (a directory move), its old record not yet deleted
         elif kind == "hidden":
             leftover = True  # an exchange's record written before its move, the move not finished: its bytes are still where they came from
-        elif kind in ("put", "delete"):
+        elif kind == "delete":
+            leftover = True  # the rest of a removal: the file went first (whether its daemon died or a node took over from it)
+        elif kind == "put":
             # A small object PUT whole: nothing was staged to prove it. Only a
             # daemon that died (its heartbeat still there, no longer live) can
-            # have left a record before its data, or after deleting the data;
-            # one that exited cleanly removed its heartbeat, so its files
-            # missing now are real losses.
+            # have left a record before its data; one that exited cleanly
+            # removed its heartbeat, so its files missing now are real losses.
             if crashed is None:
                 beating = {p.rsplit("/", 1)[-1] for p in backend.find(DAEMONS)}  # the claim, after the scan, clears the dead
                 crashed = beating - backend.live_daemons()

@@ -868,6 +868,26 @@ async def test_a_small_object_put_whole_is_a_leftover_only_if_its_daemon_crashed
     assert verify(rig.backend).missing == ["lost"]
 
 
+async def test_a_record_marked_as_being_deleted_whose_file_is_gone_is_a_leftover_whoever_marked_it(tmp_path):
+    """A removal marks the file's record (`delete:<daemon>`), deletes the
+    file, then the record. A record so marked with no file left is the
+    rest of a removal whatever became of that daemon: a cluster node that
+    took over from a node killed between the two (alive on the scan's view:
+    its heartbeat was fresh), or a daemon that exited cleanly after a
+    failed delete of the record. The scan kept it, and verify called the
+    removed file missing for good (found by a takeover explorer)."""
+    store = tmp_path / "store"
+    backend = open_store(str(store))
+    backend.prepare("setup", time.time())
+    manifest.write(backend, manifest.Record("gone", "file", manifest.Digest(1, "00"), None, source="delete:exited"))
+    backend.retire()
+    rig = Rig(store, claim=False)
+    await rig.engine.scan()
+    rig.backend.prepare("next-daemon", time.time())
+    assert manifest.read(rig.backend, "gone") is None
+    assert verify(rig.backend).clean
+
+
 async def test_a_daemon_killed_a_moment_ago_is_known_dead_to_the_scan_after_the_mount_checked_the_store(tmp_path):
     """kill -9, then a mount at once: the dead daemon's heartbeat is fresh,
     and only its pid (gone, on this host) tells it dead. The mount first
