@@ -91,6 +91,11 @@ class Events:
         self.lease_until = time.monotonic() + LEASE_S if publishes else 0.0
         self._lapsed = False  # the lease ran out (logged once)
         self._took_over_at = 0  # the position of the publishing node this one took over from
+        self._reported: Progress | None = None  # the progress the last report sent named
+        self._report_wanted = False
+        self.reports_made = 0  # progress reports made (each taken at one moment, in `_send`)
+        self.reports_sent = 0  # the last of them that reached Redis
+        self._sent = trio.Event()  # set (and replaced) whenever one does
 
     # -- ClusterLink ---------------------------------------------------------------
     def staged(self, gen: FileGen) -> None:
@@ -169,9 +174,9 @@ class Events:
         self.renew(since)
         await until_redis_answers(self.caught_up)  # everything the gone node said, its last progress included
         following: Following = self.engine.publisher  # type: ignore[assignment]
-        self._took_over_at = following.leader_position
+        self._took_over_at = max(following.leader_position, following.leader_applied)
         self.publishes = True  # what the others stage is this node's to show from now on
-        self._took_over_at = await self.engine.take_over(following.leader_position)
+        self._took_over_at = await self.engine.take_over()
         self._held_changed = True  # what the gone node held is held again at its turn: the list starts anew
         assert self._nursery is not None
         self._nursery.start_soon(self._report_progress)
@@ -189,9 +194,12 @@ class Events:
             await trio.sleep(0.01)
 
     def _post(self, event: dict) -> None:
-        event["by"] = self.me
-        self._out.append(json.dumps(event).encode())
+        self._out.append(self._event(event))
         self._wake.set()
+
+    def _event(self, event: dict) -> bytes:
+        event["by"] = self.me
+        return json.dumps(event).encode()
 
     # -- running ---------------------------------------------------------------------
     def start(self) -> None:
@@ -217,31 +225,54 @@ class Events:
                 nursery.start_soon(self._report_progress)
             task_status.started()
 
+    async def reported(self) -> None:
+        """Until this node's progress, as it is now, reached Redis (and
+        so every node that reads the events)."""
+        made = self.reports_made
+        self._report_wanted = True
+        self._wake.set()
+        while self.reports_sent <= made:
+            await self._sent.wait()
+
     async def _send(self) -> None:
         while True:
-            if not (self._out or self._held_changed or self._snapshot):
+            if not (self._out or self._held_changed or self._snapshot or self._report_wanted):
                 await self._wake.wait()
                 self._wake = trio.Event()
                 continue
             batch, self._out = self._out, []
             # Where the publishing node got and what it holds, taken at one
-            # moment, for nodes that join later (`start`)
+            # moment: for the other nodes after the events before it, and for
+            # nodes that join later (`start`)
             progress = self._progress() if self.publishes else None
+            events, report, self._report_wanted = batch, progress is not None and self._report_wanted, False
+            if report:  # at most every PROGRESS_EVERY_S, or at once for `reported`
+                self.reports_made += 1
+                if progress != self._reported:
+                    events = [*batch, self._event({"e": "progress", "position": progress.position, "applied": progress.applied,
+                                                  "waiting": progress.waiting})]
+            made = self.reports_made
             held = None
             if self.publishes and self._held_changed:
                 held, self._held_changed = json.dumps(list(self._held.values())).encode(), False
             snapshot, self._snapshot = self._snapshot, None
             try:
-                await trio.to_thread.run_sync(self._xadd, batch, progress, held, snapshot)
+                await trio.to_thread.run_sync(self._xadd, events, progress, held, snapshot)
                 self._unreachable = False
             except redis.RedisError as exc:
                 if not self._unreachable:  # once per outage
                     log.warning("cannot reach the cluster's Redis (%s): telling the other nodes again shortly", exc)
                     self._unreachable = True
                 self._out[:0] = batch
+                self._report_wanted = self._report_wanted or report
                 self._held_changed = self._held_changed or held is not None
                 self._snapshot = self._snapshot or snapshot
                 await trio.sleep(0.5)
+                continue
+            if report:
+                self._reported, self.reports_sent = progress, made
+                self._sent.set()
+                self._sent = trio.Event()
 
     def _xadd(self, batch: list[bytes], progress: Progress | None, held: bytes | None,
               snapshot: tuple[int, bytes, float] | None) -> None:
@@ -258,13 +289,11 @@ class Events:
         pipe.execute()
 
     async def _report_progress(self) -> None:
-        reported = None
         while self.publishes:
             change = self.engine.next_change()
-            progress = self._progress()
-            if progress != reported:
-                self._post({"e": "progress", "position": progress.position, "applied": progress.applied, "waiting": progress.waiting})
-                reported = progress
+            if self._progress() != self._reported:
+                self._report_wanted = True
+                self._wake.set()
             await change.wait()
             await trio.sleep(PROGRESS_EVERY_S)
 
@@ -272,9 +301,10 @@ class Events:
         """Every op up to `applied` had its turn at the store (applied; a
         file published, held or parked), but the removals held back
         (`waiting`); `position` is just before the first of those: where a
-        node taking over applies the journal from again. Never less than
-        where the node this one took over from got: the generations it held
-        come first in the queue again, but they had their turn."""
+        node taking over applies the journal from again, but for those
+        removals. `applied` is never less than where the node this one took
+        over from got: the generations it held come first in the queue
+        again, but they had their turn."""
         p = self.engine.publisher
         applied = p.position
         if self.engine.queue:
@@ -283,7 +313,7 @@ class Events:
         waiting = [op.seq for _, op in itertools.islice(p.deferred, WAITING_SENT + 1) if op.seq <= applied]
         if len(waiting) > WAITING_SENT:  # a long list is cut: what comes after the last one named counts as not applied
             applied = waiting.pop() - 1
-        position = max(min(applied, waiting[0] - 1), self._took_over_at) if waiting else applied
+        position = min(applied, waiting[0] - 1) if waiting else applied
         return Progress(position, applied, waiting)
 
     async def _receive(self) -> None:

@@ -29,7 +29,7 @@ import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import trio
 
@@ -44,6 +44,9 @@ from .replica import Link as RLink
 from .residency import Counters, LoadTarget, Residency
 from .state import State
 from .streaming import Growing, Streams
+
+if TYPE_CHECKING:
+    from .following import Following
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,9 @@ class ClusterLink(Protocol):
     def held(self, gen: FileGen) -> None: ...  # the publishing node had a generation's turn and did not publish it (held, parked)
     def released(self, gen: FileGen) -> None: ...  # a generation is published or dropped
     async def leased(self) -> None: ...  # until this node may change the store (its lease to publish holds)
+    reports_made: int  # the publishing node's progress reports, made
+    reports_sent: int  # and the last of them that reached the other nodes
+    async def reported(self) -> None: ...  # until a progress report made from now on reached the other nodes
 
 
 class Restorer(Protocol):
@@ -621,15 +627,17 @@ class Engine:
             with trio.CancelScope() as self._publishing:
                 await self.publisher.run()
 
-    async def take_over(self, position: int) -> int:
+    async def take_over(self) -> int:
         """Cluster mode: this node now publishes for the cluster; the node
-        that did is gone, and had applied every op up to `position` to the
-        store (or further: an exchange's plan in the store may say so). Its
-        replica of the store is rebuilt (see `takeover`) and a `Publisher`
-        takes the place of this node's `Following` one. Returns the position
-        it took over at."""
+        that did is gone. Its last progress said it had applied every op up
+        to a position, but the removals it held back (or further: an
+        exchange's plan in the store may say so). Its replica of the store
+        is rebuilt (see `takeover`), those removals held back again, and a
+        `Publisher` takes the place of this node's `Following` one. Returns
+        the position it took over at."""
         assert self.link is not None
-        following = self.publisher
+        following: Following = self.publisher  # type: ignore[assignment]
+        position = max(following.leader_position, following.leader_applied)
         while True:
             try:
                 scanned = await self.patiently("scan the store", storeio.scan, self.backend)
@@ -641,8 +649,13 @@ class Engine:
             log.info("the gone node applied the journal up to position %d (an exchange), beyond the %d it reported",
                      scanned.exchanged, position)
             position = scanned.exchanged
-        while self.queue and self.queue[0].seq <= position:
-            following._complete(self.queue[0])
+        applied = list(itertools.takewhile(lambda op: op.seq <= position, self.queue))
+        waiting = [op for op in applied if isinstance(op, Remove) and op.seq in following.waiting]
+        for op in applied:
+            if op in waiting:
+                self.queue.remove(op)  # held back again (its `done` stays unset)
+            else:
+                following._complete(op)
         publisher = Publisher(self, following.markers)
         ops = list(self.queue)  # everything after `position`
         def published(ino: int) -> tuple[int, Digest | None]:
@@ -650,7 +663,10 @@ class Engine:
             return generation, following.heard(ino, generation)
 
         takeover.replicate(publisher, scanned, ops, lambda path: getattr(self.ns.inode_at(path), "ino", None), published,
-                           self.ns.directories())
+                           self.ns.directories(), applied, waiting)
+        for op in waiting:
+            if not any(o is op for _, o in publisher.deferred):  # nothing of it in the store
+                op.done.set()
         held = [g for g in self.unsettled.values() if g.seq <= position and g.state not in (State.PUBLISHED, State.DROPPED)]
         then = takeover.names_then({g: self.ns.paths_of(g.ino) for g in held}, ops)
         for gen in held:
@@ -663,8 +679,8 @@ class Engine:
                 self.link.lost(gen)  # lost while this node followed: their nodes hear it from the publishing node
         publisher.retry_parked_at = following.retry_parked_at
         self.queue.extendleft(reversed(held))  # their turn again, first
-        log.info("took over publishing for the cluster at position %d: %d entries in the store, %d ops to apply, %d held again",
-                 position, len(scanned.entries), len(ops), len(held))
+        log.info("took over publishing for the cluster at position %d: %d entries in the store, %d ops to apply, "
+                 "%d generations and %d removals held again", position, len(scanned.entries), len(ops), len(held), len(publisher.deferred))
         self.publisher = publisher
         self._publishing.cancel()
         self.notify()

@@ -9,11 +9,11 @@ learns where files were shown (`showed`) so that reads load them.
 
 The publishing node holds a removal back until the files sealed before it
 settle (a parked or lost file: for good). Its progress then names two
-points: its `position`, just before the first removal held back, from
-which a node taking over applies the journal again; and how far it
-`applied` everything else. Ops between the two are done here as there
-(barriers, loads and flushes do not wait for them) but stay queued: a node
-taking over applies them again. Its own
+points: its `position`, just before the first removal held back; and how
+far it `applied` everything else. Ops between the two are done here as
+there (barriers, loads and flushes do not wait for them) but stay queued
+until the position passes them: a node taking over applies the journal
+from `applied` on, and holds those removals back again. Its own
 generations are staged by its upload workers and reported to the publishing
 node (`ClusterLink.staged`); they are published when that node says so.
 """

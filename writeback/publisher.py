@@ -42,11 +42,12 @@ import trio
 from . import exchange, manifest, storeio
 from .backend import META
 from .calls import StoreTimeout
-from .journal import Attrs, Exchange, FileGen, Link, Mkdir, Op, Remove, Rename, Symlink
+from .journal import Attrs, Exchange, FileGen, Link, Mkdir, Named, Op, Remove, Rename, Symlink
 from .manifest import Digest, Record
 from .replica import Dir, File, Node, Replica, Shown
 from .replica import Link as RLink
 from .state import State
+from .unreported import Unreported
 
 if TYPE_CHECKING:
     from .backend import Staged
@@ -72,6 +73,17 @@ class _Late:
 def _overlap(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
     """Whether two sets of store paths share a path, or one holds the other."""
     return any(x == y or x.startswith(y + "/") or y.startswith(x + "/") for x in a for y in b)
+
+
+def _paths(op: Op) -> tuple[str, ...]:
+    """The names `op` changes."""
+    if isinstance(op, Rename):
+        return op.src, op.dst
+    if isinstance(op, Exchange):
+        return op.a, op.b
+    if isinstance(op, FileGen):
+        return tuple(op.names)
+    return (op.name,) if isinstance(op, Named) else ()
 
 
 class Stale(Exception):
@@ -100,6 +112,7 @@ class Publisher:
         self.parked: set[FileGen] = set()
         self.late: list[_Late] = []  # abandoned steps not finished yet
         self.waiting_markers: set[File] = set()  # held: they would vouch for a file the store does not show yet
+        self.unreported = Unreported()  # cluster mode: what changed since the progress last reached the other nodes
         self.retry_parked_at = 0.0
         self.current: Op | None = None  # the op being applied: store steps count their failures on it
         # A directory being moved: (its path, where its members' bytes are
@@ -169,8 +182,13 @@ class Publisher:
         in it, whose own retries may go on: they do the same thing)."""
         await self._after_late_steps(at)
         self.e.residency.disturb(at)
-        if self.e.link is not None:
-            await self.e.link.leased()
+        link, op = self.e.link, self.current
+        if link is not None:
+            await link.leased()
+            if op is not None and at and self.unreported.conflicts(at, op, link.reports_sent):
+                log.debug("%s: waiting until this node's progress reached the other nodes (see unreported.py)", what)
+                await link.reported()
+                self.unreported.clear()
         ended = trio.Event()
         try:
             if reading is not None:
@@ -180,6 +198,9 @@ class Publisher:
             if at:
                 self.late.append(_Late(at, tuple(reading) if isinstance(reading, list) else (self.current,), what, ended))
             raise
+        finally:  # failed or not: it may have changed the store
+            if link is not None and op is not None:
+                self.unreported.note(at, op, link.reports_made, link.reports_sent)
 
     # -- the loop --------------------------------------------------------------
     async def run(self) -> None:
@@ -319,15 +340,19 @@ class Publisher:
 
     def _complete(self, op: Op) -> None:
         link = self.e.link
-        if link is not None and link.publishes and isinstance(op, FileGen) and op.state not in (State.PUBLISHED, State.DROPPED):
-            link.held(op)  # nodes joining later hear it is not published (`Following.held_at_join`)
+        deferred = isinstance(op, Remove) and any(o is op for _, o in self.deferred)
+        if link is not None and link.publishes:
+            if isinstance(op, FileGen) and op.state not in (State.PUBLISHED, State.DROPPED):
+                link.held(op)  # nodes joining later hear it is not published (`Following.held_at_join`)
+            if not deferred:  # what it changed in the replica, if not in the store (nothing shown there)
+                self.unreported.note(_paths(op), op, link.reports_made, link.reports_sent)
         if self.e.queue[0] is op:
             self.e.queue.popleft()
             self.position = op.seq
         else:  # published ahead of its turn (cluster mode, see `_group`): the position stays
             self.e.queue.remove(op)
         self.trim_settled()
-        if not (isinstance(op, Remove) and any(o is op for _, o in self.deferred)):
+        if not deferred:
             op.done.set()
         self.e.notify()
 
@@ -486,9 +511,12 @@ class Publisher:
 
     async def _symlink(self, name: str, node: RLink) -> None:
         """A symlink made at `name`: its record, if the live mount still has it there (C4)."""
-        self.replica.bind(name, node)
+        replaced = self.replica.bind(name, node)
         if self.live_at(name, node.ino):
             await self.call(f"record {name}", manifest.write, self.e.backend, Record.of(name, "symlink", node.meta, target=node.target), at=(name,))
+            node.shown = True
+        elif isinstance(replaced, RLink) and replaced.shown:
+            # Applied again by a node taking over: the record the gone node wrote stays until the removal that follows
             node.shown = True
 
     def _symlink_of(self, ino: int) -> RLink | None:

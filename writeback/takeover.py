@@ -6,8 +6,10 @@ with it. Every node holds the same journal, so the node that takes over
 rebuilds the replica from two things it has:
 
 - the store, scanned: what the old publisher left there, every op up to the
-  last position `P` it reported applied (and maybe a few after it, which
-  are applied again: publication is idempotent);
+  last position `P` it reported applied but the removals it reported held
+  back (and maybe a few ops after it, which are applied again: harmless,
+  see `unreported`); each of those removals is held back again where the
+  ops after it moved what it removes;
 - the journal after `P`, still in this node's queue: each name the scan
   finds is followed through its namespace changes to the name it has in the
   live mount now, and bound to the inode found there (`bind_to_live`);
@@ -63,7 +65,7 @@ def _swap(twin: Replica, a: str, b: str) -> None:
 def _replay(twin: Replica, ops: list[Op], backward: bool = False) -> None:
     """Move `twin`'s stand-ins as `ops` moved names (`backward`: undo them,
     last first). Forward, a removal takes its name away; backward, a name
-    a hard link made had not existed."""
+    a hard link or a mkdir made had not existed."""
     for op in reversed(ops) if backward else ops:
         if isinstance(op, Rename):
             src, dst = (op.dst, op.src) if backward else (op.src, op.dst)
@@ -75,17 +77,24 @@ def _replay(twin: Replica, ops: list[Op], backward: bool = False) -> None:
                 twin.bind(dst, moving)
         elif isinstance(op, Exchange):
             _swap(twin, op.a, op.b)
-        elif (isinstance(op, Remove) and not backward) or (isinstance(op, journal.Link) and backward):
+        elif (isinstance(op, Remove) and not backward) or (isinstance(op, journal.Link | journal.Mkdir) and backward):
             gone = twin.lookup(op.name)
-            if gone is not None and not (backward and isinstance(gone, Dir)):
+            if gone is not None and not (backward and isinstance(gone, Dir) != isinstance(op, journal.Mkdir)):
                 twin.detach(gone)
 
 
 def replicate(publisher: Publisher, scanned: Scanned, ops: list[Op], inode_at: Callable[[str], int | None],
-              published: Callable[[int], tuple[int, Digest | None]], directories: list[tuple[str, int]]) -> None:
+              published: Callable[[int], tuple[int, Digest | None]], directories: list[tuple[str, int]],
+              applied: list[Op] = (), waiting: list[Remove] = ()) -> None:
     """Give `publisher` a replica of what the store shows (`scanned`), each
     name bound to its live inode (`bind_to_live`). Every directory is
     dirty: its record is compared with the mount at the next idle moment.
+
+    `applied`: the ops before `ops` that the gone node applied since the
+    position it reported last, but the removals it held back (`waiting`):
+    what each of those removes is where the ops after it moved it in the
+    store, and waits there again (the publisher's `deferred`), bound to the
+    removed inode.
 
     `directories`: the live mount's (path, inode), parents first. Those it
     had at `P` (followed back through `ops`) that the store does not show
@@ -114,32 +123,64 @@ def replicate(publisher: Publisher, scanned: Scanned, ops: list[Op], inode_at: C
     for path in sorted((p for paths in then.values() for p in paths), key=lambda p: p.count("/")):
         if publisher.replica.lookup(path) is None:
             publisher.replica.bind(path, Dir(0))  # recorded at the next sync (not made: on a local store the scan would have found it)
-    bind_to_live(publisher.replica, ops, inode_at, published)
+    held_back = {}
+    for op, path in _forward(applied, waiting).items():
+        node = publisher.replica.lookup(path) if path is not None else None
+        if node is not None and node is not publisher.replica.root:
+            held_back[node] = op
+    bind_to_live(publisher.replica, ops, inode_at, published, skip=held_back.keys())
+    for node, op in held_back.items():
+        _bind(publisher.replica, node, op.ino, published)
+        publisher.deferred.append((node, op))
     publisher.dirty = {n for _, n in publisher.replica.walk(publisher.replica.root) if isinstance(n, Dir)} | {publisher.replica.root}
 
 
 def bind_to_live(replica: Replica, ops: list[Op], inode_at: Callable[[str], int | None],
-                 published: Callable[[int], tuple[int, Digest | None]]) -> None:
+                 published: Callable[[int], tuple[int, Digest | None]], skip: Iterable[Node] = ()) -> None:
     """Bind every name of `replica` (the store as scanned, inodes unknown)
-    to the inode the live mount has there after `ops`; names that `ops`
-    remove stay bound to no inode (0). A file's name shows the generation
-    last `published` (with its digest, if heard), unless its record names
-    other bytes: older ones, at a name the gone node died before showing
-    that generation at (a hard link's), which must not be read or copied
-    as that generation (generation 0: some older one)."""
+    but those of `skip` to the inode the live mount has there after `ops`;
+    names that `ops` remove stay bound to no inode (0)."""
+    skip = set(skip)
     twin, of = _twin(list(replica.walk(replica.root)))
     _replay(twin, ops)
     for path, stand_in in list(twin.walk(twin.root)):
         node = of.get(stand_in)
-        if not isinstance(node, Node):
+        if isinstance(node, Node) and node not in skip:
+            _bind(replica, node, inode_at(path) or 0, published)
+
+
+def _bind(replica: Replica, node: Node, ino: int, published: Callable[[int], tuple[int, Digest | None]]) -> None:
+    """Bind `node` to `ino`. A file's name shows the generation last
+    `published` (with its digest, if heard), unless its record names other
+    bytes: older ones, at a name the gone node died before showing that
+    generation at (a hard link's), which must not be read or copied as that
+    generation (generation 0: some older one)."""
+    replica.rebind_ino(node, ino)
+    if isinstance(node, File) and node.shown is not None:
+        generation, digest = published(ino)
+        if digest is not None and node.shown.digest != digest:
+            generation = 0
+        node.shown = Shown(ino, generation, node.shown.digest, node.shown.meta)
+
+
+def _forward(applied: list[Op], waiting: list[Remove]) -> dict[Remove, str | None]:
+    """Where what each removal of `waiting` removes is in the store after
+    `applied` (None: gone, or replaced): its name, followed through the ops
+    after it (one pass over them: there may be many)."""
+    twin = Replica()
+    stand_ins: dict[Remove, Node] = {}
+    held = set(waiting)
+    for op in applied:
+        if op not in held:
+            _replay(twin, [op])
             continue
-        ino = inode_at(path) or 0
-        replica.rebind_ino(node, ino)
-        if isinstance(node, File) and node.shown is not None:
-            generation, digest = published(ino)
-            if digest is not None and node.shown.digest != digest:
-                generation = 0
-            node.shown = Shown(ino, generation, node.shown.digest, node.shown.meta)
+        there = twin.lookup(op.name)
+        if op.is_dir and isinstance(there, Dir):
+            stand_ins[op] = there  # the directory of removals held back before it
+        else:
+            stand_ins[op] = Dir(ino=0) if op.is_dir else Node(ino=0)
+            twin.bind(op.name, stand_ins[op])
+    return {op: twin.path_of(node) for op, node in stand_ins.items()}
 
 
 def names_then(now: Mapping[object, list[str]], ops: list[Op], dirs: bool = False) -> dict[object, list[str]]:

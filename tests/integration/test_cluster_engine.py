@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+import redis
 import trio
 from ckptfs.cluster import snapshot
 from ckptfs.cluster.events import Events
@@ -827,5 +828,129 @@ async def test_a_new_generation_the_gone_node_showed_at_one_name_of_a_hard_link_
         await take_over_once_dead(a_alive, b)
         a.backend.copy = copy
         assert (store / "q").read_bytes() == (store / "x").read_bytes() == b"2" * 1000
+        assert verify.verify(b.backend).clean
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_node_taking_over_does_not_apply_again_a_rename_chain_the_gone_node_applied_beyond_a_removal_it_held_back(tmp_path, redis_db):
+    """a holds a removal back behind a parked file (a symlink planted where
+    its directory goes), so its progress's position stays before it; it
+    applies `rename d -> b` and `rename e -> d` after it, reports them applied
+    beyond that position, and dies. b took over at the position and applied
+    both renames again: the store's `d`, holding `e`'s bytes by then, went
+    to `b`, whose bytes were lost there. b now takes over where a applied
+    everything, and holds that one removal back again, until the parked
+    file goes."""
+    store = tmp_path / "store"
+    (store / "top").mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (store / "top" / "bad").symlink_to(elsewhere)
+    async with a_dies_later(redis_db, store) as (nursery, _a, a_alive, b):
+        top = await b.ns.change("mkdir", ROOT, b"top", 0o755, 0, 0)
+        bad = await b.ns.change("mkdir", top.ino, b"bad", 0o755, 0, 0)
+        h = await b.ns.create(bad.ino, b"f", 0o644, W, 0, 0, lambda: True)
+        b.tree.write(h.fh, 0, b"never published")
+        b.tree.release(h.fh)
+        await b.ns.placed()
+        await b.write(b"gone", b"removed after the parked file")
+        await b.write(b"d", b"d" * 1000)
+        await b.write(b"e", b"e" * 2000)
+        with trio.fail_after(20):
+            while not all((store / name).exists() for name in ("gone", "d", "e")):
+                await trio.sleep(0.01)
+        await b.ns.change("unlink", ROOT, b"gone")
+        await b.ns.change("rename", ROOT, b"d", ROOT, b"b", 0)
+        await b.ns.change("rename", ROOT, b"e", ROOT, b"d", 0)
+        last = b.engine.queue[-1].seq
+        with trio.fail_after(20):  # b heard a applied both renames, beyond the removal it holds back
+            while b.engine.publisher.leader_applied < last:
+                await trio.sleep(0.01)
+        assert (store / "b").read_bytes() == b"d" * 1000 and (store / "d").read_bytes() == b"e" * 2000
+        a_alive.cancel()
+        await b.events.take_over(time.monotonic())
+        with trio.fail_after(20):
+            while b.engine.queue:
+                await trio.sleep(0.01)
+        assert (store / "b").read_bytes() == b"d" * 1000 and (store / "d").read_bytes() == b"e" * 2000
+        assert (store / "gone").exists()  # held back still: the parked file was sealed before its removal
+        await b.ns.change("unlink", bad.ino, b"f")
+        with trio.fail_after(20):
+            await b.engine.flush()
+        assert not (store / "gone").exists()
+        assert (store / "b").read_bytes() == b"d" * 1000 and (store / "d").read_bytes() == b"e" * 2000 and not (store / "e").exists()
+        assert list(elsewhere.iterdir()) == []
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+async def test_a_node_taking_over_does_not_apply_again_a_rename_chain_the_gone_node_applied_after_its_last_report(tmp_path, redis_db, kind, request):
+    """b renames `d` to `b`, then `e` to `d`. a applied both to the store,
+    its reports no longer reaching Redis, and died (found in a three-node
+    chaos run over SeaweedFS, a killed within 10 ms). b took over from the
+    last progress it heard and applied both renames again: the store's `d`,
+    holding `e`'s bytes by then, went to `b`, whose bytes were lost there.
+    a now changes no name an op not yet reported changed: it applies the
+    second rename only once it reported the first."""
+    if kind == "s3":
+        s3 = request.getfixturevalue("s3")
+        url, options = s3.bucket("chain"), s3.options()
+    else:
+        url, options = str(tmp_path / "store"), None
+    a = Node(redis_db, url, "a", publishes=True, options=options)
+    b = Node(redis_db, url, "b", publishes=False, options=options)
+    async with trio.open_nursery() as nursery:
+        a_alive = await a.start_alive(nursery)
+        await b.start(nursery)
+        await b.write(b"d", b"d" * 1000)
+        await b.write(b"e", b"e" * 2000)
+        with trio.fail_after(20):  # b heard a published both
+            while b.engine.queue:
+                await trio.sleep(0.01)
+
+        def unreachable(*args):
+            raise redis.ConnectionError("a's reports no longer reach Redis")
+
+        a.events._xadd = unreachable
+        await b.ns.change("rename", ROOT, b"d", ROOT, b"b", 0)
+        await b.ns.change("rename", ROOT, b"e", ROOT, b"d", 0)
+        with trio.fail_after(20):  # a applied both renames, or waits to report the first
+            while a.engine.queue and not a.events._sent.statistics().tasks_waiting:
+                await trio.sleep(0.01)
+        a_alive.cancel()
+        await b.events.take_over(time.monotonic())
+        with trio.fail_after(20):
+            await b.engine.flush()
+        assert b"".join(b.backend.read("b")) == b"d" * 1000 and b"".join(b.backend.read("d")) == b"e" * 2000
+        assert not b.backend.exists("e")
+        assert verify.verify(b.backend).clean
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_symlink_the_gone_node_recorded_and_the_mount_removed_since_leaves_no_record(tmp_path, redis_db):
+    """a recorded b's new symlink `s` and died before reporting it; `s`
+    was removed since. b, taking over, applied the symlink again: the live
+    mount no longer has it, so it wrote nothing, and its replica's new node
+    for `s` said the store showed nothing there, in place of the record a
+    wrote. The removal then deleted nothing, and the record stayed in the
+    store for good (found by a takeover explorer)."""
+    store = tmp_path / "store"
+    async with a_dies_later(redis_db, store) as (nursery, a, a_alive, b):
+        put = a.backend.put
+
+        def then_die(*args):
+            put(*args)
+            trio.from_thread.run_sync(a_alive.cancel)
+            raise OSError(errno.EIO, "node a died")
+
+        a.backend.put = then_die
+        await b.ns.change("symlink", ROOT, b"s", b"target", 0, 0)
+        await b.ns.change("unlink", ROOT, b"s")
+        with trio.fail_after(20):
+            while not a_alive.cancel_called:
+                await trio.sleep(0.01)
+        assert manifest.read(b.backend, "s") is not None
+        await take_over_once_dead(a_alive, b)
+        assert manifest.read(b.backend, "s") is None
         assert verify.verify(b.backend).clean
         nursery.cancel_scope.cancel()

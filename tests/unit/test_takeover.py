@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from ckptfs.writeback import storeio, takeover
-from ckptfs.writeback.journal import Exchange, Link, Remove, Rename
+from ckptfs.writeback.journal import Exchange, Link, Mkdir, Remove, Rename
 from ckptfs.writeback.manifest import Digest
 from ckptfs.writeback.publisher import Publisher
 from ckptfs.writeback.replica import Dir, File, Replica, Shown
@@ -92,3 +92,52 @@ def test_a_directory_move_the_gone_publisher_left_halfway_binds_what_it_moved_al
     ino = {path: node.ino for path, node in replica.walk(replica.root)}
     assert ino["e"] == 21 and ino["e/z"] == 24 and ino["a/x/x"] == 22
     assert ino["e/y"] == 23 and ino["a/x/y"] == 0  # the copy the move goes on from; the other is replaced by it
+
+
+def test_a_removal_the_gone_node_held_back_waits_again_where_the_ops_it_applied_after_it_moved_what_it_removes(tmp_path):
+    """Node a held back the removal of `d/old` (a file sealed before it was
+    unsettled) and applied what came after it: `d` renamed to `e`, `x`
+    renamed over `d2`. It reported both applied but that removal. The node
+    taking over starts after them (applying them again is not harmless: see
+    `unreported`), and holds the removal back again at `e/old`, bound to the
+    removed inode, not to the live file now at that name (`e/old` again)."""
+    rig = Rig(tmp_path / "store")
+    publisher = Publisher(rig.engine)
+    replica = _store("e/", "e/old", "d2")
+    scanned = storeio.Scanned([], {}, [], None, [], False)
+    for path, node in replica.walk(replica.root):
+        publisher.restored(path, node)
+    removal = Remove(1, "d/old", 5, False)
+    applied = [removal, Rename(2, "d", "e", 3, True), Rename(3, "x", "d2", 4, False)]
+    live = {"e": 3, "e/old": 9, "d2": 4}
+    takeover.replicate(publisher, scanned, [], live.get, lambda ino: (1, None), [("e", 3)], applied, [removal])
+    assert [(publisher.replica.path_of(node), node.ino, op) for node, op in publisher.deferred] == [("e/old", 5, removal)]
+    bound = {path: node.ino for path, node in publisher.replica.walk(publisher.replica.root)}
+    assert bound == {"e": 3, "e/old": 5, "d2": 4}
+
+
+def test_a_directory_made_after_the_position_had_no_name_then():
+    """The live mount's `y` is a directory made after the gone node's
+    position; a file `y` was renamed to `c` before it. Followed back, the
+    directory had no name (it did not exist): it was taken to have been at
+    `y` then, joined the replica there in place of the file, and the
+    rename applied again moved it over the store's `c`: `c`'s record was
+    replaced by a directory's, and the file left in the store without one
+    (found by a takeover explorer)."""
+    ops = [Rename(1, "y", "c", 2, False), Mkdir(2, "y", 10)]
+    assert takeover.names_then({"dir-y": ["y"], "dir-d": ["d"]}, ops, dirs=True) == {"dir-y": [], "dir-d": ["d"]}
+
+
+def test_removals_held_back_of_a_directory_and_of_what_it_held_are_found_where_the_directory_went(tmp_path):
+    """`d/f` and then `d` removed, both held back; `p` (d's parent) renamed
+    to `q` after them: both wait at their names under `q`."""
+    rig = Rig(tmp_path / "store")
+    publisher = Publisher(rig.engine)
+    store = _store("q/", "q/d/", "q/d/f")
+    for path, node in store.walk(store.root):
+        publisher.restored(path, node)
+    f, d = Remove(1, "p/d/f", 5, False), Remove(2, "p/d", 4, True)
+    applied = [f, d, Rename(3, "p", "q", 3, True)]
+    takeover.replicate(publisher, storeio.Scanned([], {}, [], None, [], False), [], {"q": 3}.get, lambda ino: (0, None),
+                       [("q", 3)], applied, [f, d])
+    assert [(publisher.replica.path_of(node), node.ino, op) for node, op in publisher.deferred] == [("q/d/f", 5, f), ("q/d", 4, d)]
