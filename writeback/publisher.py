@@ -841,6 +841,8 @@ class Publisher:
     async def _rename(self, op: Rename) -> None:
         node = self.replica.lookup(op.src)
         target = self.replica.lookup(op.dst)
+        if node is None and target is not None and target.ino == op.ino:
+            return  # applied already: a node taking over applies it again, and what dst shows is what moved there
         if isinstance(target, RLink) and target.shown and not (isinstance(node, File) and node.shown is not None) and not isinstance(node, RLink):
             # A symlink replaced by a file the store cannot show yet: its record goes (a shown
             # file's record replaces it below; a symlink's, in its branch)

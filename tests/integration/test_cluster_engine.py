@@ -954,3 +954,35 @@ async def test_a_symlink_the_gone_node_recorded_and_the_mount_removed_since_leav
         assert manifest.read(b.backend, "s") is None
         assert verify.verify(b.backend).clean
         nursery.cancel_scope.cancel()
+
+
+async def test_a_symlink_rename_the_gone_node_applied_after_its_last_report_keeps_the_record_at_the_new_name(tmp_path, redis_db):
+    """a moved symlink `s` to `t` in the store (`t`'s record written, `s`'s
+    deleted) and died before reporting it. b, taking over, applied the
+    rename again: it found nothing at `s`, took the rename for one of a
+    file not sealed yet, and deleted the symlink's record at `t` as if a
+    file were to replace it: the symlink was gone from the store for good
+    (found by a takeover explorer)."""
+    store = tmp_path / "store"
+    async with a_dies_later(redis_db, store) as (nursery, a, a_alive, b):
+        await b.ns.change("symlink", ROOT, b"s", b"target", 0, 0)
+        with trio.fail_after(20):  # a recorded it and b heard so
+            while b.engine.queue or manifest.read(b.backend, "s") is None:
+                await trio.sleep(0.01)
+
+        def unreachable(*args):
+            raise redis.ConnectionError("a's reports no longer reach Redis")
+
+        a.events._xadd = unreachable
+        await b.ns.change("rename", ROOT, b"s", ROOT, b"t", 0)
+        with trio.fail_after(20):
+            while a.engine.queue:
+                await trio.sleep(0.01)
+        assert manifest.read(b.backend, "s") is None and manifest.read(b.backend, "t").target == "target"
+        a_alive.cancel()
+        await b.events.take_over(time.monotonic())
+        with trio.fail_after(20):
+            await b.engine.flush()
+        assert manifest.read(b.backend, "s") is None and manifest.read(b.backend, "t").target == "target"
+        assert verify.verify(b.backend).clean
+        nursery.cancel_scope.cancel()
