@@ -907,6 +907,7 @@ async def test_a_node_taking_over_does_not_apply_again_a_rename_chain_the_gone_n
         with trio.fail_after(20):  # b heard a published both
             while b.engine.queue:
                 await trio.sleep(0.01)
+            await a.events.reported()  # and a knows it reported them
 
         def unreachable(*args):
             raise redis.ConnectionError("a's reports no longer reach Redis")
@@ -938,10 +939,11 @@ async def test_a_symlink_the_gone_node_recorded_and_the_mount_removed_since_leav
     async with a_dies_later(redis_db, store) as (nursery, a, a_alive, b):
         put = a.backend.put
 
-        def then_die(*args):
-            put(*args)
-            trio.from_thread.run_sync(a_alive.cancel)
-            raise OSError(errno.EIO, "node a died")
+        def then_die(objpath, *args):
+            put(objpath, *args)
+            if objpath == manifest.record_path("s"):  # the symlink's record (not a directory's, nor a heartbeat)
+                trio.from_thread.run_sync(a_alive.cancel)
+                raise OSError(errno.EIO, "node a died")
 
         a.backend.put = then_die
         await b.ns.change("symlink", ROOT, b"s", b"target", 0, 0)
@@ -969,6 +971,7 @@ async def test_a_symlink_rename_the_gone_node_applied_after_its_last_report_keep
         with trio.fail_after(20):  # a recorded it and b heard so
             while b.engine.queue or manifest.read(b.backend, "s") is None:
                 await trio.sleep(0.01)
+            await a.events.reported()  # and a knows it reported it
 
         def unreachable(*args):
             raise redis.ConnectionError("a's reports no longer reach Redis")
