@@ -56,6 +56,7 @@ class Node(Protocol):
     mode: int
     writers: int
     generation: int
+    target: bytes  # symlinks
 
 
 class ClusterLink(Protocol):

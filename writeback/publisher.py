@@ -33,6 +33,8 @@ import errno
 import fnmatch
 import logging
 import math
+import os
+import stat
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -43,7 +45,7 @@ from . import exchange, manifest, storeio
 from .backend import META
 from .calls import StoreTimeout
 from .journal import Attrs, Exchange, FileGen, Link, Mkdir, Named, Op, Remove, Rename, Symlink
-from .manifest import Digest, Record
+from .manifest import Digest, Meta, Record
 from .replica import Dir, File, Node, Replica, Shown
 from .replica import Link as RLink
 from .state import State
@@ -841,8 +843,8 @@ class Publisher:
     async def _rename(self, op: Rename) -> None:
         node = self.replica.lookup(op.src)
         target = self.replica.lookup(op.dst)
-        if node is None and target is not None and target.ino == op.ino:
-            return  # applied already: a node taking over applies it again, and what dst shows is what moved there
+        if node is None and not op.is_dir:
+            node = self._lost_symlink(op)
         if isinstance(target, RLink) and target.shown and not (isinstance(node, File) and node.shown is not None) and not isinstance(node, RLink):
             # A symlink replaced by a file the store cannot show yet: its record goes (a shown
             # file's record replaces it below; a symlink's, in its branch)
@@ -886,6 +888,17 @@ class Publisher:
         self.replica.bind(op.dst, node)
         if isinstance(node, File):
             await self._materialize(op.dst, node)
+
+    def _lost_symlink(self, op: Rename) -> RLink | None:
+        """The symlink `op` moves, if the replica lost it: a node taking
+        over knows only the symlinks the store shows, not one the gone node
+        applied unshown (gone from its name at its turn) and, maybe, moved
+        already. Made from the live mount, it is shown at `dst` as any
+        symlink (its record written there again, if the move was applied)."""
+        live = self.e.ns.inode_at(op.dst)
+        if live is None or live.ino != op.ino or not stat.S_ISLNK(live.mode):
+            return None
+        return RLink(op.ino, target=os.fsdecode(live.target), meta=self.e.meta_of(op.ino) or Meta())
 
     @staticmethod
     def _size(node: File) -> int:

@@ -989,3 +989,45 @@ async def test_a_symlink_rename_the_gone_node_applied_after_its_last_report_keep
         assert manifest.read(b.backend, "s") is None and manifest.read(b.backend, "t").target == "target"
         assert verify.verify(b.backend).clean
         nursery.cancel_scope.cancel()
+
+
+async def test_a_symlink_the_gone_node_applied_unshown_and_moved_over_a_file_is_shown_by_the_node_taking_over(tmp_path, redis_db):
+    """b makes symlink `x` and renames it over file `a`. a had the
+    symlink's turn (not shown: its name was gone by then), reported it, and
+    died in the rename. b's replica, rebuilt from the store, had no `x`:
+    applying the rename it took `x` for a file not sealed yet, and the store
+    kept the old file at `a` for good, under the name of a symlink (found
+    by a takeover explorer)."""
+    store = tmp_path / "store"
+    async with a_dies_later(redis_db, store) as (nursery, a, a_alive, b):
+        await b.write(b"a", b"a file")
+        with trio.fail_after(20):
+            while b.engine.queue or not (store / "a").exists():
+                await trio.sleep(0.01)
+        put, seq = a.backend.put, []
+
+        def die_once_reported(objpath, *args):
+            if objpath == manifest.record_path("a"):  # the rename's first step: b heard the symlink applied, and a dies
+                deadline = time.monotonic() + 10
+                while b.engine.publisher.leader_position < seq[0] and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                trio.from_thread.run_sync(a_alive.cancel)
+                raise OSError(errno.EIO, "node a died")
+            return put(objpath, *args)
+
+        go, stage = threading.Event(), b.backend.stage
+
+        def stage_later(*args, **kwargs):  # a has the symlink's turn only once it is renamed in the mount
+            go.wait(20)
+            return stage(*args, **kwargs)
+
+        a.backend.put, b.backend.stage = die_once_reported, stage_later
+        await b.write(b"slow", b"staged late")
+        await b.ns.change("symlink", ROOT, b"x", b"target", 0, 0)
+        seq.append(b.engine.queue[-1].seq)
+        await b.ns.change("rename", ROOT, b"x", ROOT, b"a", 0)
+        go.set()
+        await take_over_once_dead(a_alive, b)
+        assert not (store / "a").exists() and manifest.read(b.backend, "a").target == "target"
+        assert verify.verify(b.backend).clean
+        nursery.cancel_scope.cancel()
