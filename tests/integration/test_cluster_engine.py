@@ -78,10 +78,10 @@ class Node:
         return h.inode.ino
 
 @contextlib.asynccontextmanager
-async def a_dies_later(redis_db, store):
+async def a_dies_later(redis_db, store, options: dict | None = None):
     """Node a publishes, in a scope of its own (`a_alive`: cancelled, a is gone); node b follows."""
-    a = Node(redis_db, store, "a", publishes=True)
-    b = Node(redis_db, store, "b", publishes=False)
+    a = Node(redis_db, store, "a", publishes=True, options=options)
+    b = Node(redis_db, store, "b", publishes=False, options=options)
     async with trio.open_nursery() as nursery:
         a_alive = await a.start_alive(nursery)
         await b.start(nursery)
@@ -97,6 +97,14 @@ async def take_over_when_heard(a: Node, a_alive: trio.CancelScope, b: Node) -> i
     a_alive.cancel()
     await b.events.take_over(time.monotonic())
     return position
+
+
+def cut_reports(a: Node) -> None:
+    """From now on nothing a tells the other nodes reaches Redis."""
+    def unreachable(*args):
+        raise redis.ConnectionError("a's reports no longer reach Redis")
+
+    a.events._xadd = unreachable
 
 
 async def take_over_once_dead(a_alive: trio.CancelScope, b: Node) -> None:
@@ -897,22 +905,14 @@ async def test_a_node_taking_over_does_not_apply_again_a_rename_chain_the_gone_n
         url, options = s3.bucket("chain"), s3.options()
     else:
         url, options = str(tmp_path / "store"), None
-    a = Node(redis_db, url, "a", publishes=True, options=options)
-    b = Node(redis_db, url, "b", publishes=False, options=options)
-    async with trio.open_nursery() as nursery:
-        a_alive = await a.start_alive(nursery)
-        await b.start(nursery)
+    async with a_dies_later(redis_db, url, options) as (nursery, a, a_alive, b):
         await b.write(b"d", b"d" * 1000)
         await b.write(b"e", b"e" * 2000)
         with trio.fail_after(20):  # b heard a published both
             while b.engine.queue:
                 await trio.sleep(0.01)
             await a.events.reported()  # and a knows it reported them
-
-        def unreachable(*args):
-            raise redis.ConnectionError("a's reports no longer reach Redis")
-
-        a.events._xadd = unreachable
+        cut_reports(a)
         await b.ns.change("rename", ROOT, b"d", ROOT, b"b", 0)
         await b.ns.change("rename", ROOT, b"e", ROOT, b"d", 0)
         with trio.fail_after(20):  # a applied both renames, or waits to report the first
@@ -972,11 +972,7 @@ async def test_a_symlink_rename_the_gone_node_applied_after_its_last_report_keep
             while b.engine.queue or manifest.read(b.backend, "s") is None:
                 await trio.sleep(0.01)
             await a.events.reported()  # and a knows it reported it
-
-        def unreachable(*args):
-            raise redis.ConnectionError("a's reports no longer reach Redis")
-
-        a.events._xadd = unreachable
+        cut_reports(a)
         await b.ns.change("rename", ROOT, b"s", ROOT, b"t", 0)
         with trio.fail_after(20):
             while a.engine.queue:
