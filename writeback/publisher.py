@@ -844,7 +844,7 @@ class Publisher:
         node = self.replica.lookup(op.src)
         target = self.replica.lookup(op.dst)
         if node is None and not op.is_dir:
-            node = self._lost_symlink(op)
+            node = self._lost_symlink(op.dst, op.ino)
         if isinstance(target, RLink) and target.shown and not (isinstance(node, File) and node.shown is not None) and not isinstance(node, RLink):
             # A symlink replaced by a file the store cannot show yet: its record goes (a shown
             # file's record replaces it below; a symlink's, in its branch)
@@ -889,16 +889,18 @@ class Publisher:
         if isinstance(node, File):
             await self._materialize(op.dst, node)
 
-    def _lost_symlink(self, op: Rename) -> RLink | None:
-        """The symlink `op` moves, if the replica lost it: a node taking
-        over knows only the symlinks the store shows, not one the gone node
-        applied unshown (gone from its name at its turn) and, maybe, moved
-        already. Made from the live mount, it is shown at `dst` as any
-        symlink (its record written there again, if the move was applied)."""
-        live = self.e.ns.inode_at(op.dst)
-        if live is None or live.ino != op.ino or not stat.S_ISLNK(live.mode):
+    def _lost_symlink(self, to: str, ino: int | None = None) -> RLink | None:
+        """The symlink a rename or an exchange moves to `to`, if the replica
+        lost it: a node taking over knows only the symlinks the store shows,
+        not one the gone node applied unshown (gone from its name at its
+        turn) and, maybe, moved already. Made from the live mount, it is
+        shown at `to` as any symlink (its record written there again, if the
+        move was applied). `ino`: the inode moved (an exchange does not say:
+        then any symlink at `to` that the replica does not know)."""
+        live = self.e.ns.inode_at(to)
+        if live is None or not stat.S_ISLNK(live.mode) or (live.ino != ino if ino is not None else self.replica.nodes_of(live.ino)):
             return None
-        return RLink(op.ino, target=os.fsdecode(live.target), meta=self.e.meta_of(op.ino) or Meta())
+        return RLink(live.ino, target=os.fsdecode(live.target), meta=self.e.meta_of(live.ino) or Meta())
 
     @staticmethod
     def _size(node: File) -> int:
@@ -1079,6 +1081,9 @@ class Publisher:
         sync; a record at an old path that nothing replaced goes. The store
         applies it as a plan kept while it runs (`exchange`): a crash, or a
         takeover, finishes it rather than apply it again or leave it halfway."""
+        for old, new in ((op.a, op.b), (op.b, op.a)):
+            if self.replica.lookup(old) is None and (lost := self._lost_symlink(new)) is not None:
+                self.replica.bind(old, lost)
         a, b = self.replica.lookup(op.a), self.replica.lookup(op.b)
         backend = self.e.backend
         sides = ((op.a, op.b, a), (op.b, op.a, b))  # (old path, new path, node)

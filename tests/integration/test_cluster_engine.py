@@ -20,7 +20,7 @@ from ckptfs.cluster.log import SharedLog, Where
 from ckptfs.cluster.namespace import SharedNamespace
 from ckptfs.fs.memory import MemoryPool
 from ckptfs.fs.tree import RENAME_EXCHANGE, ROOT, InodeTree
-from ckptfs.writeback import manifest, storeio, verify
+from ckptfs.writeback import exchange, manifest, storeio, verify
 from ckptfs.writeback.backend import open_store
 from ckptfs.writeback.engine import Engine, Retry
 from ckptfs.writeback.following import Following
@@ -1025,5 +1025,46 @@ async def test_a_symlink_the_gone_node_applied_unshown_and_moved_over_a_file_is_
         go.set()
         await take_over_once_dead(a_alive, b)
         assert not (store / "a").exists() and manifest.read(b.backend, "a").target == "target"
+        assert verify.verify(b.backend).clean
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_symlink_the_gone_node_applied_unshown_and_exchanged_with_a_directory_is_shown_by_the_node_taking_over(tmp_path, redis_db):
+    """b makes symlink `x` and exchanges it with directory `y`. a had the
+    symlink's turn (not shown: `x` was a directory by then), reported it,
+    and died in the exchange. b's replica, rebuilt from the store, had no
+    `x`: it moved the directory and never recorded the symlink at `y`
+    (found by a takeover explorer)."""
+    store = tmp_path / "store"
+    async with a_dies_later(redis_db, store) as (nursery, a, a_alive, b):
+        await b.ns.change("mkdir", ROOT, b"y", 0o755, 0, 0)
+        with trio.fail_after(20):
+            while b.engine.queue or not (store / "y").is_dir():
+                await trio.sleep(0.01)
+        put, seq = a.backend.put, []
+
+        def die_once_reported(objpath, *args):
+            if objpath == exchange.PLAN:  # the exchange's first step: b heard the symlink applied, and a dies
+                deadline = time.monotonic() + 10
+                while b.engine.publisher.leader_position < seq[0] and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                trio.from_thread.run_sync(a_alive.cancel)
+                raise OSError(errno.EIO, "node a died")
+            return put(objpath, *args)
+
+        go, stage = threading.Event(), b.backend.stage
+
+        def stage_later(*args, **kwargs):  # a has the symlink's turn only once it is exchanged in the mount
+            go.wait(20)
+            return stage(*args, **kwargs)
+
+        a.backend.put, b.backend.stage = die_once_reported, stage_later
+        await b.write(b"slow", b"staged late")
+        await b.ns.change("symlink", ROOT, b"x", b"target", 0, 0)
+        seq.append(b.engine.queue[-1].seq)
+        await b.ns.change("rename", ROOT, b"x", ROOT, b"y", RENAME_EXCHANGE)
+        go.set()
+        await take_over_once_dead(a_alive, b)
+        assert (store / "x").is_dir() and manifest.read(b.backend, "y").target == "target"
         assert verify.verify(b.backend).clean
         nursery.cancel_scope.cancel()
