@@ -118,6 +118,38 @@ async def take_over_once_dead(a_alive: trio.CancelScope, b: Node) -> None:
         await b.engine.flush()
 
 
+async def move_an_unshown_symlink_then_take_over(a: Node, a_alive: trio.CancelScope, b: Node, first_step: str, to: bytes,
+                                                 flags: int) -> None:
+    """b makes symlink `x` and moves it to `to` (a rename with `flags`)
+    before a has its turn (a file staged late holds a back), so a applies it
+    unshown. a reports that, and dies at the move's first store step (a put
+    at `first_step`); b takes over and flushes."""
+    put, seq = a.backend.put, []
+
+    def die_once_reported(objpath, *args):
+        if objpath == first_step:
+            deadline = time.monotonic() + 10
+            while b.engine.publisher.leader_position < seq[0] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            trio.from_thread.run_sync(a_alive.cancel)
+            raise OSError(errno.EIO, "node a died")
+        return put(objpath, *args)
+
+    go, stage = threading.Event(), b.backend.stage
+
+    def stage_later(*args, **kwargs):
+        go.wait(20)
+        return stage(*args, **kwargs)
+
+    a.backend.put, b.backend.stage = die_once_reported, stage_later
+    await b.write(b"slow", b"staged late")
+    await b.ns.change("symlink", ROOT, b"x", b"target", 0, 0)
+    seq.append(b.engine.queue[-1].seq)
+    await b.ns.change("rename", ROOT, b"x", ROOT, to, flags)
+    go.set()
+    await take_over_once_dead(a_alive, b)
+
+
 async def test_a_file_staged_before_the_publishing_node_applied_its_seal_is_published(tmp_path, redis_db):
     """Node b's `staged` report reaches the publishing node a before a has
     applied b's seal from the log (a lags): a keeps the report for that
@@ -1000,30 +1032,7 @@ async def test_a_symlink_the_gone_node_applied_unshown_and_moved_over_a_file_is_
         with trio.fail_after(20):
             while b.engine.queue or not (store / "a").exists():
                 await trio.sleep(0.01)
-        put, seq = a.backend.put, []
-
-        def die_once_reported(objpath, *args):
-            if objpath == manifest.record_path("a"):  # the rename's first step: b heard the symlink applied, and a dies
-                deadline = time.monotonic() + 10
-                while b.engine.publisher.leader_position < seq[0] and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                trio.from_thread.run_sync(a_alive.cancel)
-                raise OSError(errno.EIO, "node a died")
-            return put(objpath, *args)
-
-        go, stage = threading.Event(), b.backend.stage
-
-        def stage_later(*args, **kwargs):  # a has the symlink's turn only once it is renamed in the mount
-            go.wait(20)
-            return stage(*args, **kwargs)
-
-        a.backend.put, b.backend.stage = die_once_reported, stage_later
-        await b.write(b"slow", b"staged late")
-        await b.ns.change("symlink", ROOT, b"x", b"target", 0, 0)
-        seq.append(b.engine.queue[-1].seq)
-        await b.ns.change("rename", ROOT, b"x", ROOT, b"a", 0)
-        go.set()
-        await take_over_once_dead(a_alive, b)
+        await move_an_unshown_symlink_then_take_over(a, a_alive, b, manifest.record_path("a"), b"a", 0)
         assert not (store / "a").exists() and manifest.read(b.backend, "a").target == "target"
         assert verify.verify(b.backend).clean
         nursery.cancel_scope.cancel()
@@ -1041,30 +1050,7 @@ async def test_a_symlink_the_gone_node_applied_unshown_and_exchanged_with_a_dire
         with trio.fail_after(20):
             while b.engine.queue or not (store / "y").is_dir():
                 await trio.sleep(0.01)
-        put, seq = a.backend.put, []
-
-        def die_once_reported(objpath, *args):
-            if objpath == exchange.PLAN:  # the exchange's first step: b heard the symlink applied, and a dies
-                deadline = time.monotonic() + 10
-                while b.engine.publisher.leader_position < seq[0] and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                trio.from_thread.run_sync(a_alive.cancel)
-                raise OSError(errno.EIO, "node a died")
-            return put(objpath, *args)
-
-        go, stage = threading.Event(), b.backend.stage
-
-        def stage_later(*args, **kwargs):  # a has the symlink's turn only once it is exchanged in the mount
-            go.wait(20)
-            return stage(*args, **kwargs)
-
-        a.backend.put, b.backend.stage = die_once_reported, stage_later
-        await b.write(b"slow", b"staged late")
-        await b.ns.change("symlink", ROOT, b"x", b"target", 0, 0)
-        seq.append(b.engine.queue[-1].seq)
-        await b.ns.change("rename", ROOT, b"x", ROOT, b"y", RENAME_EXCHANGE)
-        go.set()
-        await take_over_once_dead(a_alive, b)
+        await move_an_unshown_symlink_then_take_over(a, a_alive, b, exchange.PLAN, b"y", RENAME_EXCHANGE)
         assert (store / "x").is_dir() and manifest.read(b.backend, "y").target == "target"
         assert verify.verify(b.backend).clean
         nursery.cancel_scope.cancel()
