@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import faulthandler
 import gc
 import logging
@@ -53,6 +54,29 @@ def fuse_options(name: str) -> set[str]:
     return options
 
 
+class _GoneReplies(logging.Filter):
+    """pyfuse3 logs an ERROR when the kernel refuses a reply with ENOENT; libfuse
+    itself stays silent about it. The kernel no longer waits for that reply:
+    the request was interrupted, or an unmount ended the connection while the
+    reply was on its way (the release of a file closed just before a lazy
+    unmount). Nothing is lost: the daemon did the work and seals files still
+    open when it stops. Such lines are kept at DEBUG."""
+
+    GONE = os.strerror(errno.ENOENT)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).endswith("fuse_reply_* failed with %s") and record.args and record.args[-1] == self.GONE:
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
+def quiet_gone_replies() -> None:
+    logger = logging.getLogger("pyfuse3")
+    if not any(isinstance(f, _GoneReplies) for f in logger.filters):
+        logger.addFilter(_GoneReplies())
+
+
 def _logged_refusals(check_path: Callable[[str], None]) -> Callable[[str], None]:
     """`check_path`, logging the first refusal of each kind (errno): the
     writer sees only the errno."""
@@ -100,6 +124,7 @@ def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
                      virtual_xattr=lambda inode, name: status.xattr(tree, engine, inode, name),
                      shared=node.namespace if node is not None else None)
     mountpoint = str(config.mountpoint)
+    quiet_gone_replies()
     try:
         pyfuse3.init(ops, mountpoint, fuse_options(f"ckptfs:{config.store_url}"[:200]))
     except BaseException:
