@@ -646,15 +646,18 @@ class Engine:
             except StoreError as exc:
                 log.error("cannot take over publishing for the cluster yet: %s; trying again in %.0fs", exc, self.retry.max_s)
                 await trio.sleep(self.retry.max_s)
+        reported = position
         if scanned.exchanged > position:  # it applied an exchange after its last report, so everything before it too
             log.info("the gone node applied the journal up to position %d (an exchange), beyond the %d it reported",
                      scanned.exchanged, position)
             position = scanned.exchanged
         applied = list(itertools.takewhile(lambda op: op.seq <= position, self.queue))
         waiting = [op for op in applied if isinstance(op, Remove) and op.seq in following.waiting]
+        # Removals it had their turn at after its last report: it may have held them back too, unreported.
+        unsure = [op for op in applied if isinstance(op, Remove) and op.seq > reported]
         for op in applied:
-            if op in waiting:
-                self.queue.remove(op)  # held back again (its `done` stays unset)
+            if op in waiting or op in unsure:
+                self.queue.remove(op)  # held back again, or done below (its `done` stays unset until then)
             else:
                 following._complete(op)
         publisher = Publisher(self, following.markers)
@@ -664,8 +667,8 @@ class Engine:
             return generation, following.heard(ino, generation)
 
         takeover.replicate(publisher, scanned, ops, lambda path: getattr(self.ns.inode_at(path), "ino", None), published,
-                           self.ns.directories(), applied, waiting)
-        for op in waiting:
+                           self.ns.directories(), applied, waiting, unsure)
+        for op in [*waiting, *unsure]:
             if not any(o is op for _, o in publisher.deferred):  # nothing of it in the store
                 op.done.set()
         held = [g for g in self.unsettled.values() if g.seq <= position and g.state not in (State.PUBLISHED, State.DROPPED)]

@@ -8,8 +8,10 @@ rebuilds the replica from two things it has:
 - the store, scanned: what the old publisher left there, every op up to the
   last position `P` it reported applied but the removals it reported held
   back (and maybe a few ops after it, which are applied again: harmless,
-  see `unreported`); each of those removals is held back again where the
-  ops after it moved what it removes;
+  see `unreported`; or up to an exchange's position, which it cannot
+  apply again); each of those removals is held back again where the ops
+  after it moved what it removes, and so is one after the report that the
+  store shows was not applied;
 - the journal after `P`, still in this node's queue: each name the scan
   finds is followed through its namespace changes to the name it has in the
   live mount now, and bound to the inode found there (`bind_to_live`);
@@ -85,7 +87,7 @@ def _replay(twin: Replica, ops: list[Op], backward: bool = False) -> None:
 
 def replicate(publisher: Publisher, scanned: Scanned, ops: list[Op], inode_at: Callable[[str], int | None],
               published: Callable[[int], tuple[int, Digest | None]], directories: list[tuple[str, int]],
-              applied: list[Op] = (), waiting: list[Remove] = ()) -> None:
+              applied: list[Op] = (), waiting: list[Remove] = (), unsure: list[Remove] = ()) -> None:
     """Give `publisher` a replica of what the store shows (`scanned`), each
     name bound to its live inode (`bind_to_live`). Every directory is
     dirty: its record is compared with the mount at the next idle moment.
@@ -94,7 +96,12 @@ def replicate(publisher: Publisher, scanned: Scanned, ops: list[Op], inode_at: C
     position it reported last, but the removals it held back (`waiting`):
     what each of those removes is where the ops after it moved it in the
     store, and waits there again (the publisher's `deferred`), bound to the
-    removed inode.
+    removed inode. `unsure`: removals among `applied` that it had its turn
+    at after its last report (an exchange's plan showed it got further),
+    applied or held back: each waits again only where the store still shows
+    what it removes (`_still_shown`). No later op of that span took its name
+    again: that op would have applied the removal first, and waited for a
+    report before changing the name (`unreported`).
 
     `directories`: the live mount's (path, inode), parents first. Those it
     had at `P` (followed back through `ops`) that the store does not show
@@ -124,15 +131,28 @@ def replicate(publisher: Publisher, scanned: Scanned, ops: list[Op], inode_at: C
         if publisher.replica.lookup(path) is None:
             publisher.replica.bind(path, Dir(0))  # recorded at the next sync (not made: on a local store the scan would have found it)
     held_back = {}
-    for op, path in _forward(applied, waiting).items():
+    for op, path in _forward(applied, [*waiting, *unsure]).items():
         node = publisher.replica.lookup(path) if path is not None else None
-        if node is not None and node is not publisher.replica.root:
+        if node is not None and node is not publisher.replica.root and (op not in unsure or _still_shown(node, op, published)):
             held_back[node] = op
     bind_to_live(publisher.replica, ops, inode_at, published, skip=held_back.keys())
     for node, op in held_back.items():
         _bind(publisher.replica, node, op.ino, published)
         publisher.deferred.append((node, op))
     publisher.dirty = {n for _, n in publisher.replica.walk(publisher.replica.root) if isinstance(n, Dir)} | {publisher.replica.root}
+
+
+def _still_shown(node: Node, op: Remove, published: Callable[[int], tuple[int, Digest | None]]) -> bool:
+    """Whether `node` (where the store has what `op` removes, if it was not
+    applied) is what it removes: a directory for a directory; a symlink; a
+    file showing a published generation of the removed inode (its bytes, if
+    their digest was heard)."""
+    if op.is_dir or isinstance(node, Dir):
+        return op.is_dir and isinstance(node, Dir)
+    if isinstance(node, Link):
+        return True
+    generation, digest = published(op.ino)
+    return isinstance(node, File) and node.shown is not None and generation > 0 and digest in (None, node.shown.digest)
 
 
 def bind_to_live(replica: Replica, ops: list[Op], inode_at: Callable[[str], int | None],

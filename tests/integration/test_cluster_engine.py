@@ -118,6 +118,22 @@ async def take_over_once_dead(a_alive: trio.CancelScope, b: Node) -> None:
         await b.engine.flush()
 
 
+async def park_a_file(b: Node, store, elsewhere) -> int:
+    """b writes `top/bad/f` where a symlink planted in the store stands in
+    for `top/bad`: the file is parked, and removals after it are held back
+    until it goes (unlinked from `top/bad`, whose inode this returns)."""
+    (store / "top").mkdir(parents=True)
+    elsewhere.mkdir()
+    (store / "top" / "bad").symlink_to(elsewhere)
+    top = await b.ns.change("mkdir", ROOT, b"top", 0o755, 0, 0)
+    bad = await b.ns.change("mkdir", top.ino, b"bad", 0o755, 0, 0)
+    h = await b.ns.create(bad.ino, b"f", 0o644, W, 0, 0, lambda: True)
+    b.tree.write(h.fh, 0, b"never published")
+    b.tree.release(h.fh)
+    await b.ns.placed()
+    return bad.ino
+
+
 async def move_an_unshown_symlink_then_take_over(a: Node, a_alive: trio.CancelScope, b: Node, first_step: str, to: bytes,
                                                  flags: int) -> None:
     """b makes symlink `x` and moves it to `to` (a rename with `flags`)
@@ -606,22 +622,13 @@ async def test_a_removal_held_behind_a_parked_file_holds_no_other_nodes_read_of_
     took everything after it for not applied yet: a load of a file renamed
     since waited for ever (a node that rejoined a cluster hung in its first
     reads)."""
-    store = tmp_path / "store"
-    (store / "top").mkdir(parents=True)
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    (store / "top" / "bad").symlink_to(elsewhere)
+    store, elsewhere = tmp_path / "store", tmp_path / "elsewhere"
     a = Node(redis_db, store, "a", publishes=True)
     b = Node(redis_db, store, "b", publishes=False)
     async with trio.open_nursery() as nursery:
         await a.start(nursery)
         await b.start(nursery)
-        top = await b.ns.change("mkdir", ROOT, b"top", 0o755, 0, 0)
-        bad = await b.ns.change("mkdir", top.ino, b"bad", 0o755, 0, 0)
-        h = await b.ns.create(bad.ino, b"f", 0o644, W, 0, 0, lambda: True)
-        b.tree.write(h.fh, 0, b"never published")
-        b.tree.release(h.fh)
-        await b.ns.placed()
+        await park_a_file(b, store, elsewhere)
         await b.write(b"gone", b"removed after the parked file")
         with trio.fail_after(20):
             while not (store / "gone").exists():
@@ -844,6 +851,48 @@ async def test_a_file_the_gone_node_held_before_an_exchange_beyond_its_report_is
         nursery.cancel_scope.cancel()
 
 
+async def test_a_removal_the_gone_node_held_back_before_an_exchange_beyond_its_report_is_held_back_again(tmp_path, redis_db):
+    """a holds the removal of `gone` back behind a parked file (a symlink
+    planted where its directory goes), then applies b's exchange of `x` and
+    `y`, its reports no longer reaching Redis, and dies in the exchange. b
+    takes over where the exchange's plan says, beyond a's last report. It
+    took every op up to the exchange as applied, that removal too: `gone`
+    stayed in the store for good, with its record (verify: missing from the
+    mount). Such a removal is now held back again, and applied once the
+    parked file goes."""
+    store, elsewhere = tmp_path / "store", tmp_path / "elsewhere"
+    async with a_dies_later(redis_db, store) as (nursery, a, a_alive, b):
+        bad = await park_a_file(b, store, elsewhere)
+        await b.write(b"gone", b"removed after the parked file")
+        await b.write(b"x", b"x" * 1000)
+        await b.write(b"y", b"y" * 2000)
+        with trio.fail_after(20):  # b heard a published them all (the parked file had its turn)
+            while b.engine.queue or not all((store / name).exists() for name in ("gone", "x", "y")):
+                await trio.sleep(0.01)
+            await a.events.reported()
+        cut_reports(a)
+        exchange_files = a.backend.exchange
+
+        def exchange_then_die(*args):
+            exchange_files(*args)
+            trio.from_thread.run_sync(a_alive.cancel)
+            raise OSError(errno.EIO, "node a died")
+
+        a.backend.exchange = exchange_then_die
+        await b.ns.change("unlink", ROOT, b"gone")
+        await b.ns.change("rename", ROOT, b"x", ROOT, b"y", RENAME_EXCHANGE)
+        await take_over_once_dead(a_alive, b)
+        assert (store / "y").read_bytes() == b"x" * 1000 and (store / "x").read_bytes() == b"y" * 2000
+        assert (store / "gone").exists()  # held back still: the parked file was sealed before its removal
+        await b.ns.change("unlink", bad, b"f")
+        with trio.fail_after(20):
+            await b.engine.flush()
+        assert not (store / "gone").exists()
+        assert verify.verify(b.backend).clean
+        assert list(elsewhere.iterdir()) == []
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_new_generation_the_gone_node_showed_at_one_name_of_a_hard_link_only_is_shown_at_the_other(tmp_path, redis_db):
     """b rewrites a file that has two names (a hard link). a publishes the
     new generation at its first name, reports it, and dies before the
@@ -881,18 +930,9 @@ async def test_a_node_taking_over_does_not_apply_again_a_rename_chain_the_gone_n
     to `b`, whose bytes were lost there. b now takes over where a applied
     everything, and holds that one removal back again, until the parked
     file goes."""
-    store = tmp_path / "store"
-    (store / "top").mkdir(parents=True)
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    (store / "top" / "bad").symlink_to(elsewhere)
+    store, elsewhere = tmp_path / "store", tmp_path / "elsewhere"
     async with a_dies_later(redis_db, store) as (nursery, _a, a_alive, b):
-        top = await b.ns.change("mkdir", ROOT, b"top", 0o755, 0, 0)
-        bad = await b.ns.change("mkdir", top.ino, b"bad", 0o755, 0, 0)
-        h = await b.ns.create(bad.ino, b"f", 0o644, W, 0, 0, lambda: True)
-        b.tree.write(h.fh, 0, b"never published")
-        b.tree.release(h.fh)
-        await b.ns.placed()
+        bad = await park_a_file(b, store, elsewhere)
         await b.write(b"gone", b"removed after the parked file")
         await b.write(b"d", b"d" * 1000)
         await b.write(b"e", b"e" * 2000)
@@ -914,7 +954,7 @@ async def test_a_node_taking_over_does_not_apply_again_a_rename_chain_the_gone_n
                 await trio.sleep(0.01)
         assert (store / "b").read_bytes() == b"d" * 1000 and (store / "d").read_bytes() == b"e" * 2000
         assert (store / "gone").exists()  # held back still: the parked file was sealed before its removal
-        await b.ns.change("unlink", bad.ino, b"f")
+        await b.ns.change("unlink", bad, b"f")
         with trio.fail_after(20):
             await b.engine.flush()
         assert not (store / "gone").exists()
