@@ -141,3 +141,27 @@ def test_removals_held_back_of_a_directory_and_of_what_it_held_are_found_where_t
     takeover.replicate(publisher, storeio.Scanned([], {}, [], None, [], False), [], {"q": 3}.get, lambda ino: (0, None),
                        [("q", 3)], applied, [f, d])
     assert [(publisher.replica.path_of(node), node.ino, op) for node, op in publisher.deferred] == [("q/d/f", 5, f), ("q/d", 4, d)]
+
+
+def test_a_removal_after_the_last_report_waits_again_only_where_the_store_shows_what_it_removes(tmp_path):
+    """Removals between the gone node's last report and an exchange it
+    applied (its plan in the store) may have been held back, unreported,
+    or applied. Each waits again only where the store still shows what it
+    removes: `kept` (the removed inode's published bytes), `d` (a
+    directory for a directory's removal); not `other` (another file's
+    bytes there), `gone` (nothing there: applied) or `mixed` (a directory
+    where a file was removed)."""
+    rig = Rig(tmp_path / "store")
+    publisher = Publisher(rig.engine)
+    digest = Digest(4, "0" * 32, ())
+    replica = _store("d/", "mixed/")
+    replica.bind("kept", File(0, shown=Shown(0, 0, digest)))
+    replica.bind("other", File(0, shown=Shown(0, 0, Digest(4, "1" * 32, ()))))
+    for path, node in replica.walk(replica.root):
+        publisher.restored(path, node)
+    kept, other, gone = Remove(1, "kept", 5, False), Remove(2, "other", 6, False), Remove(3, "gone", 7, False)
+    d, mixed = Remove(4, "d", 8, True), Remove(5, "mixed", 9, False)
+    unsure = [kept, other, gone, d, mixed]
+    takeover.replicate(publisher, storeio.Scanned([], {}, [], None, [], False), [], {}.get, lambda ino: (1, digest), [],
+                       unsure, [], unsure)
+    assert [(publisher.replica.path_of(node), node.ino, op) for node, op in publisher.deferred] == [("kept", 5, kept), ("d", 8, d)]
