@@ -9,8 +9,8 @@ One node's publisher applies the cluster's journal to the store (see
 - `published` the publishing node showed a generation at a path (its digest with it);
 - `progress`  the publishing node applied every op of the journal up to a sequence number
               (`position`), and every op up to a later one (`applied`) but the removals it holds
-              back there (`waiting`: until the files sealed before them settle; a parked or
-              lost file holds them for good);
+              back there (`waiting`, as ranges: until the files sealed before them settle; a
+              parked or lost file holds them for good);
 - `leader`    a node took over publishing (the one that published is gone):
               every node reports again what it has staged and not seen published;
 - `lost`      the publishing node lost a node's generation, taking that node for
@@ -30,7 +30,6 @@ nor waits for what was applied.
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import time
@@ -55,13 +54,13 @@ log = logging.getLogger(__name__)
 BLOCK_S = 1.0
 PROGRESS_EVERY_S = 0.01  # the publishing node's progress, at most this often
 KEPT = 200_000  # events kept in the stream (approximately): a node reads them within seconds
-WAITING_SENT = 256  # removals held back, named in a progress report at most (those after them count as not applied)
+WAITING_SENT = 256  # ranges of removals held back named in a progress report at most (see `heldback`; after them, nothing counts as applied)
 
 
 class Progress(NamedTuple):
     position: int
     applied: int
-    waiting: list[int]
+    waiting: list[list[int]]  # ranges of removals held back (`heldback.HeldBack`)
 
 
 class Events:
@@ -310,11 +309,11 @@ class Events:
         if self.engine.queue:
             applied = min(applied, self.engine.queue[0].seq - 1)
         applied = max(applied, self._took_over_at)
-        waiting = [op.seq for _, op in itertools.islice(p.deferred, WAITING_SENT + 1) if op.seq <= applied]
-        if len(waiting) > WAITING_SENT:  # a long list is cut: what comes after the last one named counts as not applied
-            applied = waiting.pop() - 1
-        position = min(applied, waiting[0] - 1) if waiting else applied
-        return Progress(position, applied, waiting)
+        waiting, left_out = p.removals_held(applied).cut(WAITING_SENT)
+        if left_out is not None:  # a long list is cut: what comes after the last range named counts as not applied
+            applied = left_out - 1
+        position = min(applied, waiting.first - 1) if waiting else applied
+        return Progress(position, applied, waiting.rows())
 
     async def _receive(self) -> None:
         waiter = self.shared.waiter(BLOCK_S)

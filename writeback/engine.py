@@ -671,6 +671,10 @@ class Engine:
         for op in [*waiting, *unsure]:
             if not any(o is op for _, o in publisher.deferred):  # nothing of it in the store
                 op.done.set()
+        if publisher.deferred:  # the removals it applied between those held again end their ranges
+            again = {id(op) for _, op in publisher.deferred}
+            first = publisher.deferred[0][1].seq
+            publisher.not_held = [op.seq for op in applied if isinstance(op, Remove) and op.seq > first and id(op) not in again]
         held = [g for g in self.unsettled.values() if g.seq <= position and g.state not in (State.PUBLISHED, State.DROPPED)]
         then = takeover.names_then({g: self.ns.paths_of(g.ino) for g in held}, ops)
         for gen in held:

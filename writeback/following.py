@@ -23,7 +23,8 @@ from __future__ import annotations
 import bisect
 import itertools
 
-from .journal import FileGen, Op
+from .heldback import HeldBack
+from .journal import FileGen, Op, Remove
 from .manifest import Digest, Meta
 from .publisher import Publisher
 from .replica import Shown
@@ -37,7 +38,7 @@ class Following(Publisher):
         super().__init__(engine, markers)
         self.leader_position = 0  # the publishing node applied every op up to this sequence number
         self.leader_applied = 0  # and every op up to this one but the removals it holds back
-        self.waiting: set[int] = set()  # those removals (sequence numbers)
+        self.waiting = HeldBack()  # those removals
         self._looked_at = 0  # ops up to this sequence number were done beyond the position, or held back
         self._held_back: dict[int, Op] = {}  # ops beyond the position that the publishing node holds back
         self.joined_at = 0  # where it was when this node joined (every generation up to there had its turn)
@@ -84,7 +85,7 @@ class Following(Publisher):
             self._looked_at = op.seq
             if isinstance(op, FileGen):
                 continue
-            if op.seq in self.waiting:
+            if isinstance(op, Remove) and op.seq in self.waiting:
                 self._held_back[op.seq] = op
             else:
                 op.done.set()
@@ -99,9 +100,19 @@ class Following(Publisher):
             return True
         # dropped by an op the publishing node applied beyond its position (a newer seal, a removal not held back)
         return (gen.state is State.DROPPED and gen.superseded_by is None and gen.dropped_by <= self.leader_applied
-                and gen.dropped_by not in self.waiting)
+                and not self._held_removal(gen.dropped_by))
 
-    def joined(self, position: int, held: list[list], applied: int, waiting: list[int]) -> None:
+    def _held_removal(self, seq: int) -> bool:
+        """Whether op `seq` is a removal the publishing node holds back (the
+        ranges of `waiting` say so of removals only; an op no longer queued
+        counts as one, as before ranges)."""
+        if seq not in self.waiting:
+            return False
+        queue = self.e.queue
+        i = bisect.bisect_left(queue, seq, key=lambda op: op.seq)
+        return i == len(queue) or queue[i].seq != seq or isinstance(queue[i], Remove)
+
+    def joined(self, position: int, held: list[list], applied: int, waiting: list[list[int]]) -> None:
         """This node joined a running cluster whose publishing node had
         applied every op up to `position`, and up to `applied` all but the
         removals `waiting`: the generations up to there were published long
@@ -117,13 +128,14 @@ class Following(Publisher):
     def held_at_join(self, ino: int, generation: int) -> tuple[int, str, str] | None:
         return self._held.get((ino, generation))
 
-    def progress(self, position: int, applied: int | None = None, waiting: list[int] = ()) -> None:
+    def progress(self, position: int, applied: int | None = None, waiting: list[list[int]] = ()) -> None:
         """The publishing node applied every op up to `position`, and up to
-        `applied` every op but the removals `waiting`."""
+        `applied` every op but the removals `waiting` (ranges: `HeldBack`)."""
         applied = position if applied is None else applied
-        if position > self.leader_position or applied != self.leader_applied or set(waiting) != self.waiting:
+        held = HeldBack(waiting)
+        if position > self.leader_position or applied != self.leader_applied or held != self.waiting:
             self.leader_position = max(position, self.leader_position)
-            self.leader_applied, self.waiting = applied, set(waiting)
+            self.leader_applied, self.waiting = applied, held
             self.e.notify()
 
     def shown(self, ino: int) -> tuple[str, Shown] | None:

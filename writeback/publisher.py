@@ -28,9 +28,11 @@ idempotent: after any crash or abandoned call, doing it again is correct.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import errno
 import fnmatch
+import itertools
 import logging
 import math
 import os
@@ -44,6 +46,7 @@ import trio
 from . import exchange, manifest, storeio
 from .backend import META
 from .calls import StoreTimeout
+from .heldback import HeldBack
 from .journal import Attrs, Exchange, FileGen, Link, Mkdir, Named, Op, Remove, Rename, Symlink
 from .manifest import Digest, Meta, Record
 from .replica import Dir, File, Node, Replica, Shown
@@ -111,6 +114,9 @@ class Publisher:
         self.markers = markers
         self.position = 0  # seq of the last op applied (or deferred)
         self.deferred: collections.deque[tuple[Node | None, Remove]] = collections.deque()
+        # Removals after the first of `deferred` that had their turn and are not held back, ascending (`removals_held`)
+        self.not_held: list[int] = []
+        self._removals_held: tuple[object, HeldBack] | None = None  # the last `removals_held`, while neither list changed
         self.parked: set[FileGen] = set()
         self.late: list[_Late] = []  # abandoned steps not finished yet
         self.waiting_markers: set[File] = set()  # held: they would vouch for a file the store does not show yet
@@ -804,10 +810,13 @@ class Publisher:
         elif isinstance(op, Remove):
             node = self.replica.lookup(op.name)
             if node is None or (node.ino and node.ino != op.ino):
+                if self.deferred:
+                    self.not_held.append(op.seq)  # ends a range of those held back
+                    self._removals_held = None
                 return  # nothing of that file in the replica (never sealed)
             if self.deferred or self._gated(op.seq):
                 log.debug("removal of %s waits for earlier generations", op.name)
-                self.deferred.append((node, op))
+                self.hold_back(node, op)
                 return
             await self._remove(node, op)
         elif isinstance(op, Mkdir):
@@ -1228,6 +1237,22 @@ class Publisher:
             gen = gen.superseded_by
         return gen.state is State.PARKED
 
+    def hold_back(self, node: Node | None, op: Remove) -> None:
+        """`op` waits (`deferred`); removals are held back in journal order."""
+        assert not self.deferred or self.deferred[-1][1].seq < op.seq
+        self.deferred.append((node, op))
+        self._removals_held = None
+
+    def removals_held(self, upto: int) -> HeldBack:
+        """The removals held back up to `upto`, as a progress report names
+        them (made again only when they change: reports come often, and
+        behind a parked file thousands may wait)."""
+        key = upto if self.deferred and upto < self.deferred[-1][1].seq else None
+        if self._removals_held is None or self._removals_held[0] != key:
+            held = itertools.takewhile(lambda seq: seq <= upto, (op.seq for _, op in self.deferred))
+            self._removals_held = (key, HeldBack.of(held, self.not_held))
+        return self._removals_held[1]
+
     async def _release_deferred(self) -> None:
         while self.deferred and not self._gated(self.deferred[0][1].seq):
             await self._remove_waiting(self.deferred[0])
@@ -1259,10 +1284,16 @@ class Publisher:
             pass  # skipped, loudly
         finally:
             self.current = outer
+        self._removals_held = None
         if self.deferred[0] is item:
             self.deferred.popleft()
+            if self.deferred:
+                del self.not_held[:bisect.bisect_left(self.not_held, self.deferred[0][1].seq)]
+            else:
+                self.not_held.clear()
         else:
             self.deferred = collections.deque(x for x in self.deferred if x is not item)
+            bisect.insort(self.not_held, op.seq)  # applied early: it ends a range of those held back
         op.done.set()
         self.e.notify()
 

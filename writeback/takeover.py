@@ -138,7 +138,7 @@ def replicate(publisher: Publisher, scanned: Scanned, ops: list[Op], inode_at: C
     bind_to_live(publisher.replica, ops, inode_at, published, skip=held_back.keys())
     for node, op in held_back.items():
         _bind(publisher.replica, node, op.ino, published)
-        publisher.deferred.append((node, op))
+        publisher.hold_back(node, op)
     publisher.dirty = {n for _, n in publisher.replica.walk(publisher.replica.root) if isinstance(n, Dir)} | {publisher.replica.root}
 
 

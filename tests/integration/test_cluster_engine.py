@@ -134,6 +134,22 @@ async def park_a_file(b: Node, store, elsewhere) -> int:
     return bad.ino
 
 
+async def take_over_after_a_rename_chain(a_alive: trio.CancelScope, b: Node, store) -> None:
+    """a applied `rename d -> b`, then `rename e -> d`; it goes, and b takes
+    over and applies what is queued: the store keeps `d`'s bytes at `b`,
+    and `e`'s at `d`."""
+    def chain_applied() -> bool:
+        return (store / "b").read_bytes() == b"d" * 1000 and (store / "d").read_bytes() == b"e" * 2000
+
+    assert chain_applied()
+    a_alive.cancel()
+    await b.events.take_over(time.monotonic())
+    with trio.fail_after(20):
+        while b.engine.queue:
+            await trio.sleep(0.01)
+    assert chain_applied()
+
+
 async def move_an_unshown_symlink_then_take_over(a: Node, a_alive: trio.CancelScope, b: Node, first_step: str, to: bytes,
                                                  flags: int) -> None:
     """b makes symlink `x` and moves it to `to` (a rename with `flags`)
@@ -946,13 +962,7 @@ async def test_a_node_taking_over_does_not_apply_again_a_rename_chain_the_gone_n
         with trio.fail_after(20):  # b heard a applied both renames, beyond the removal it holds back
             while b.engine.publisher.leader_applied < last:
                 await trio.sleep(0.01)
-        assert (store / "b").read_bytes() == b"d" * 1000 and (store / "d").read_bytes() == b"e" * 2000
-        a_alive.cancel()
-        await b.events.take_over(time.monotonic())
-        with trio.fail_after(20):
-            while b.engine.queue:
-                await trio.sleep(0.01)
-        assert (store / "b").read_bytes() == b"d" * 1000 and (store / "d").read_bytes() == b"e" * 2000
+        await take_over_after_a_rename_chain(a_alive, b, store)
         assert (store / "gone").exists()  # held back still: the parked file was sealed before its removal
         await b.ns.change("unlink", bad, b"f")
         with trio.fail_after(20):
@@ -960,6 +970,48 @@ async def test_a_node_taking_over_does_not_apply_again_a_rename_chain_the_gone_n
         assert not (store / "gone").exists()
         assert (store / "b").read_bytes() == b"d" * 1000 and (store / "d").read_bytes() == b"e" * 2000 and not (store / "e").exists()
         assert list(elsewhere.iterdir()) == []
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_node_taking_over_behind_more_removals_held_back_than_a_report_could_name_applies_nothing_again(tmp_path, redis_db):
+    """a holds back the removal of 300 files behind a parked file (the
+    rmtree of an old checkpoint), then applies `rename d -> b` and `rename
+    e -> d`, reports them, and dies. Its reports named at most 256 removals
+    held back, and counted nothing after the 256th as applied, so b took
+    over there and applied both renames again: the store's `d`, holding
+    `e`'s bytes by then, went to `b`. Reports now name removals held back
+    as ranges: one range for all 300."""
+    store, elsewhere = tmp_path / "store", tmp_path / "elsewhere"
+    async with a_dies_later(redis_db, store) as (nursery, a, a_alive, b):
+        bad = await park_a_file(b, store, elsewhere)
+        old = await b.ns.change("mkdir", ROOT, b"old", 0o755, 0, 0)
+        for i in range(300):
+            h = await b.ns.create(old.ino, b"%d" % i, 0o644, W, 0, 0, lambda: True)
+            b.tree.write(h.fh, 0, b"old checkpoint")
+            b.tree.release(h.fh)
+        await b.ns.placed()
+        await b.write(b"d", b"d" * 1000)
+        await b.write(b"e", b"e" * 2000)
+        with trio.fail_after(30):
+            while b.engine.queue or not all((store / name).exists() for name in ("old/299", "d", "e")):
+                await trio.sleep(0.01)
+        for i in range(300):
+            await b.ns.change("unlink", old.ino, b"%d" % i)
+        await b.ns.change("rename", ROOT, b"d", ROOT, b"b", 0)
+        await b.ns.change("rename", ROOT, b"e", ROOT, b"d", 0)
+        last = b.engine.queue[-1].seq
+        with trio.fail_after(20):  # a applied both renames, beyond the removals it holds back, and reported so
+            while a.engine.publisher.position < last:
+                await trio.sleep(0.01)
+            await a.events.reported()
+        await take_over_after_a_rename_chain(a_alive, b, store)
+        assert len(list((store / "old").iterdir())) == 300  # held back still, behind the parked file
+        await b.ns.change("unlink", bad, b"f")
+        with trio.fail_after(30):
+            await b.engine.flush()
+        assert list((store / "old").iterdir()) == []
+        assert (store / "b").read_bytes() == b"d" * 1000 and (store / "d").read_bytes() == b"e" * 2000 and not (store / "e").exists()
+        assert verify.verify(b.backend).clean
         nursery.cancel_scope.cancel()
 
 
