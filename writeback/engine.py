@@ -681,6 +681,7 @@ class Engine:
             gen.names = then[gen] or self.ns.paths_of(gen.ino)
             gen.done = trio.Event()  # completed above, as the gone node's; its turn again (`waiting`)
         publisher.position = position
+        publisher.rebuilt_through = max((op.seq for op in ops), default=position)
         publisher.parked = {g for g in following.parked if g.state is State.PARKED}
         for gen in publisher.parked:
             if gen.owner is not None and gen.lost:

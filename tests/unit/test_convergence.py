@@ -345,6 +345,35 @@ async def test_a_symlink_renamed_over_a_published_file_removes_the_file_from_the
     await _assert_converged(rig, tmp_path, await _flushed_view(rig))
 
 
+async def test_an_exchange_with_a_name_the_store_never_had_takes_no_symlink_made_there_later(tmp_path):
+    """`d/x` removed (held back behind `gate`, sealed before it and deleted
+    after), a file made there and never sealed, exchanged with directory
+    `d/s`; later `d` moved to `g` and a symlink made at a new `d/s`. At the
+    exchange's turn its removal happened first, and the replica had nothing
+    at `d/x`: the publisher took the symlink the live mount has at `d/s` now
+    for one it had lost (as a node taking over can), exchanged it, and `d`'s
+    move took its record to `g/s`, a symlink the mount never had there (a
+    random workload found it, on any store)."""
+    rig = Rig(tmp_path / "store")
+    for d in ("d", "d/s", "d/x"):
+        rig.mkdir(d)
+    await _flushed_view(rig)
+    rig.write("gate", b"sealed before the removal, deleted after it")
+    rig.store.rmdir(rig.dir_of("d/x").ino, b"x")
+    h = rig.write("d/x", b"never sealed", keep_open=True)
+    d = rig.store.inode_at("d").ino
+    rig.store.rename(d, b"s", d, b"x", RENAME_EXCHANGE)
+    rig.unlink("d/s")
+    rig.rename("d", "g")
+    rig.mkdir("d")
+    _symlink(rig, "d/s", "elsewhere")
+    rig.unlink("gate")
+    rig.store.release(h.fh)
+    view = await _flushed_view(rig)
+    assert sorted(view) == ["d", "d/s", "g", "g/x"]
+    await _assert_converged(rig, tmp_path, view)
+
+
 async def test_a_symlink_renamed_before_its_turn_is_recorded_under_its_new_name_with_its_times(tmp_path):
     rig = Rig(tmp_path / "store")
     rig.mkdir("d")
