@@ -136,7 +136,7 @@ def replicate(publisher: Publisher, scanned: Scanned, ops: list[Op], inode_at: C
         if node is not None and node is not publisher.replica.root and (op not in unsure or _still_shown(node, op, published)):
             held_back[node] = op
     bind_to_live(publisher.replica, ops, inode_at, published, skip=held_back.keys())
-    for node, op in held_back.items():
+    for node, op in sorted(held_back.items(), key=lambda held: held[1].seq):  # held back in journal order
         _bind(publisher.replica, node, op.ino, published)
         publisher.hold_back(node, op)
     publisher.dirty = {n for _, n in publisher.replica.walk(publisher.replica.root) if isinstance(n, Dir)} | {publisher.replica.root}
