@@ -402,16 +402,16 @@ class InodeTree:
         target = self.inodes[target_ino] if target_ino is not None else None
         if flags & RENAME_NOREPLACE and target is not None:
             raise _err(errno.EEXIST)
+        if flags & RENAME_EXCHANGE and target is None:
+            raise _err(errno.ENOENT)
+        if target is inode:
+            return None  # POSIX: renaming a name onto another link of itself does nothing (Linux: an exchange too)
         if flags & RENAME_EXCHANGE:
-            if target is None:
-                raise _err(errno.ENOENT)
-            if self.check_path is not None and target is not inode:
+            if self.check_path is not None:
                 src, dst = self._path(old_parent, old_name), self._path(new_parent, new_name)
                 self._check_moved(inode, src, dst)
                 self._check_moved(target, dst, src)
             return self._exchange(src_dir, old_name, inode, dst_dir, new_name, target)
-        if target is inode:
-            return None  # POSIX: renaming a name onto another link of itself does nothing
         if inode.is_dir:
             self._check_not_ancestor(inode, dst_dir)
         if target is not None:

@@ -392,6 +392,22 @@ def test_journal_has_hard_links_exchanges_and_path_truncates():
     assert rec.events == [("linked", a.ino, "a2"), ("exchanged", "a", "b"), ("sealed", a.ino, 2, b"")]
 
 
+
+def test_an_exchange_of_a_name_with_itself_or_another_link_of_its_file_does_nothing():
+    """Linux returns at once from any rename of a name onto one of the same
+    inode, an exchange too. The tree journaled such an exchange, and an
+    object store's publisher spun on its plan for good: a flush never
+    returned (a random workload found it, calling the tree directly: through
+    FUSE the kernel never asks)."""
+    rec = Recorder()
+    s = InodeTree(MemoryPool(1 << 30), journal=rec)
+    a = new_file(s, b"a", b"AAAA")
+    s.link(a.ino, ROOT, b"a2")
+    rec.events.clear()
+    assert s.rename(ROOT, b"a", ROOT, b"a", RENAME_EXCHANGE) is None
+    assert s.rename(ROOT, b"a", ROOT, b"a2", RENAME_EXCHANGE) is None
+    assert rec.events == [] and s.lookup(ROOT, b"a") is a and s.lookup(ROOT, b"a2") is a and a.nlink == 2
+
 def test_paths_of_and_inode_at(s):
     d = s.mkdir(ROOT, b"a", 0o755, 0, 0)
     f = new_file(s, b"f", b"x", parent=d.ino)
