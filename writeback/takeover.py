@@ -64,10 +64,11 @@ def _swap(twin: Replica, a: str, b: str) -> None:
         twin.bind(a, nb)
 
 
-def _replay(twin: Replica, ops: list[Op], backward: bool = False) -> None:
+def _replay(twin: Replica, ops: list[Op], backward: bool = False, removed: dict[Node, int] | None = None) -> None:
     """Move `twin`'s stand-ins as `ops` moved names (`backward`: undo them,
-    last first). Forward, a removal takes its name away; backward, a name
-    a hard link or a mkdir made had not existed."""
+    last first). Forward, a removal takes its name away (`removed`: the
+    stand-in it took, with the inode it removed, where the kinds agree);
+    backward, a name a hard link or a mkdir made had not existed."""
     for op in reversed(ops) if backward else ops:
         if isinstance(op, Rename):
             src, dst = (op.dst, op.src) if backward else (op.src, op.dst)
@@ -83,6 +84,8 @@ def _replay(twin: Replica, ops: list[Op], backward: bool = False) -> None:
             gone = twin.lookup(op.name)
             if gone is not None and not (backward and isinstance(gone, Dir) != isinstance(op, journal.Mkdir)):
                 twin.detach(gone)
+                if removed is not None and isinstance(gone, Dir) == op.is_dir:
+                    removed[gone] = op.ino
 
 
 def replicate(publisher: Publisher, scanned: Scanned, ops: list[Op], inode_at: Callable[[str], int | None],
@@ -159,14 +162,20 @@ def bind_to_live(replica: Replica, ops: list[Op], inode_at: Callable[[str], int 
                  published: Callable[[int], tuple[int, Digest | None]], skip: Iterable[Node] = ()) -> None:
     """Bind every name of `replica` (the store as scanned, inodes unknown)
     but those of `skip` to the inode the live mount has there after `ops`;
-    names that `ops` remove stay bound to no inode (0)."""
+    a name one of `ops` removes, to the inode it removed: the file may live
+    on under a hard link made before, which its turn copies from that name
+    (`Publisher._shown_source`); bound to none, the name was taken for
+    another file's, and the link showed nothing. Names under a directory
+    `ops` remove stay bound to no inode (0)."""
     skip = set(skip)
     twin, of = _twin(list(replica.walk(replica.root)))
-    _replay(twin, ops)
-    for path, stand_in in list(twin.walk(twin.root)):
+    removed: dict[Node, int] = {}
+    _replay(twin, ops, removed=removed)
+    found = [(stand_in, inode_at(path) or 0) for path, stand_in in twin.walk(twin.root)]
+    for stand_in, ino in [*found, *removed.items()]:
         node = of.get(stand_in)
         if isinstance(node, Node) and node not in skip:
-            _bind(replica, node, inode_at(path) or 0, published)
+            _bind(replica, node, ino, published)
 
 
 def _bind(replica: Replica, node: Node, ino: int, published: Callable[[int], tuple[int, Digest | None]]) -> None:

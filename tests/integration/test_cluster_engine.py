@@ -937,6 +937,34 @@ async def test_a_new_generation_the_gone_node_showed_at_one_name_of_a_hard_link_
         nursery.cancel_scope.cancel()
 
 
+async def test_a_hard_link_made_before_its_first_name_went_is_shown_by_the_node_taking_over(tmp_path, redis_db):
+    """b links `x` to a published file `q` and unlinks `q`; a dies in the
+    link's copy (found by the takeover explorer). b took over: the store's
+    `q`, removed by a queued op, was bound to no inode, so the link's turn
+    found no name showing the file, took its bytes for gone from the store,
+    and showed nothing at `x`; then `q` went. The store lost the file."""
+    store = tmp_path / "store"
+    async with a_dies_later(redis_db, store) as (nursery, a, a_alive, b):
+        q = await b.write(b"q", b"1" * 300_000)
+        with trio.fail_after(20):
+            while a.engine.queue or not (store / "q").exists():
+                await trio.sleep(0.01)
+        copy = a.backend.copy
+
+        def die(*args):  # the link's copy: a is gone
+            trio.from_thread.run_sync(a_alive.cancel)
+            raise OSError(errno.EIO, "node a died")
+
+        a.backend.copy = die
+        await b.ns.change("link", q, ROOT, b"x")
+        await b.ns.change("unlink", ROOT, b"q")
+        await take_over_once_dead(a_alive, b)
+        a.backend.copy = copy
+        assert (store / "x").read_bytes() == b"1" * 300_000 and not (store / "q").exists()
+        assert verify.verify(b.backend).clean
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_node_taking_over_does_not_apply_again_a_rename_chain_the_gone_node_applied_beyond_a_removal_it_held_back(tmp_path, redis_db):
     """a holds a removal back behind a parked file (a symlink planted where
     its directory goes), so its progress's position stays before it; it
