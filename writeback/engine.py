@@ -399,7 +399,7 @@ class Engine:
             self.notify()
 
     def renamed(self, src: str, dst: str, ino: int, is_dir: bool, replaced: int | None = None) -> None:
-        op = Rename(self._next(), src, dst, ino, is_dir)
+        op = Rename(self._next(), src, dst, ino, is_dir, replaced or 0)
         self._append(op)
         if replaced is not None:
             self._gone(replaced, op.seq)

@@ -106,6 +106,7 @@ class Rename(Op):
     dst: str
     ino: int
     is_dir: bool
+    replaced: int = 0  # the inode it replaced at dst (0: none)
 
     @property
     def path(self) -> str:

@@ -66,9 +66,10 @@ def _swap(twin: Replica, a: str, b: str) -> None:
 
 def _replay(twin: Replica, ops: list[Op], backward: bool = False, removed: dict[Node, int] | None = None) -> None:
     """Move `twin`'s stand-ins as `ops` moved names (`backward`: undo them,
-    last first). Forward, a removal takes its name away (`removed`: the
-    stand-in it took, with the inode it removed, where the kinds agree);
-    backward, a name a hard link or a mkdir made had not existed."""
+    last first). Forward, a removal or a rename over a name takes it away
+    (`removed`: the stand-in it took, with the inode it removed or
+    replaced, where the kinds agree); backward, a name a hard link or a
+    mkdir made had not existed."""
     for op in reversed(ops) if backward else ops:
         if isinstance(op, Rename):
             src, dst = (op.dst, op.src) if backward else (op.src, op.dst)
@@ -77,6 +78,8 @@ def _replay(twin: Replica, ops: list[Op], backward: bool = False, removed: dict[
                 there = twin.lookup(dst)
                 if not backward and isinstance(moving, Dir) and isinstance(there, Dir) and there is not moving:
                     twin.merge_moved(moving, there)  # a move the gone publisher left halfway
+                elif removed is not None and there is not None and there is not moving and isinstance(there, Dir) == op.is_dir:
+                    removed[there] = op.replaced
                 twin.bind(dst, moving)
         elif isinstance(op, Exchange):
             _swap(twin, op.a, op.b)
@@ -162,11 +165,11 @@ def bind_to_live(replica: Replica, ops: list[Op], inode_at: Callable[[str], int 
                  published: Callable[[int], tuple[int, Digest | None]], skip: Iterable[Node] = ()) -> None:
     """Bind every name of `replica` (the store as scanned, inodes unknown)
     but those of `skip` to the inode the live mount has there after `ops`;
-    a name one of `ops` removes, to the inode it removed: the file may live
-    on under a hard link made before, which its turn copies from that name
-    (`Publisher._shown_source`); bound to none, the name was taken for
-    another file's, and the link showed nothing. Names under a directory
-    `ops` remove stay bound to no inode (0)."""
+    a name one of `ops` removes (or renames another over), to the inode it
+    removed: the file may live on under a hard link made before, which its
+    turn copies from that name (`Publisher._shown_source`); bound to none,
+    the name was taken for another file's, and the link showed nothing.
+    Names under a directory `ops` remove stay bound to no inode (0)."""
     skip = set(skip)
     twin, of = _twin(list(replica.walk(replica.root)))
     removed: dict[Node, int] = {}

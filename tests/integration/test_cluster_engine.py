@@ -937,17 +937,20 @@ async def test_a_new_generation_the_gone_node_showed_at_one_name_of_a_hard_link_
         nursery.cancel_scope.cancel()
 
 
-async def test_a_hard_link_made_before_its_first_name_went_is_shown_by_the_node_taking_over(tmp_path, redis_db):
-    """b links `x` to a published file `q` and unlinks `q`; a dies in the
-    link's copy (found by the takeover explorer). b took over: the store's
-    `q`, removed by a queued op, was bound to no inode, so the link's turn
-    found no name showing the file, took its bytes for gone from the store,
-    and showed nothing at `x`; then `q` went. The store lost the file."""
+@pytest.mark.parametrize("first_name_goes", ["unlinked", "renamed over"])
+async def test_a_hard_link_made_before_its_first_name_went_is_shown_by_the_node_taking_over(tmp_path, redis_db, first_name_goes):
+    """b links `x` to a published file `q`, then unlinks `q` or renames
+    another file over it; a dies in the link's copy (found by the takeover
+    explorer). b took over: the store's `q`, taken away by a queued op, was
+    bound to no inode, so the link's turn found no name showing the file,
+    took its bytes for gone from the store, and showed nothing at `x`; then
+    `q` went. The store lost the file."""
     store = tmp_path / "store"
     async with a_dies_later(redis_db, store) as (nursery, a, a_alive, b):
         q = await b.write(b"q", b"1" * 300_000)
+        await b.write(b"y", b"2" * 1000)
         with trio.fail_after(20):
-            while a.engine.queue or not (store / "q").exists():
+            while a.engine.queue or not (store / "q").exists() or not (store / "y").exists():
                 await trio.sleep(0.01)
         copy = a.backend.copy
 
@@ -957,10 +960,14 @@ async def test_a_hard_link_made_before_its_first_name_went_is_shown_by_the_node_
 
         a.backend.copy = die
         await b.ns.change("link", q, ROOT, b"x")
-        await b.ns.change("unlink", ROOT, b"q")
+        if first_name_goes == "unlinked":
+            await b.ns.change("unlink", ROOT, b"q")
+        else:
+            await b.ns.change("rename", ROOT, b"y", ROOT, b"q", 0)
         await take_over_once_dead(a_alive, b)
         a.backend.copy = copy
-        assert (store / "x").read_bytes() == b"1" * 300_000 and not (store / "q").exists()
+        assert (store / "x").read_bytes() == b"1" * 300_000
+        assert not (store / "q").exists() if first_name_goes == "unlinked" else (store / "q").read_bytes() == b"2" * 1000
         assert verify.verify(b.backend).clean
         nursery.cancel_scope.cancel()
 

@@ -24,14 +24,15 @@ def _store(*paths: str) -> Replica:
 
 
 def test_store_names_are_bound_to_the_inodes_found_where_the_queued_changes_moved_them():
-    replica = _store("tmp/", "tmp/shard", "old", "gone", "a", "b")
+    replica = _store("tmp/", "tmp/shard", "old", "gone", "a", "b", "moved", "over")
     ops = [Rename(1, "tmp", "step", 0, True), Remove(2, "gone", 15, False), Exchange(3, "a", "b"),
-           Rename(4, "old", "new", 0, False)]
-    live = {"step": 10, "step/shard": 11, "new": 12, "a": 13, "b": 14}
+           Rename(4, "old", "new", 0, False), Rename(5, "moved", "over", 18, False, replaced=17)]
+    live = {"step": 10, "step/shard": 11, "new": 12, "a": 13, "b": 14, "over": 18}
     takeover.bind_to_live(replica, ops, live.get, lambda ino: ({11: 3}.get(ino, 0), None))
     ino = {path: node.ino for path, node in replica.walk(replica.root)}
     assert ino["tmp"] == 10 and ino["tmp/shard"] == 11 and ino["old"] == 12
     assert ino["gone"] == 15  # the inode its removal removed: it may live on under a hard link
+    assert ino["moved"] == 18 and ino["over"] == 17  # the inode the rename over it replaced: the same
     assert ino["a"] == 14 and ino["b"] == 13  # exchanged since: each is the other's inode now
     shard = replica.lookup("tmp/shard")
     assert isinstance(shard, File) and shard.shown is not None and (shard.shown.ino, shard.shown.generation) == (11, 3)
