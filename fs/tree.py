@@ -236,6 +236,12 @@ class InodeTree:
                     below.append((path, child))
         return out
 
+    def symlinks(self) -> list[tuple[str, int, str]]:
+        """Every symlink's name: (path, inode, target); one per name."""
+        return [(f"{base}/{os.fsdecode(name)}" if base else os.fsdecode(name), ino, os.fsdecode(self.inodes[ino].target))
+                for base, ino_d in [("", ROOT), *self.directories()] for name, ino in (self.inodes[ino_d].children or {}).items()
+                if stat.S_ISLNK(self.inodes[ino].mode)]
+
     def _dir_path(self, ino: int) -> str | None:
         """The path of directory `ino` ("" the root; None once unlinked).
         A loop up its parents, not a recursion: a tree may be deeper than

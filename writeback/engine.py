@@ -91,6 +91,7 @@ class Namespace(Restorer, Protocol):
 
     def paths_of(self, ino: int) -> list[str]: ...
     def directories(self) -> list[tuple[str, int]]: ...  # (path, inode) of each, parents first
+    def symlinks(self) -> list[tuple[str, int, str]]: ...  # (path, inode, target) of each name
     def meta_of(self, ino: int) -> tuple[int, int, int, int] | None: ...  # (mode, uid, gid, mtime_ns)
     def evict(self, ino: int, generation: int) -> int: ...
     def begin_load(self, ino: int, spill: bool) -> LoadTarget | None: ...
@@ -666,8 +667,9 @@ class Engine:
             generation = self.published_gen.get(ino, 0)
             return generation, following.heard(ino, generation)
 
+        symlinks = [(path, ino, target, self.meta_of(ino) or Meta()) for path, ino, target in self.ns.symlinks()]
         takeover.replicate(publisher, scanned, ops, lambda path: getattr(self.ns.inode_at(path), "ino", None), published,
-                           self.ns.directories(), applied, waiting, unsure)
+                           self.ns.directories(), applied, waiting, unsure, symlinks)
         for op in [*waiting, *unsure]:
             if not any(o is op for _, o in publisher.deferred):  # nothing of it in the store
                 op.done.set()
@@ -681,7 +683,6 @@ class Engine:
             gen.names = then[gen] or self.ns.paths_of(gen.ino)
             gen.done = trio.Event()  # completed above, as the gone node's; its turn again (`waiting`)
         publisher.position = position
-        publisher.rebuilt_through = max((op.seq for op in ops), default=position)
         publisher.parked = {g for g in following.parked if g.state is State.PARKED}
         for gen in publisher.parked:
             if gen.owner is not None and gen.lost:

@@ -35,8 +35,6 @@ import fnmatch
 import itertools
 import logging
 import math
-import os
-import stat
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -48,7 +46,7 @@ from .backend import META
 from .calls import StoreTimeout
 from .heldback import HeldBack
 from .journal import Attrs, Exchange, FileGen, Link, Mkdir, Named, Op, Remove, Rename, Symlink
-from .manifest import Digest, Meta, Record
+from .manifest import Digest, Record
 from .replica import Dir, File, Node, Replica, Shown
 from .replica import Link as RLink
 from .state import State
@@ -122,7 +120,6 @@ class Publisher:
         self.waiting_markers: set[File] = set()  # held: they would vouch for a file the store does not show yet
         self.unreported = Unreported()  # cluster mode: what changed since the progress last reached the other nodes
         self.retry_parked_at = 0.0
-        self.rebuilt_through = 0  # cluster mode: ops up to here were queued when this node took over (`_lost_symlink`)
         self.current: Op | None = None  # the op being applied: store steps count their failures on it
         # A directory being moved: (its path, where its members' bytes are
         # now, and which members: by id, or None for all). Copies for hard
@@ -853,8 +850,6 @@ class Publisher:
     async def _rename(self, op: Rename) -> None:
         node = self.replica.lookup(op.src)
         target = self.replica.lookup(op.dst)
-        if node is None and not op.is_dir:
-            node = self._lost_symlink(op, op.dst, op.ino)
         if isinstance(target, RLink) and target.shown and not (isinstance(node, File) and node.shown is not None) and not isinstance(node, RLink):
             # A symlink replaced by a file the store cannot show yet: its record goes (a shown
             # file's record replaces it below; a symlink's, in its branch)
@@ -898,30 +893,6 @@ class Publisher:
         self.replica.bind(op.dst, node)
         if isinstance(node, File):
             await self._materialize(op.dst, node)
-
-    def _lost_symlink(self, op: Rename | Exchange, to: str, ino: int | None = None) -> RLink | None:
-        """The symlink `op` (a rename or an exchange) moves to `to`, if the
-        replica lost it: a node taking over knows only the symlinks the
-        store shows, not one the gone node applied unshown (gone from its
-        name at its turn) and, maybe, moved already. Only ops queued at the
-        takeover can meet one: elsewhere, a name the replica lacks is
-        something the store never had (a file not sealed yet). Made from the
-        live mount, it is shown at `to` as any symlink (its record written
-        there again, if the move was applied). `ino`: the inode moved (an
-        exchange does not say: then a symlink at `to` that the replica does
-        not know, and that no op after `op` made: the live mount is further
-        on than `op`)."""
-        if op.seq > self.rebuilt_through:
-            return None
-        live = self.e.ns.inode_at(to)
-        if live is None or not stat.S_ISLNK(live.mode):
-            return None
-        if ino is None:
-            if self.replica.nodes_of(live.ino) or any(isinstance(o, Symlink | Link) and o.ino == live.ino and o.seq > op.seq for o in self.e.queue):
-                return None
-        elif live.ino != ino:
-            return None
-        return RLink(live.ino, target=os.fsdecode(live.target), meta=self.e.meta_of(live.ino) or Meta())
 
     @staticmethod
     def _size(node: File) -> int:
@@ -981,8 +952,10 @@ class Publisher:
                 if node.made:  # empty directories persist (and one the store lost comes back)
                     await self.call(f"mkdir {op.dst}", backend.mkdir, op.dst, at=(op.dst,))
                 await self.call(f"rmdir {base}", backend.rmdir, base, at=(base,))
-            if base == op.src:
-                await self._delete_records([f"{op.src}/{rel}" for rel, _f in shown + links])
+            # The old names' records: the files' where they were assembled at
+            # the old name; the symlinks' always, even where the store has no
+            # directory there (only their records: a crash after the move).
+            await self._delete_records([f"{op.src}/{rel}" for rel, _f in (shown + links if base == op.src else links)])
             node.made = True
         else:
             # Object stores: members first, completion markers last. A member
@@ -1102,9 +1075,6 @@ class Publisher:
         sync; a record at an old path that nothing replaced goes. The store
         applies it as a plan kept while it runs (`exchange`): a crash, or a
         takeover, finishes it rather than apply it again or leave it halfway."""
-        for old, new in ((op.a, op.b), (op.b, op.a)):
-            if self.replica.lookup(old) is None and (lost := self._lost_symlink(op, new)) is not None:
-                self.replica.bind(old, lost)
         a, b = self.replica.lookup(op.a), self.replica.lookup(op.b)
         backend = self.e.backend
         sides = ((op.a, op.b, a), (op.b, op.a, b))  # (old path, new path, node)

@@ -68,8 +68,8 @@ def _replay(twin: Replica, ops: list[Op], backward: bool = False, removed: dict[
     """Move `twin`'s stand-ins as `ops` moved names (`backward`: undo them,
     last first). Forward, a removal or a rename over a name takes it away
     (`removed`: the stand-in it took, with the inode it removed or
-    replaced, where the kinds agree); backward, a name a hard link or a
-    mkdir made had not existed."""
+    replaced, where the kinds agree); backward, a name a hard link, a
+    mkdir or a symlink made had not existed."""
     for op in reversed(ops) if backward else ops:
         if isinstance(op, Rename):
             src, dst = (op.dst, op.src) if backward else (op.src, op.dst)
@@ -83,7 +83,7 @@ def _replay(twin: Replica, ops: list[Op], backward: bool = False, removed: dict[
                 twin.bind(dst, moving)
         elif isinstance(op, Exchange):
             _swap(twin, op.a, op.b)
-        elif (isinstance(op, Remove) and not backward) or (isinstance(op, journal.Link | journal.Mkdir) and backward):
+        elif (isinstance(op, Remove) and not backward) or (isinstance(op, journal.Link | journal.Mkdir | journal.Symlink) and backward):
             gone = twin.lookup(op.name)
             if gone is not None and not (backward and isinstance(gone, Dir) != isinstance(op, journal.Mkdir)):
                 twin.detach(gone)
@@ -93,7 +93,8 @@ def _replay(twin: Replica, ops: list[Op], backward: bool = False, removed: dict[
 
 def replicate(publisher: Publisher, scanned: Scanned, ops: list[Op], inode_at: Callable[[str], int | None],
               published: Callable[[int], tuple[int, Digest | None]], directories: list[tuple[str, int]],
-              applied: list[Op] = (), waiting: list[Remove] = (), unsure: list[Remove] = ()) -> None:
+              applied: list[Op] = (), waiting: list[Remove] = (), unsure: list[Remove] = (),
+              symlinks: list[tuple[str, int, str, Meta]] = ()) -> None:
     """Give `publisher` a replica of what the store shows (`scanned`), each
     name bound to its live inode (`bind_to_live`). Every directory is
     dirty: its record is compared with the mount at the next idle moment.
@@ -114,7 +115,15 @@ def replicate(publisher: Publisher, scanned: Scanned, ops: list[Op], inode_at: C
     join the replica too: the old publisher made them, and writes a
     directory's record only once its queue is quiet, so on an object store
     (where an empty directory is its record alone) it may have gone first,
-    and they were recorded by nobody."""
+    and they were recorded by nobody.
+
+    `symlinks`: the live mount's (path, inode, target, meta), one per name.
+    Those it had at `P` (followed back through `ops`) where the store shows
+    nothing join the replica unshown, as the old publisher's replica had
+    them: one whose turn found it gone from its name already was bound
+    there and not recorded, for the queued op that moved it (a rename of it
+    or of its directory, an exchange) to record it at its new name. Not
+    known, the move had nothing to record, and the store never showed it."""
     for e in scanned.entries:
         rec = scanned.records.get(e.path)
         if e.is_dir:
@@ -136,6 +145,14 @@ def replicate(publisher: Publisher, scanned: Scanned, ops: list[Op], inode_at: C
     for path in sorted((p for paths in then.values() for p in paths), key=lambda p: p.count("/")):
         if publisher.replica.lookup(path) is None:
             publisher.replica.bind(path, Dir(0))  # recorded at the next sync (not made: on a local store the scan would have found it)
+    by_ino: dict[int, list[str]] = {}
+    for path, ino, _target, _meta in symlinks:
+        by_ino.setdefault(ino, []).append(path)
+    then = names_then(by_ino, ops)
+    for _path, ino, target, meta in symlinks:
+        for path in then.pop(ino, []):
+            if publisher.replica.lookup(path) is None:
+                publisher.replica.bind(path, Link(0, target=target, shown=False, meta=meta))
     held_back = {}
     for op, path in _forward(applied, [*waiting, *unsure]).items():
         node = publisher.replica.lookup(path) if path is not None else None

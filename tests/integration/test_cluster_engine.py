@@ -10,6 +10,7 @@ import errno
 import os
 import threading
 import time
+from collections.abc import Awaitable, Callable
 
 import pytest
 import redis
@@ -150,22 +151,24 @@ async def take_over_after_a_rename_chain(a_alive: trio.CancelScope, b: Node, sto
     assert chain_applied()
 
 
-async def move_an_unshown_symlink_then_take_over(a: Node, a_alive: trio.CancelScope, b: Node, first_step: str, to: bytes,
-                                                 flags: int) -> None:
-    """b makes symlink `x` and moves it to `to` (a rename with `flags`)
-    before a has its turn (a file staged late holds a back), so a applies it
-    unshown. a reports that, and dies at the move's first store step (a put
-    at `first_step`); b takes over and flushes."""
-    put, seq = a.backend.put, []
+async def move_an_unshown_symlink_then_take_over(a: Node, a_alive: trio.CancelScope, b: Node, first_step: tuple[str, Callable[..., bool]],
+                                                 make: Callable[[], Awaitable], move: Callable[[], Awaitable]) -> None:
+    """b makes a symlink (`make`) and moves it (`move`) before a has its
+    turn (a file staged late holds a back), so a applies it unshown. a
+    reports that, and dies at the move's first store step (a call of the
+    backend method `first_step` names, with arguments it picks); b takes
+    over and flushes."""
+    method, picks = first_step
+    call, seq = getattr(a.backend, method), []
 
-    def die_once_reported(objpath, *args):
-        if objpath == first_step:
+    def die_once_reported(*args):
+        if picks(*args):
             deadline = time.monotonic() + 10
             while b.engine.publisher.leader_position < seq[0] and time.monotonic() < deadline:
                 time.sleep(0.01)
             trio.from_thread.run_sync(a_alive.cancel)
             raise OSError(errno.EIO, "node a died")
-        return put(objpath, *args)
+        return call(*args)
 
     go, stage = threading.Event(), b.backend.stage
 
@@ -173,13 +176,29 @@ async def move_an_unshown_symlink_then_take_over(a: Node, a_alive: trio.CancelSc
         go.wait(20)
         return stage(*args, **kwargs)
 
-    a.backend.put, b.backend.stage = die_once_reported, stage_later
+    setattr(a.backend, method, die_once_reported)
+    b.backend.stage = stage_later
     await b.write(b"slow", b"staged late")
-    await b.ns.change("symlink", ROOT, b"x", b"target", 0, 0)
+    await make()
     seq.append(b.engine.queue[-1].seq)
-    await b.ns.change("rename", ROOT, b"x", ROOT, to, flags)
+    await move()
     go.set()
     await take_over_once_dead(a_alive, b)
+
+
+def put_of(objpath: str) -> tuple[str, Callable[..., bool]]:
+    return "put", lambda path, *args: path == objpath
+
+
+def make_symlink(b: Node, at: str) -> Callable[[], Awaitable]:
+    def make():
+        d, _, name = at.rpartition("/")
+        return b.ns.change("symlink", b.tree.inode_at(d).ino if d else ROOT, name.encode(), b"target", 0, 0)
+    return make
+
+
+def rename(b: Node, src: bytes, dst: bytes, flags: int = 0) -> Callable[[], Awaitable]:
+    return lambda: b.ns.change("rename", ROOT, src, ROOT, dst, flags)
 
 
 async def test_a_file_staged_before_the_publishing_node_applied_its_seal_is_published(tmp_path, redis_db):
@@ -1159,7 +1178,8 @@ async def test_a_symlink_the_gone_node_applied_unshown_and_moved_over_a_file_is_
         with trio.fail_after(20):
             while b.engine.queue or not (store / "a").exists():
                 await trio.sleep(0.01)
-        await move_an_unshown_symlink_then_take_over(a, a_alive, b, manifest.record_path("a"), b"a", 0)
+        await move_an_unshown_symlink_then_take_over(a, a_alive, b, put_of(manifest.record_path("a")), make_symlink(b, "x"),
+                                                     rename(b, b"x", b"a"))
         assert not (store / "a").exists() and manifest.read(b.backend, "a").target == "target"
         assert verify.verify(b.backend).clean
         nursery.cancel_scope.cancel()
@@ -1177,7 +1197,27 @@ async def test_a_symlink_the_gone_node_applied_unshown_and_exchanged_with_a_dire
         with trio.fail_after(20):
             while b.engine.queue or not (store / "y").is_dir():
                 await trio.sleep(0.01)
-        await move_an_unshown_symlink_then_take_over(a, a_alive, b, exchange.PLAN, b"y", RENAME_EXCHANGE)
+        await move_an_unshown_symlink_then_take_over(a, a_alive, b, put_of(exchange.PLAN), make_symlink(b, "x"),
+                                                     rename(b, b"x", b"y", RENAME_EXCHANGE))
         assert (store / "x").is_dir() and manifest.read(b.backend, "y").target == "target"
+        assert verify.verify(b.backend).clean
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_symlink_the_gone_node_applied_unshown_and_moved_with_its_directory_is_shown_by_the_node_taking_over(tmp_path, redis_db):
+    """b makes symlink `d/x` and renames `d` to `e`. a had the symlink's
+    turn (not shown: `d` was gone by then), reported it, and died in the
+    directory's move. b's replica, rebuilt from the store, had no `d/x`:
+    the move had no symlink to record at `e/x`, and the store never showed
+    it (found by the takeover explorer)."""
+    store = tmp_path / "store"
+    async with a_dies_later(redis_db, store) as (nursery, a, a_alive, b):
+        await b.ns.change("mkdir", ROOT, b"d", 0o755, 0, 0)
+        with trio.fail_after(20):
+            while b.engine.queue or not (store / "d").is_dir():
+                await trio.sleep(0.01)
+        await move_an_unshown_symlink_then_take_over(a, a_alive, b, ("publish_group", lambda items, *args: bool(items)),
+                                                     make_symlink(b, "d/x"), rename(b, b"d", b"e"))
+        assert (store / "e").is_dir() and not (store / "d").exists() and manifest.read(b.backend, "e/x").target == "target"
         assert verify.verify(b.backend).clean
         nursery.cancel_scope.cancel()

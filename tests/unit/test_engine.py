@@ -254,6 +254,30 @@ async def test_every_name_of_a_hard_linked_symlink_comes_back_after_a_restart(tm
     assert rig2.store.inode_at("t") is None and rig2.store.inode_at("d/u") is None
 
 
+async def test_a_directory_the_local_store_has_only_through_its_symlinks_records_is_renamed_with_them(tmp_path):
+    """A local store where `a` is no directory, only the parent of a
+    symlink's record (`a/s`): a crash in a directory move left it so (the
+    move done, the old names' records not yet deleted), which a node taking
+    over applies again (found by the takeover explorer). The rename of `a`
+    assembled `x` in a hidden directory, since the store had nothing at
+    `a`, and deleted the records at the old names only when it moved the
+    directory itself: `a/s` stayed, and every restart showed it again."""
+    store = tmp_path / "store"
+    rig = Rig(store, claim=False)
+    manifest.write(rig.backend, manifest.Record.of("a/s", "symlink", manifest.Meta(0o777, 0, 0, 1), target="t"))
+    await rig.engine.scan()
+    rig.backend.prepare("first", time.time())
+
+    async def rename():
+        rig.rename("a", "x")
+
+    await run_until_flushed(rig, rename)
+    back = Rig(store, claim=False)
+    await back.engine.scan()
+    assert back.store.inode_at("a") is None
+    assert back.store.readlink(back.store.inode_at("x/s").ino) == b"t"
+
+
 async def test_a_directory_on_an_object_store_changed_after_a_restart_keeps_its_change(tmp_path):
     """An object store holds an empty directory as its record alone. A
     restart restores records deepest first: `d/y` made `d` a node of no
