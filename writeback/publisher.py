@@ -934,7 +934,8 @@ class Publisher:
             recs = [Record.of(f"{op.dst}/{rel}", "file", f.shown.meta, current=f.shown.digest, source=f"move:{base}/{rel}")
                     for rel, f in shown if isinstance(f, File) and f.shown is not None]
             new_links = [(rel, f) for rel, f in members if isinstance(f, RLink) and (f.shown or self.live_at(f"{op.dst}/{rel}", f.ino))]
-            recs += [Record.of(f"{op.dst}/{rel}", "symlink", f.meta, target=f.target) for rel, f in new_links]
+            recs += [Record.of(f"{op.dst}/{rel}", "symlink", f.meta, target=f.target,
+                               source=storeio.dir_move_source(base, f"{op.src}/{rel}", op.dst)) for rel, f in new_links]
             await self._write_records(recs)
             for _rel, f in new_links:
                 f.shown = True
