@@ -169,11 +169,12 @@ def show(backend: Backend, rec: Record | None, src: str, dst: str, move: bool) -
 
 
 def move(backend: Backend, src: str, dst: str, digest: Digest | None) -> None:
-    """Move published bytes; idempotent: already moved (the source gone, the
-    destination holding `digest`) is success."""
+    """Move published bytes; idempotent: already moved (the destination
+    holding `digest`, the source gone or, since, a directory: an exchange's
+    plan makes one there after the move, in the same phase) is success."""
     try:
         backend.move(src, dst)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         if digest is None or not holds(backend, dst, digest):
             raise
 

@@ -783,6 +783,23 @@ async def test_a_crash_before_a_file_moves_or_is_copied_over_another_leaves_the_
     assert back["b"][3] == b"replaced"
 
 
+async def test_a_crash_after_an_exchange_moved_a_file_and_made_a_directory_at_its_old_name_is_finished_by_the_restart(tmp_path):
+    """A file `a` exchanged with a directory `b` the store never had (made
+    and exchanged before its turn): the plan's second phase moves `a` to
+    `b`, then makes the directory at `a`. A crash after both, before the
+    phase was kept as done: the restart did the phase again, the move found
+    a directory at `a` (ENOTDIR), and every restart failed there (found by
+    the takeover explorer, seed 1223)."""
+    rig = Rig(tmp_path / "store")
+    rig.write("a", b"file a")
+    await _flushed_view(rig)
+    rig.mkdir("b")
+    rig.store.rename(ROOT, b"a", ROOT, b"b", RENAME_EXCHANGE)
+    await _crash_after(rig, "mkdir")
+    back = await _restarted_view(tmp_path)
+    assert back["b"][3] == b"file a" and back["a"][0] == "dir"
+
+
 @pytest.mark.parametrize("moved", [False, True])
 async def test_a_crash_in_a_directory_move_on_a_local_store_shows_its_symlinks_at_one_name(tmp_path, moved):
     """A local store moves a directory in one rename(2), its records written
