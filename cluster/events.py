@@ -39,6 +39,7 @@ import redis
 import trio
 from ckptfs.writeback.backend import Staged
 from ckptfs.writeback.following import Following
+from ckptfs.writeback.heldback import HeldBack
 from ckptfs.writeback.journal import LOST, FileGen
 from ckptfs.writeback.manifest import Digest
 from ckptfs.writeback.state import State
@@ -54,7 +55,7 @@ log = logging.getLogger(__name__)
 BLOCK_S = 1.0
 PROGRESS_EVERY_S = 0.01  # the publishing node's progress, at most this often
 KEPT = 200_000  # events kept in the stream (approximately): a node reads them within seconds
-WAITING_SENT = 256  # ranges of removals held back named in a progress report at most (see `heldback`; after them, nothing counts as applied)
+WAITING_SENT = 256  # ranges of removals held back a progress event names at most (after them, nothing counts as applied; Redis's key names all)
 
 
 class Progress(NamedTuple):
@@ -171,8 +172,10 @@ class Events:
         start): from where that node's progress says it stopped. Every other
         node is told to report again what it staged."""
         self.renew(since)
-        await until_redis_answers(self.caught_up)  # everything the gone node said, its last progress included
         following: Following = self.engine.publisher  # type: ignore[assignment]
+        last = await until_redis_answers(self.caught_up)  # everything the gone node said, its last progress included
+        if last is not None:  # as an event names it, it may leave ranges out
+            following.progress(*last)
         self._took_over_at = max(following.leader_position, following.leader_applied)
         self.publishes = True  # what the others stage is this node's to show from now on
         self._took_over_at = await self.engine.take_over()
@@ -185,12 +188,21 @@ class Events:
         """Where the publishing node's progress is (a blocking call)."""
         return int(self.shared.redis.get(self.progress_key) or 0)
 
-    async def caught_up(self) -> None:
-        """Until every event in the stream now has been taken in."""
-        last = await trio.to_thread.run_sync(lambda: self.shared.redis.xrevrange(self.key, count=1))
+    async def caught_up(self) -> Progress | None:
+        """Until every event in the stream now has been taken in; returns
+        the publishing node's last progress as Redis keeps it beside them
+        (None: none yet), which names every range of removals held back."""
+        def read() -> list:
+            pipe = self.shared.redis.pipeline(transaction=True)  # the progress that the events up to the last one left
+            pipe.xrevrange(self.key, count=1)
+            pipe.mget([self.progress_key, self.applied_key])
+            return pipe.execute()
+
+        last, (position, applied) = await trio.to_thread.run_sync(read)
         target = _id(last[0][0].decode()) if last else (0, 0)
         while _id(self._last) < target:
             await trio.sleep(0.01)
+        return _kept(position, applied)
 
     def _post(self, event: dict) -> None:
         self._out.append(self._event(event))
@@ -210,10 +222,9 @@ class Events:
         self._last = last[0][0].decode() if last else "0-0"
         if not self.publishes:
             following: Following = self.engine.publisher  # type: ignore[assignment]
-            progress, applied, held = r.mget([self.progress_key, self.applied_key, self.held_key])  # written together: they agree
-            position = int(progress or 0)
-            beyond, waiting = json.loads(applied) if applied else (position, [])
-            following.joined(position, json.loads(held) if held else [], beyond, waiting)
+            position, applied, held = r.mget([self.progress_key, self.applied_key, self.held_key])  # written together: they agree
+            kept = _kept(position, applied) or Progress(0, 0, [])
+            following.joined(kept.position, json.loads(held) if held else [], kept.applied, kept.waiting)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -248,8 +259,7 @@ class Events:
             if report:  # at most every PROGRESS_EVERY_S, or at once for `reported`
                 self.reports_made += 1
                 if progress != self._reported:
-                    events = [*batch, self._event({"e": "progress", "position": progress.position, "applied": progress.applied,
-                                                  "waiting": progress.waiting})]
+                    events = [*batch, self._event(_event_of(progress))]
             made = self.reports_made
             held = None
             if self.publishes and self._held_changed:
@@ -309,9 +319,7 @@ class Events:
         if self.engine.queue:
             applied = min(applied, self.engine.queue[0].seq - 1)
         applied = max(applied, self._took_over_at)
-        waiting, left_out = p.removals_held(applied).cut(WAITING_SENT)
-        if left_out is not None:  # a long list is cut: what comes after the last range named counts as not applied
-            applied = left_out - 1
+        waiting = p.removals_held(applied)
         position = min(applied, waiting.first - 1) if waiting else applied
         return Progress(position, applied, waiting.rows())
 
@@ -373,12 +381,29 @@ def _digest(raw) -> Digest | None:
     return None if raw is None else Digest(raw[0], raw[1], tuple(raw[2]))
 
 
-async def until_redis_answers(fn, *args) -> None:
+def _event_of(progress: Progress) -> dict:
+    """A progress event: it names at most `WAITING_SENT` ranges of removals
+    held back (events stay small), and what comes after the last one named
+    counts as not applied. A node that acts on all of it (joining, taking
+    over) reads the progress Redis keeps beside the events (`_kept`)."""
+    waiting, left_out = HeldBack(progress.waiting).cut(WAITING_SENT)
+    applied = progress.applied if left_out is None else left_out - 1
+    return {"e": "progress", "position": progress.position, "applied": applied, "waiting": waiting.rows()}
+
+
+def _kept(position: bytes | None, applied: bytes | None) -> Progress | None:
+    """The progress Redis keeps (the keys `progress` and `applied`), whole; None: none yet."""
+    if position is None:
+        return None
+    beyond, waiting = json.loads(applied) if applied else (int(position), [])
+    return Progress(int(position), beyond, waiting)
+
+
+async def until_redis_answers(fn, *args):
     """`fn(*args)`, tried again each second while Redis does not answer."""
     while True:
         try:
-            await fn(*args)
-            return
+            return await fn(*args)
         except redis.RedisError as exc:
             log.warning("cannot reach the cluster's Redis (%s): trying again", exc)
             await trio.sleep(1.0)

@@ -10,7 +10,8 @@ old checkpoints), so a report names them as ranges `[first, last]`: every
 removal whose sequence number lies in one is held back, and a range ends
 before each removal that had its turn and is not held back (`of`). Ops of
 other kinds inside a range are not removals: the ranges say nothing of
-them. A report lists at most `cap` ranges (see `Events._progress`).
+them. A progress event lists at most `cap` ranges (`cut`); the progress
+Redis keeps beside the events lists them all (see `cluster.events`).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 import redis
 import trio
+from ckptfs.cluster import events as events_module
 from ckptfs.cluster import snapshot
 from ckptfs.cluster.events import Events
 from ckptfs.cluster.log import SharedLog, Where
@@ -155,6 +156,18 @@ async def park_a_file(b: Node, store, elsewhere) -> int:
     b.tree.release(h.fh)
     await b.ns.placed()
     return bad.ino
+
+
+async def rename_a_chain_held_back_before(a: Node, b: Node) -> None:
+    """b renames `d` to `b`, then `e` to `d`; a applies both, beyond the
+    removals it holds back, and reports so."""
+    await b.ns.change("rename", ROOT, b"d", ROOT, b"b", 0)
+    await b.ns.change("rename", ROOT, b"e", ROOT, b"d", 0)
+    last = b.engine.queue[-1].seq
+    with trio.fail_after(20):
+        while a.engine.publisher.position < last:
+            await trio.sleep(0.01)
+        await a.events.reported()
 
 
 async def take_over_after_a_rename_chain(a_alive: trio.CancelScope, b: Node, store) -> None:
@@ -1073,19 +1086,52 @@ async def test_a_node_taking_over_behind_more_removals_held_back_than_a_report_c
                 await trio.sleep(0.01)
         for i in range(300):
             await b.ns.change("unlink", old.ino, b"%d" % i)
-        await b.ns.change("rename", ROOT, b"d", ROOT, b"b", 0)
-        await b.ns.change("rename", ROOT, b"e", ROOT, b"d", 0)
-        last = b.engine.queue[-1].seq
-        with trio.fail_after(20):  # a applied both renames, beyond the removals it holds back, and reported so
-            while a.engine.publisher.position < last:
-                await trio.sleep(0.01)
-            await a.events.reported()
+        await rename_a_chain_held_back_before(a, b)
         await take_over_after_a_rename_chain(a_alive, b, store)
         assert len(list((store / "old").iterdir())) == 300  # held back still, behind the parked file
         await b.ns.change("unlink", bad, b"f")
         with trio.fail_after(30):
             await b.engine.flush()
         assert list((store / "old").iterdir()) == []
+        assert (store / "b").read_bytes() == b"d" * 1000 and (store / "d").read_bytes() == b"e" * 2000 and not (store / "e").exists()
+        assert verify.verify(b.backend).clean
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_node_taking_over_behind_more_ranges_of_removals_held_back_than_an_event_names_applies_nothing_again(tmp_path, redis_db,
+                                                                                                                 monkeypatch):
+    """a holds back removals behind a parked file, in more ranges than a
+    progress event names (each split by a removal a applied early: its
+    name taken again), then applies `rename d -> b` and `rename e -> d`,
+    reports them, and dies. Its progress counted nothing after the last
+    range named as applied, and its reports, so cut, still counted as
+    covering what it applied: b took over before the renames and applied
+    both again, and the store's `d`, holding `e`'s bytes by then, went to
+    `b`. The progress in Redis beside the events now names every range,
+    and a node taking over reads it."""
+    monkeypatch.setattr(events_module, "WAITING_SENT", 4)  # as with 256, in fewer steps
+    store, elsewhere = tmp_path / "store", tmp_path / "elsewhere"
+    async with a_dies_later(redis_db, store) as (nursery, a, a_alive, b):
+        bad = await park_a_file(b, store, elsewhere)
+        names = [b"old%d" % i for i in range(8)] + [b"again%d" % i for i in range(8)] + [b"d", b"e"]
+        for name in names:
+            await b.write(name, name * 100 if name not in (b"d", b"e") else {b"d": b"d" * 1000, b"e": b"e" * 2000}[name])
+        with trio.fail_after(30):
+            while b.engine.queue or not all((store / name.decode()).exists() for name in names):
+                await trio.sleep(0.01)
+        for i in range(8):
+            await b.ns.change("unlink", ROOT, b"old%d" % i)  # held back
+            await b.ns.change("unlink", ROOT, b"again%d" % i)  # applied early, at the new file's turn: it ends a range
+            await b.write(b"again%d" % i, b"new")
+        await rename_a_chain_held_back_before(a, b)
+        assert len(a.engine.publisher.removals_held(a.engine.publisher.position)) == 8  # more than an event names
+        await take_over_after_a_rename_chain(a_alive, b, store)
+        assert all((store / f"old{i}").exists() for i in range(8))  # held back still, behind the parked file
+        await b.ns.change("unlink", bad, b"f")
+        with trio.fail_after(30):
+            await b.engine.flush()
+        assert not any((store / f"old{i}").exists() for i in range(8))
+        assert all((store / f"again{i}").read_bytes() == b"new" for i in range(8))
         assert (store / "b").read_bytes() == b"d" * 1000 and (store / "d").read_bytes() == b"e" * 2000 and not (store / "e").exists()
         assert verify.verify(b.backend).clean
         nursery.cancel_scope.cancel()
