@@ -71,7 +71,7 @@ class Record:
     written_ns: int = 0  # when the bytes were sealed (daemon) or written (store fallback): the newer wins
     # where the bytes come from while being published: "staged:<path>", "move:<path>", "copy:<path>", "put:<daemon>",
     # "delete:<daemon>" (being deleted), "hidden:<hidden name> <old path>" (an exchange on an object store);
-    # a symlink's: "dirmove:<directory moved>\0<old path>\0<new directory>" (`storeio.dir_move_source`)
+    # a symlink's or a directory's: "dirmove:<directory moved>\0<old path>\0<new directory>" (`storeio.dir_move_source`)
     source: str = ""
     uid: int | None = None
     gid: int | None = None

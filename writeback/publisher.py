@@ -936,6 +936,9 @@ class Publisher:
             new_links = [(rel, f) for rel, f in members if isinstance(f, RLink) and (f.shown or self.live_at(f"{op.dst}/{rel}", f.ino))]
             recs += [Record.of(f"{op.dst}/{rel}", "symlink", f.meta, target=f.target,
                                source=storeio.dir_move_source(base, f"{op.src}/{rel}", op.dst)) for rel, f in new_links]
+            # The directories' too, as recorded at the old names (written again, plain, at the next sync)
+            recs += [Record.of(_under(op.dst, rel), "dir", d.recorded, source=storeio.dir_move_source(base, _under(op.src, rel), op.dst))
+                     for rel, d in [("", node), *members] if isinstance(d, Dir) and d.recorded is not None]
             await self._write_records(recs)
             for _rel, f in new_links:
                 f.shown = True
@@ -1000,7 +1003,7 @@ class Publisher:
             await self.call(f"rmdir {op.src}", backend.rmdirs, [*folders, op.src], at=(op.src,))
         for rel, d in [("", node), *((rel, n) for rel, n in members if isinstance(n, Dir))]:
             if d.recorded is not None:  # records are by path: the new path's are written at the next sync
-                old = f"{op.src}/{rel}" if rel else op.src
+                old = _under(op.src, rel)
                 await self.call(f"record {old}", manifest.delete, backend, old, at=(old,))
                 d.recorded = None
         there = self.replica.lookup(op.dst)
@@ -1448,3 +1451,8 @@ def _shown(node: File, gen: FileGen) -> None:
     node.held = None
     if gen.staged is not None and gen.staged.token is not None:
         gen.staged = None  # consumed: the staging object is now the file
+
+
+def _under(top: str, rel: str) -> str:
+    """The path of `rel` in directory `top` (`rel` empty: `top` itself)."""
+    return f"{top}/{rel}" if rel else top

@@ -306,7 +306,7 @@ def scan(backend: Backend) -> Scanned:
         image.forget([manifest.record_path(path)])
         del records[path]
     for path in _left_by_a_directory_move(backend, records, dirs):
-        log.warning("removing the symlink record of %s: a crash in a directory move left it at both names", path)
+        log.warning("removing the %s record of %s: a crash in a directory move left it at both names", records[path].kind, path)
         manifest.delete(backend, path)
         image.forget([manifest.record_path(path)])
         del records[path]
@@ -314,32 +314,34 @@ def scan(backend: Backend) -> Scanned:
     return Scanned(entries, records, unreadable, image, outside, index is not None, exchanged)
 
 
-DIR_MOVE = "dirmove:"  # a symlink record's source, written at its new name by a directory move on a local store
+DIR_MOVE = "dirmove:"  # a symlink's or directory's record's source, written at its new name by a directory move on a local store
 
 
 def dir_move_source(base: str, old: str, dst: str) -> str:
-    """The source of a symlink's record written at its new name by a
-    directory's move on a local store (one rename(2) of `base`, to `dst`),
-    before that move; its record at `old` is deleted after it."""
+    """The source of a symlink's or a directory's record written at its new
+    name by a directory's move on a local store (one rename(2) of `base`,
+    to `dst`), before that move; its record at `old` is deleted after it."""
     return f"{DIR_MOVE}{base}\0{old}\0{dst}"
 
 
 def _left_by_a_directory_move(backend: Backend, records: dict[str, Record], dirs: set[str]) -> list[str]:
-    """The symlink records a crash in a directory move on a local store left
-    behind (`dir_move_source`): the move's records at the new names, where
-    the store shows the directory still at `base` and nothing at `dst`; the
-    records at the old names, where it shows the reverse. Both there (a
-    directory made again since at either name) tells nothing: both stay."""
+    """The symlink and directory records a crash in a directory move on a
+    local store left behind (`dir_move_source`; neither kind has bytes in
+    the store to tell where the crash left it): the move's records at the
+    new names, where the store shows the directory still at `base` and
+    nothing at `dst`; the records at the old names, where it shows the
+    reverse. Both there (a directory made again since at either name) tells
+    nothing: both stay."""
     out = []
     for path, rec in records.items():
-        if rec.kind != "symlink" or not rec.source.startswith(DIR_MOVE):
+        if rec.kind not in ("symlink", "dir") or not rec.source.startswith(DIR_MOVE):
             continue
         parts = rec.source[len(DIR_MOVE):].split("\0")
         if len(parts) != 3 or not all(map(nameable, parts)):
             continue  # not one ckptfs wrote: a damaged or hostile record must not stop a restart
         base, old, dst = parts
         was = records.get(old)
-        if was is None or was.kind != "symlink" or was.target != rec.target:
+        if was is None or was.kind != rec.kind or was.target != rec.target:
             continue  # the usual case: the move finished, the old record went
         at_base, at_dst = base in dirs or backend.exists(base), dst in dirs or backend.exists(dst)
         if at_base != at_dst:
