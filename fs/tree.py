@@ -238,9 +238,14 @@ class InodeTree:
 
     def symlinks(self) -> list[tuple[str, int, str]]:
         """Every symlink's name: (path, inode, target); one per name."""
-        return [(f"{base}/{os.fsdecode(name)}" if base else os.fsdecode(name), ino, os.fsdecode(self.inodes[ino].target))
-                for base, ino_d in [("", ROOT), *self.directories()] for name, ino in (self.inodes[ino_d].children or {}).items()
-                if stat.S_ISLNK(self.inodes[ino].mode)]
+        out = []
+        for base, dir_ino in [("", ROOT), *self.directories()]:
+            for name, ino in (self.inodes[dir_ino].children or {}).items():
+                inode = self.inodes[ino]
+                if stat.S_ISLNK(inode.mode):
+                    path = f"{base}/{os.fsdecode(name)}" if base else os.fsdecode(name)
+                    out.append((path, ino, os.fsdecode(inode.target)))
+        return out
 
     def _dir_path(self, ino: int) -> str | None:
         """The path of directory `ino` ("" the root; None once unlinked).
