@@ -22,10 +22,12 @@ the store only.
 
 Beside the stream, the publishing node keeps, in the same transaction as
 the events before them: its `progress` (the position and what it applied
-beyond it), and the generations it had the turn of and did not publish
+beyond it, with every range of removals held back, where an event names
+256 at most), and the generations it had the turn of and did not publish
 (`held`: a completion marker waiting, a parked or lost file). A node
 joining reads them, so that it neither takes such a file for published
-nor waits for what was applied.
+nor waits for what was applied; a node taking over reads the progress, and
+a following node does in place of a progress event that was cut.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ log = logging.getLogger(__name__)
 BLOCK_S = 1.0
 PROGRESS_EVERY_S = 0.01  # the publishing node's progress, at most this often
 KEPT = 200_000  # events kept in the stream (approximately): a node reads them within seconds
+KEPT_READ_S = 0.1  # a following node reads the progress Redis keeps at most this often (`_read_kept`)
 WAITING_SENT = 256  # ranges of removals held back a progress event names at most (after them, nothing counts as applied; Redis's key names all)
 
 
@@ -96,6 +99,8 @@ class Events:
         self.reports_made = 0  # progress reports made (each taken at one moment, in `_send`)
         self.reports_sent = 0  # the last of them that reached Redis
         self._sent = trio.Event()  # set (and replaced) whenever one does
+        self._cut = trio.Event()  # set: `_cut_event`, a progress event heard, was cut (`_read_kept`)
+        self._cut_event: dict = {}
 
     # -- ClusterLink ---------------------------------------------------------------
     def staged(self, gen: FileGen) -> None:
@@ -202,7 +207,7 @@ class Events:
         target = _id(last[0][0].decode()) if last else (0, 0)
         while _id(self._last) < target:
             await trio.sleep(0.01)
-        return _kept(position, applied)
+        return _kept(position, applied, self.leader)
 
     def _post(self, event: dict) -> None:
         self._out.append(self._event(event))
@@ -223,7 +228,7 @@ class Events:
         if not self.publishes:
             following: Following = self.engine.publisher  # type: ignore[assignment]
             position, applied, held = r.mget([self.progress_key, self.applied_key, self.held_key])  # written together: they agree
-            kept = _kept(position, applied) or Progress(0, 0, [])
+            kept = _kept(position, applied, self.leader) or Progress(0, 0, [])
             following.joined(kept.position, json.loads(held) if held else [], kept.applied, kept.waiting)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -231,6 +236,7 @@ class Events:
             self._nursery = nursery
             nursery.start_soon(self._send)
             nursery.start_soon(self._receive)
+            nursery.start_soon(self._read_kept)
             if self.publishes:
                 nursery.start_soon(self._report_progress)
             task_status.started()
@@ -283,6 +289,26 @@ class Events:
                 self._sent.set()
                 self._sent = trio.Event()
 
+    async def _read_kept(self) -> None:
+        """On a following node: in place of a progress event that was cut,
+        the whole progress, as Redis keeps it (newer: written with the
+        event or after it), read at most every KEPT_READ_S; the event's
+        own where Redis's is another node's."""
+        while True:
+            await self._cut.wait()
+            self._cut = trio.Event()
+            event = self._cut_event
+            try:
+                position, applied = await trio.to_thread.run_sync(self.shared.redis.mget, [self.progress_key, self.applied_key])
+            except redis.RedisError:
+                self._cut.set()  # the next try after the pause
+            else:
+                if not self.publishes and self.leader in (None, event["by"]):
+                    following: Following = self.engine.publisher  # type: ignore[assignment]
+                    following.progress(*(_kept(position, applied, event["by"]) or
+                                         Progress(event["position"], event["applied"], event["waiting"])))
+            await trio.sleep(KEPT_READ_S)
+
     def _xadd(self, batch: list[bytes], progress: Progress | None, held: bytes | None,
               snapshot: tuple[int, bytes, float] | None) -> None:
         pipe = self.shared.redis.pipeline(transaction=True)  # a node joining sees all of it or none
@@ -290,7 +316,7 @@ class Events:
             pipe.xadd(self.key, {"e": raw}, maxlen=KEPT, approximate=True)
         if progress is not None:
             pipe.set(self.progress_key, progress.position)
-            pipe.set(self.applied_key, json.dumps([progress.applied, progress.waiting]))
+            pipe.set(self.applied_key, json.dumps([progress.applied, progress.waiting, self.me]))
         if held is not None:
             pipe.set(self.held_key, held)
         if snapshot is not None:
@@ -358,7 +384,11 @@ class Events:
             e.published_elsewhere(event["ino"], event["gen"], event["path"], _digest(event["digest"]))
         elif kind == "progress" and not self.publishes and self.leader in (None, event["by"]):
             following: Following = e.publisher  # type: ignore[assignment]
-            following.progress(event["position"], event["applied"], event["waiting"])
+            if event.get("cut"):  # the whole of it from Redis
+                self._cut_event = event
+                self._cut.set()
+            else:
+                following.progress(event["position"], event["applied"], event["waiting"])
         elif kind == "lost" and event["to"] == self.me:
             e.lost_here(event["ino"], event["gen"], event["why"])
         elif kind == "leader" and not self.publishes:
@@ -384,18 +414,26 @@ def _digest(raw) -> Digest | None:
 def _event_of(progress: Progress) -> dict:
     """A progress event: it names at most `WAITING_SENT` ranges of removals
     held back (events stay small), and what comes after the last one named
-    counts as not applied. A node that acts on all of it (joining, taking
-    over) reads the progress Redis keeps beside the events (`_kept`)."""
+    counts as not applied (`cut`). The progress Redis keeps beside the
+    events (`_kept`) names them all: a node joining or taking over reads
+    it, and so does a following node when an event is cut (else reads
+    there of paths changed after the cut would wait while a file is
+    parked)."""
     waiting, left_out = HeldBack(progress.waiting).cut(WAITING_SENT)
-    applied = progress.applied if left_out is None else left_out - 1
-    return {"e": "progress", "position": progress.position, "applied": applied, "waiting": waiting.rows()}
+    if left_out is None:
+        return {"e": "progress", "position": progress.position, "applied": progress.applied, "waiting": waiting.rows()}
+    return {"e": "progress", "position": progress.position, "applied": left_out - 1, "waiting": waiting.rows(), "cut": True}
 
 
-def _kept(position: bytes | None, applied: bytes | None) -> Progress | None:
-    """The progress Redis keeps (the keys `progress` and `applied`), whole; None: none yet."""
+def _kept(position: bytes | None, applied: bytes | None, leader: str | None) -> Progress | None:
+    """The progress Redis keeps (the keys `progress` and `applied`), whole;
+    None: none yet, or written by a node other than `leader` (when known:
+    one that published before it, frozen and back, may still report)."""
     if position is None:
         return None
-    beyond, waiting = json.loads(applied) if applied else (int(position), [])
+    beyond, waiting, *by = json.loads(applied) if applied else (int(position), [])
+    if leader is not None and by and by[0] != leader:
+        return None
     return Progress(int(position), beyond, waiting)
 
 

@@ -158,9 +158,9 @@ async def park_a_file(b: Node, store, elsewhere) -> int:
     return bad.ino
 
 
-async def rename_a_chain_held_back_before(a: Node, b: Node) -> None:
+async def rename_a_chain_held_back_before(a: Node, b: Node) -> int:
     """b renames `d` to `b`, then `e` to `d`; a applies both, beyond the
-    removals it holds back, and reports so."""
+    removals it holds back, and reports so. Returns the second's seq."""
     await b.ns.change("rename", ROOT, b"d", ROOT, b"b", 0)
     await b.ns.change("rename", ROOT, b"e", ROOT, b"d", 0)
     last = b.engine.queue[-1].seq
@@ -168,6 +168,7 @@ async def rename_a_chain_held_back_before(a: Node, b: Node) -> None:
         while a.engine.publisher.position < last:
             await trio.sleep(0.01)
         await a.events.reported()
+    return last
 
 
 async def take_over_after_a_rename_chain(a_alive: trio.CancelScope, b: Node, store) -> None:
@@ -1108,7 +1109,9 @@ async def test_a_node_taking_over_behind_more_ranges_of_removals_held_back_than_
     covering what it applied: b took over before the renames and applied
     both again, and the store's `d`, holding `e`'s bytes by then, went to
     `b`. The progress in Redis beside the events now names every range,
-    and a node taking over reads it."""
+    and a node taking over reads it; a following node reads it too, in
+    place of an event cut so (before, it waited for the renames for as
+    long as the file stayed parked)."""
     monkeypatch.setattr(events_module, "WAITING_SENT", 4)  # as with 256, in fewer steps
     store, elsewhere = tmp_path / "store", tmp_path / "elsewhere"
     async with a_dies_later(redis_db, store) as (nursery, a, a_alive, b):
@@ -1123,8 +1126,11 @@ async def test_a_node_taking_over_behind_more_ranges_of_removals_held_back_than_
             await b.ns.change("unlink", ROOT, b"old%d" % i)  # held back
             await b.ns.change("unlink", ROOT, b"again%d" % i)  # applied early, at the new file's turn: it ends a range
             await b.write(b"again%d" % i, b"new")
-        await rename_a_chain_held_back_before(a, b)
-        assert len(a.engine.publisher.removals_held(a.engine.publisher.position)) == 8  # more than an event names
+        last = await rename_a_chain_held_back_before(a, b)
+        assert len(a.engine.publisher.removals_held(last)) == 8  # more than an event names
+        with trio.fail_after(20):  # b hears it (else a read there of `b` or `d` would wait while f is parked)
+            while b.engine.publisher.leader_applied < last:
+                await trio.sleep(0.01)
         await take_over_after_a_rename_chain(a_alive, b, store)
         assert all((store / f"old{i}").exists() for i in range(8))  # held back still, behind the parked file
         await b.ns.change("unlink", bad, b"f")

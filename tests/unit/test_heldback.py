@@ -1,6 +1,8 @@
 """How a publishing node's progress names the removals it holds back: as
 ranges of journal sequence numbers (`writeback.heldback`)."""
 
+import json
+
 from ckptfs.writeback.heldback import HeldBack
 
 
@@ -33,3 +35,20 @@ def test_a_report_of_single_numbers_reads_as_ranges_of_one():
     held = HeldBack([4, 7])
     assert held.rows() == [[4, 4], [7, 7]] and 4 in held and 5 not in held and 7 in held
     assert not HeldBack() and "4" not in held
+
+
+def test_a_progress_event_names_so_many_ranges_and_redis_keeps_them_all():
+    """An event is cut after `WAITING_SENT` ranges, and what follows counts
+    as not applied there; the progress Redis keeps names them all, and is
+    taken only from the node followed: one that published before it,
+    frozen and back, may still write it."""
+    from ckptfs.cluster import events
+
+    progress = events.Progress(9, 100_000, [[10 * i, 10 * i + 1] for i in range(1, events.WAITING_SENT + 5)])
+    event = events._event_of(progress)
+    assert event["cut"] and len(event["waiting"]) == events.WAITING_SENT and event["applied"] == 10 * (events.WAITING_SENT + 1) - 1
+    assert "cut" not in events._event_of(progress._replace(waiting=progress.waiting[:3]))
+    kept = json.dumps([progress.applied, progress.waiting, "b"]).encode()
+    assert events._kept(b"9", kept, "b") == progress and events._kept(b"9", kept, None) == progress
+    assert events._kept(b"9", kept, "a") is None and events._kept(None, None, "b") is None
+    assert events._kept(b"9", json.dumps([100, []]).encode(), "a") == (9, 100, [])  # written before the node was named
