@@ -228,7 +228,7 @@ class Events:
         if not self.publishes:
             following: Following = self.engine.publisher  # type: ignore[assignment]
             position, applied, held = r.mget([self.progress_key, self.applied_key, self.held_key])  # written together: they agree
-            kept = _kept(position, applied, self.leader) or Progress(0, 0, [])
+            kept = _kept(position, applied, None) or Progress(0, 0, [])  # whoever wrote it (a new publishing node may not have yet)
             following.joined(kept.position, json.loads(held) if held else [], kept.applied, kept.waiting)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
