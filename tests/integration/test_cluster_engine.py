@@ -187,6 +187,14 @@ async def take_over_after_a_rename_chain(a_alive: trio.CancelScope, b: Node, sto
     assert chain_applied()
 
 
+async def mkdir_in_store(b: Node, store, name: str) -> None:
+    """b makes directory `name`, and the store has it."""
+    await b.ns.change("mkdir", ROOT, name.encode(), 0o755, 0, 0)
+    with trio.fail_after(20):
+        while b.engine.queue or not (store / name).is_dir():
+            await trio.sleep(0.01)
+
+
 async def move_an_unshown_symlink_then_take_over(a: Node, a_alive: trio.CancelScope, b: Node, first_step: tuple[str, Callable[..., bool]],
                                                  make: Callable[[], Awaitable], move: Callable[[], Awaitable]) -> None:
     """b makes a symlink (`make`) and moves it (`move`) before a has its
@@ -1267,10 +1275,7 @@ async def test_a_symlink_the_gone_node_applied_unshown_and_exchanged_with_a_dire
     (found by a takeover explorer)."""
     store = tmp_path / "store"
     async with a_dies_later(redis_db, store) as (nursery, a, a_alive, b):
-        await b.ns.change("mkdir", ROOT, b"y", 0o755, 0, 0)
-        with trio.fail_after(20):
-            while b.engine.queue or not (store / "y").is_dir():
-                await trio.sleep(0.01)
+        await mkdir_in_store(b, store, "y")
         await move_an_unshown_symlink_then_take_over(a, a_alive, b, put_of(exchange.PLAN), make_symlink(b, "x"),
                                                      rename(b, b"x", b"y", RENAME_EXCHANGE))
         assert (store / "x").is_dir() and manifest.read(b.backend, "y").target == "target"
@@ -1286,10 +1291,7 @@ async def test_a_symlink_the_gone_node_applied_unshown_and_moved_with_its_direct
     it (found by the takeover explorer)."""
     store = tmp_path / "store"
     async with a_dies_later(redis_db, store) as (nursery, a, a_alive, b):
-        await b.ns.change("mkdir", ROOT, b"d", 0o755, 0, 0)
-        with trio.fail_after(20):
-            while b.engine.queue or not (store / "d").is_dir():
-                await trio.sleep(0.01)
+        await mkdir_in_store(b, store, "d")
         await move_an_unshown_symlink_then_take_over(a, a_alive, b, ("publish_group", lambda items, *args: bool(items)),
                                                      make_symlink(b, "d/x"), rename(b, b"d", b"e"))
         assert (store / "e").is_dir() and not (store / "d").exists() and manifest.read(b.backend, "e/x").target == "target"
