@@ -295,13 +295,64 @@ class _Killable:
                 await trio.sleep(0.001)
 
 
+class _Marks:
+    """Completion markers written now and then among a workload's steps,
+    each with what it vouches for: the files sealed in its directory's tree
+    then (C3). `look` after every step notes the mount's sealed files."""
+
+    def __init__(self, rig: Rig, seed: int) -> None:
+        self.rig, self.rng = rig, random.Random(seed * 13 + 5)
+        self.looks: list[dict[str, tuple[int, bytes]]] = []  # path -> (inode, digest), one per look
+        self.marks: list[tuple[int, str, bytes, dict[str, tuple[int, bytes]]]] = []  # look, path, digest, vouched for
+        self._digests: dict[int, bytes] = {}  # an inode's digest when last resident (an evicted file's bytes stay)
+
+    def look(self) -> None:
+        sealed = {}
+        for path, (kind, _, _, data) in _mount_view(self.rig.store, with_data=True).items():
+            node = self.rig.store.inode_at(path)
+            if kind != "file" or node.writers:
+                continue
+            if node.data.resident:
+                self._digests[node.ino] = xxhash.xxh3_128_digest(data)
+            if node.ino in self._digests:
+                sealed[path] = (node.ino, self._digests[node.ino])
+        self.looks.append(sealed)
+
+    def maybe_write(self) -> None:
+        d = self.rng.choice(DIRS)
+        parent = self.rig.store.inode_at(d) if d else self.rig.store.get(ROOT)
+        if self.rng.random() >= 0.08 or parent is None or not parent.is_dir:
+            return
+        path = f"{d}/commit_success.txt" if d else "commit_success.txt"
+        body = b"marker %d" % len(self.marks)
+        h = self.rig.store.create(parent.ino, b"commit_success.txt", 0o644, W | os.O_TRUNC, 0, 0)
+        self.rig.store.write(h.fh, 0, body)
+        self.rig.store.release(h.fh)
+        self.look()
+        vouched = {p: v for p, v in self.looks[-1].items() if p.startswith(f"{d}/" if d else "") and not p.endswith("commit_success.txt")}
+        self.marks.append((len(self.looks) - 1, path, xxhash.xxh3_128_digest(body), vouched))
+
+    def check(self, back: dict) -> None:
+        """A marker shown after a restart comes with every file it vouched
+        for that the mount left alone since, as it was then."""
+        shown = {p: xxhash.xxh3_128_digest(v[3]) for p, v in back.items() if v[0] == "file"}
+        for at, path, digest, vouched in self.marks:
+            if shown.get(path) != digest:
+                continue
+            for p, (ino, d) in vouched.items():
+                if all(look.get(p) == (ino, d) for look in self.looks[at:]):
+                    assert shown.get(p) == d, f"{path} (marker {at}) is shown, and {p} is {'other bytes' if p in shown else 'missing'}"
+
+
 @pytest.mark.parametrize("faults", [0.0, 0.2], ids=["sound store", "faulty store"])
 @pytest.mark.parametrize("kind", ["local", "object"])
 @pytest.mark.parametrize("seed", range(int(os.environ.get("CKPTFS_CONVERGENCE_SEEDS", "6"))))
 async def test_after_a_kill_at_any_moment_a_restart_loads_every_file_it_shows(tmp_path, seed, kind, faults, monkeypatch):
     """A random workload, the daemon killed at a random moment (mid-step
     too), a restart over the store: every file it shows loads, verified,
-    and verify is clean once it has claimed the store (C2, C6, C9)."""
+    and verify is clean once it has claimed the store (C2, C6, C9); a
+    completion marker written among the steps comes back only with the
+    files it vouched for (C3)."""
 
     from ckptfs.writeback.backend import open_store
 
@@ -311,6 +362,7 @@ async def test_after_a_kill_at_any_moment_a_restart_loads_every_file_it_shows(tm
     if faults:
         rig.engine.backend = FaultyBackend(rig.backend, error_rate=faults, latency_s=0.001, seed=seed)
     work = Workload(rig, seed, faulty=bool(faults))
+    marks = _Marks(rig, seed)
     for d in DIRS[1:]:
         rig.mkdir(d)
     try:
@@ -318,6 +370,8 @@ async def test_after_a_kill_at_any_moment_a_restart_loads_every_file_it_shows(tm
             await n.start(rig.engine.run)
             for _ in range(rng.randrange(20, 400)):
                 await work.step()
+                marks.look()
+                marks.maybe_write()
             await trio.sleep(rng.choice([0, 0.001, 0.005, 0.02]))
             killable.kill()
             n.cancel_scope.cancel()
@@ -328,7 +382,7 @@ async def test_after_a_kill_at_any_moment_a_restart_loads_every_file_it_shows(tm
     await killable.settled()
     # it died: its heartbeat stops (the scan tells its leftovers by that)
     open_store(rig.url).put(f"{DAEMONS}/{rig.backend.daemon_id}", json.dumps({"time": time.time() - 3600, "pid": 1}).encode())
-    await _restarted_view(tmp_path, rig.url)
+    marks.check(await _restarted_view(tmp_path, rig.url))
 
 
 # -- the cases random workloads found, one by one ------------------------------------------------
