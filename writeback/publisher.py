@@ -1087,25 +1087,22 @@ class Publisher:
         plan = exchange.Plan(op.seq, f"{op.a} and {op.b}")
         records_first, store_changes, moves_after = plan.phases
 
-        def under(top: str, rel: str) -> str:
-            return f"{top}/{rel}" if rel else top
-
         # An object store moves each file through a hidden name: every file of
         # both sides is copied to one first, then the originals go, then each
         # comes back at its new path from its hidden copy (one side's file
         # may take a name where the other had a directory: nothing of either
         # may be in the way).
-        hidden = {} if backend.dirs else {under(old, rel): backend.hidden_name() for old, fs in files.items() for rel, _ in fs}
+        hidden = {} if backend.dirs else {_under(old, rel): backend.hidden_name() for old, fs in files.items() for rel, _ in fs}
         deleted: set[str] = set()  # with their records
         # The records first, each naming what its path may hold until the move
         # (the bytes of the file leaving it): a crash between the store's swap
         # and these writes would have left each side checked against the other's.
-        leaving = {under(old, rel): f.shown.digest for old, fs in files.items() for rel, f in fs if f.shown is not None}
+        leaving = {_under(old, rel): f.shown.digest for old, fs in files.items() for rel, f in fs if f.shown is not None}
         for old, new, _node in sides:
             for rel, f in files[old]:
                 assert isinstance(f, File) and f.shown is not None
-                path = under(new, rel)
-                source = f"hidden:{hidden[under(old, rel)]} {under(old, rel)}" if hidden else f"move:{under(old, rel)}"
+                path = _under(new, rel)
+                source = f"hidden:{hidden[_under(old, rel)]} {_under(old, rel)}" if hidden else f"move:{_under(old, rel)}"
                 plan.record(0, Record.of(path, "file", f.shown.meta, current=f.shown.digest, previous=leaving.get(path), source=source))
         made: list[Dir] = []
         if backend.dirs:
@@ -1119,16 +1116,16 @@ class Publisher:
                 store_changes.append(["move-tree", old, new, moving] if isinstance(node, Dir) else ["move", old, new, moving[0][1]])
             for _old, new, _node in sides:  # made in the mount after it moved there: their Mkdir's turn could not
                 for rel, d in members[_old]:
-                    if isinstance(d, Dir) and not d.made and self.live_at(under(new, rel), d.ino):
-                        store_changes.append(["mkdir", under(new, rel)])
+                    if isinstance(d, Dir) and not d.made and self.live_at(_under(new, rel), d.ino):
+                        store_changes.append(["mkdir", _under(new, rel)])
                         made.append(d)
         else:
             records_first.extend(["copy", src, tmp] for src, tmp in hidden.items())
-            dests = {under(new, rel) for old, new, _ in sides for rel, _ in files[old]}
+            dests = {_under(new, rel) for old, new, _ in sides for rel, _ in files[old]}
             for old, _new, _node in sides:
                 for rel, f in files[old]:
                     assert isinstance(f, File) and f.shown is not None
-                    src = under(old, rel)
+                    src = _under(old, rel)
                     if src in dests:  # its record names the bytes that come: only these go
                         store_changes.append(["delete", src])
                     else:
@@ -1137,20 +1134,20 @@ class Publisher:
             # The folders of a directory side go before anything takes their names: a store with
             # folders (SeaweedFS) keeps them emptied, and an object put at such a name can never be
             # replaced by a completed upload (`Backend.rmdir`)
-            folders = [under(old, rel) for old, _new, _node in sides for rel, n in members[old] if isinstance(n, Dir)]
+            folders = [_under(old, rel) for old, _new, _node in sides for rel, n in members[old] if isinstance(n, Dir)]
             if folders:
                 store_changes.append(["rmdirs", sorted(folders, key=lambda p: -p.count("/"))])
             for old, new, _node in sides:
                 for rel, f in files[old]:
                     assert isinstance(f, File) and f.shown is not None
-                    moves_after.append(["move", hidden[under(old, rel)], under(new, rel), exchange.digest_arg(f.shown.digest)])
+                    moves_after.append(["move", hidden[_under(old, rel)], _under(new, rel), exchange.digest_arg(f.shown.digest)])
         shown_links: list[RLink] = []
         written: set[str] = set()
         for _old, new, _node in sides:
             for rel, n in members[_old]:
-                path = under(new, rel)
+                path = _under(new, rel)
                 if isinstance(n, File) and n.shown is not None:
-                    plan.record(2, Record.of(path, "file", n.shown.meta, current=n.shown.digest, source=f"move:{under(_old, rel)}"))
+                    plan.record(2, Record.of(path, "file", n.shown.meta, current=n.shown.digest, source=f"move:{_under(_old, rel)}"))
                 elif isinstance(n, RLink) and (n.shown or self.live_at(path, n.ino)):
                     plan.record(2, Record.of(path, "symlink", n.meta, target=n.target))
                     shown_links.append(n)
@@ -1159,7 +1156,7 @@ class Publisher:
                 written.add(path)
         for old, _new, _node in sides:
             for rel, n in members[old]:
-                path = under(old, rel)
+                path = _under(old, rel)
                 recorded = ((isinstance(n, File) and n.shown is not None) or (isinstance(n, RLink) and n.shown)
                             or (isinstance(n, Dir) and n.recorded is not None))
                 if recorded and path not in written and path not in deleted:
@@ -1184,8 +1181,8 @@ class Publisher:
                     self._made_parents(new)
         for _old, new, _node in sides:  # generations whose turn passed while they were held under these names, hard links
             for rel, n in members[_old]:
-                if isinstance(n, File) and (not n.shows_own or self._showable(under(new, rel), n)):
-                    await self._materialize(under(new, rel), n)
+                if isinstance(n, File) and (not n.shows_own or self._showable(_under(new, rel), n)):
+                    await self._materialize(_under(new, rel), n)
 
     # -- removals wait ----------------------------------------------------------
     def _gated(self, seq: int) -> bool:
