@@ -1137,9 +1137,13 @@ class Engine:
         exact = not self.unpublished() and not self.calls.stragglers()
         try:
             if exact and not await self.calls.run("leave the manifest index", self.backend.find, manifest.OUTSIDE):
-                if not self.backend.records_changed and (self._image_since is not None or self._timeless):  # as it was found
-                    await self.calls.run("leave the manifest index", self.backend.put, INDEX, self._image)
-                    return
+                # Not while an image is being saved (`_keep_image` runs until
+                # the exit): that save has taken the record changes noted
+                # since the last one, and they are not in `_image` yet.
+                async with self._taking:
+                    if not self.backend.records_changed and (self._image_since is not None or self._timeless):  # as it was found
+                        await self.calls.run("leave the manifest index", self.backend.put, INDEX, self._image)
+                        return
                 await self.save_image(INDEX)
             elif self.backend.records_changed:
                 await self.save_image(IMAGE)
