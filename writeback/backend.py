@@ -50,6 +50,7 @@ from fsspec.core import split_protocol
 from ckptfs import runtime
 from ckptfs.holes import is_hole, read_sparse
 
+from . import listing
 from .calls import InTheWay
 
 log = logging.getLogger(__name__)
@@ -433,6 +434,15 @@ class Backend:
         """Files and directories under `prefix`, ckptfs's own prefix excluded."""
         raise NotImplementedError
 
+    @contextlib.contextmanager
+    def walking(self, many: bool = False) -> Iterator[Callable[[], list[Entry]]]:
+        """`walk()` of the whole store, started now and under way beside the
+        caller's own work (a restart decodes the store's records meanwhile);
+        the callable waits for it. `many`: the store holds many files."""
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckptfs-walk") as pool:
+            listing = pool.submit(lambda: list(self.walk()))
+            yield listing.result
+
     def find(self, prefix: str) -> list[str]:
         """Every file under `prefix` (ckptfs's own prefix included)."""
         raise NotImplementedError
@@ -791,12 +801,8 @@ class LocalBackend(Backend):
         yield from self._tree(prefix, skip_meta=True)
 
     def _tree(self, prefix: str, skip_meta: bool, dirs: bool = True) -> Iterator[Entry]:
-        """Top down, depth first: each directory (one the daemon cannot
-        open is left out, with a warning), then its files in listing order
-        (`_listed`), then its directories the same way. Descriptors held: one per level
-        of depth (each directory's, while its subdirectories are walked),
-        never one per subdirectory: a directory of thousands of them ran the
-        daemon out of descriptors, and the mount failed."""
+        """Top down, depth first (`listing.tree`): each directory, then its
+        files, then its directories the same way."""
         rel = prefix.strip("/")
         if skip_meta and (rel == META or rel.startswith(META + "/")):
             return
@@ -804,38 +810,25 @@ class LocalBackend(Backend):
             top = self._dir(rel)
         except (FileNotFoundError, NotADirectoryError, SymlinkInStore):
             return
-        stack = [(rel, top, iter(()))]  # a directory, its descriptor, its subdirectories not yet walked (closed below)
+        for path, size, is_dir in listing.tree(rel, top, META if skip_meta and not rel else "", dirs, _cannot_list):
+            yield Entry(path, size, is_dir)
+
+    @contextlib.contextmanager
+    def walking(self, many: bool = False) -> Iterator[Callable[[], list[Entry]]]:
+        if not many:
+            with super().walking() as listed:
+                yield listed
+            return
         try:
-            found, below = _listed(rel, top, skip_meta)
-            stack[-1] = (rel, top, iter(below))
-            yield from found
-            while stack:
-                parent, fd, rest = stack[-1]
-                name = next(rest, None)
-                if name is None:
-                    os.close(stack.pop()[1])
-                    continue
-                try:
-                    sub = os.open(name, _DIR, dir_fd=fd)
-                except (FileNotFoundError, NotADirectoryError):
-                    continue  # gone, or another kind now, since it was listed
-                except PermissionError as exc:
-                    log.warning("cannot list %s in the store (%s): what it holds is not shown", f"{parent}/{name}" if parent else name, exc.strerror)
-                    continue
-                except OSError as exc:
-                    if exc.errno != errno.ELOOP:
-                        raise
-                    continue  # a directory replaced by a symlink since it was listed: never followed
-                path = f"{parent}/{name}" if parent else name
-                stack.append((path, sub, iter(())))
-                found, below = _listed(path, sub, skip_meta)
-                stack[-1] = (path, sub, iter(below))
-                if dirs:
-                    yield Entry(path, 0, True)
-                yield from found
+            top = self._dir("")
+        except (FileNotFoundError, NotADirectoryError, SymlinkInStore):
+            yield lambda: []
+            return
+        aside = listing.Aside("", top, META)  # on a core of its own (see `listing`)
+        try:
+            yield lambda: list(map(Entry._make, aside.result(_cannot_list)))
         finally:
-            for _, fd, _ in stack:
-                os.close(fd)
+            aside.close()
 
     def find(self, prefix: str) -> list[str]:
         return [e.path for e in self._tree(prefix, skip_meta=False, dirs=False)]
@@ -937,25 +930,8 @@ def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
-def _listed(rel: str, fd: int, skip_meta: bool) -> tuple[list[Entry], list[str]]:
-    """The regular files in directory `fd` (at `rel`), and the names of its
-    directories: `os.scandir` gives each name's type, so only regular files
-    are stat'ed (for their sizes)."""
-    found: list[Entry] = []
-    below: list[str] = []
-    with os.scandir(fd) as listing:
-        for e in listing:
-            path = f"{rel}/{e.name}" if rel else e.name
-            try:
-                if e.is_dir(follow_symlinks=False) and not (skip_meta and path == META):
-                    below.append(e.name)
-                elif e.is_file(follow_symlinks=False) and stat.S_ISREG((st := os.stat(e.name, dir_fd=fd, follow_symlinks=False)).st_mode):
-                    found.append(Entry(path, st.st_size, False))
-            except (FileNotFoundError, NotADirectoryError):
-                pass  # gone, or another kind now, since it was listed
-            except PermissionError as exc:
-                log.warning("cannot list %s in the store (%s): what it holds is not shown", path, exc.strerror)
-    return found, below
+def _cannot_list(path: str, why: str) -> None:
+    log.warning("cannot list %s in the store (%s): what it holds is not shown", path, why)
 
 
 def _kind(name: str, dir_fd: int) -> int | None:

@@ -293,23 +293,36 @@ class Image:
             image._from = (base._packed, taken)
         return image
 
-    @classmethod
-    def of_index(cls, backend: Backend, name: str = INDEX) -> Image | None:
-        """The image in object `name` (INDEX or IMAGE), if it is there and readable."""
+    @staticmethod
+    def packed_in(backend: Backend, name: str = INDEX) -> bytes | None:
+        """The bytes of object `name` (INDEX or IMAGE), if it is there (`of_packed` decodes them)."""
         try:
-            return cls.unpacked(backend.read_all(name))
+            return backend.read_all(name)
         except FileNotFoundError:
-            return None
-        except OlderImage as exc:
-            log.info("the store's manifest %s is of an older version (%s): reading every record instead", name, exc)
-            return None
-        except (ValueError, TypeError, KeyError, IndexError, zlib.error) as exc:
-            log.warning("the store's manifest %s cannot be read (%s): reading every record instead", name, exc)
             return None
         except OSError as exc:
             if exc.errno not in (errno.ELOOP, errno.EISDIR):
                 raise  # the store failing: tried again
             log.warning("the store's manifest %s is no file (%s; ckptfs never follows a symlink): reading every record instead", name, exc)
+            return None
+
+    @classmethod
+    def of_index(cls, backend: Backend, name: str = INDEX) -> Image | None:
+        """The image in object `name` (INDEX or IMAGE), if it is there and readable."""
+        return cls.of_packed(cls.packed_in(backend, name), name)
+
+    @classmethod
+    def of_packed(cls, packed: bytes | None, name: str = INDEX) -> Image | None:
+        """The image `packed` holds (`packed_in` object `name`), if it is readable."""
+        if packed is None:
+            return None
+        try:
+            return cls.unpacked(packed)
+        except OlderImage as exc:
+            log.info("the store's manifest %s is of an older version (%s): reading every record instead", name, exc)
+            return None
+        except (ValueError, TypeError, KeyError, IndexError, zlib.error) as exc:
+            log.warning("the store's manifest %s cannot be read (%s): reading every record instead", name, exc)
             return None
 
     def packed(self) -> bytes:

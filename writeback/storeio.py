@@ -9,7 +9,6 @@ vouch for.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import errno
@@ -234,6 +233,12 @@ class Scanned:
     exchanged: int = 0  # the journal position of the last exchange the store applied, as its plan says (`exchange`)
 
 
+# A packed image of this many bytes holds some 7,000 records, and the store
+# about as many files: listing them takes longer than starting a process to
+# list them beside the decoding (`Backend.walking`).
+MANY_PACKED = 256 << 10
+
+
 def scan(backend: Backend) -> Scanned:
     """What the store holds, and its records. Called before this daemon
     claims the store (`Backend.prepare`), while dead daemons' staging is still
@@ -243,19 +248,19 @@ def scan(backend: Backend) -> Scanned:
     exchange a crash cut short is finished first."""
     exchanged = exchange.finish(backend)
     outside = backend.find(manifest.OUTSIDE)
+    index = None if outside else manifest.Image.packed_in(backend)
+    base = None if outside or index is not None else manifest.Image.packed_in(backend, IMAGE)
     # The listing waits on the store, the records' decoding on the CPU: side by side.
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckptfs-scan") as pool:
-        listing = pool.submit(lambda: list(backend.walk()))
-        index = None if outside else manifest.Image.of_index(backend)
-        if index is not None:
-            image = index  # exact: left by a clean exit, nothing changed since
-        else:
+    with backend.walking(many=max(len(index or b""), len(base or b"")) >= MANY_PACKED) as listed:
+        image = manifest.Image.of_packed(index)  # exact: left by a clean exit, nothing changed since
+        if image is None:
             # Checked against the times the store gives its record objects. Not
             # after a write without a daemon: one made while a daemon hung may
             # be older than that daemon's last image, and be missing from it.
-            index = None if outside else manifest.Image.of_index(backend, IMAGE)
-            image = manifest.Image.of_store(backend, index)
-        entries = listing.result()
+            if base is None and index is not None:  # the index is there, and not readable
+                base = manifest.Image.packed_in(backend, IMAGE)
+            image = manifest.Image.of_store(backend, manifest.Image.of_packed(base, IMAGE))
+        entries = listed()
     _refuse_nested(backend, entries)
     records, unreadable = image.records()
     entries, records = _nameable(entries, records)

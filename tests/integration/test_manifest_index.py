@@ -68,6 +68,37 @@ def test_a_clean_exit_leaves_the_index_and_the_next_mount_reads_it(tmp_path):
         stop_mount(again)
 
 
+def test_a_store_whose_index_is_big_is_listed_aside_and_scanned_the_same(tmp_path, monkeypatch):
+    """A restart over a store whose index holds many records lists the
+    store in a process of its own while it decodes them (`listing.Aside`):
+    what it finds is what the listing in the daemon finds."""
+    from ckptfs.writeback import listing
+
+    def write(m):
+        for d in ("ck/a", "ck/b/c", "empty"):
+            m.path(*d.split("/")).mkdir(parents=True)
+        for i in range(30):
+            m.path("ck", "abc"[i % 3] if i % 3 < 2 else "b/c", f"f{i}").write_bytes(bytes([i]) * (10 + i))
+        os.symlink("a/f0", m.path("ck", "latest"))
+
+    m = _session(tmp_path, write)
+    backend = open_store(str(m.store), None)
+    in_daemon = storeio.scan(backend)
+    started = []
+    real = listing.Aside.__init__
+
+    def counted(self, *args):
+        started.append(args)
+        real(self, *args)
+
+    monkeypatch.setattr(listing.Aside, "__init__", counted)
+    monkeypatch.setattr(storeio, "MANY_PACKED", 0)
+    aside = storeio.scan(backend)
+    assert len(started) == 1
+    assert aside.entries == in_daemon.entries and len(aside.entries) == 30 + 5
+    assert aside.records == in_daemon.records and aside.indexed
+
+
 def test_changes_of_a_session_reach_the_index_it_leaves(tmp_path):
     """Rewritten, deleted and re-moded files: the index the second session
     leaves has their records as they are now (a stale one would fail the

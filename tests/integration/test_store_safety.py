@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
+
 from tests.mountutil import run_cli, start_mount, stop_mount
 
 
@@ -50,6 +52,50 @@ def test_symlinks_planted_in_the_store_are_never_followed(tmp_path):
     assert list(elsewhere.iterdir()) == []
 
 
+@pytest.mark.parametrize("many", [False, True], ids=["in the daemon", "aside"])
+def test_a_walk_of_the_whole_store_lists_its_files_and_directories_and_follows_no_symlink(tmp_path, many):
+    """A restart lists a big store in a process of its own (`listing.Aside`):
+    it finds what the walk in the daemon finds, in the same order, and
+    never follows a symlink either."""
+    from ckptfs.writeback.backend import LocalBackend
+
+    store, elsewhere = tmp_path / "store", tmp_path / "elsewhere"
+    (elsewhere / "deep").mkdir(parents=True)
+    (elsewhere / "deep" / "secret").write_bytes(b"not the store's")
+    for d in ("a/b/c", "a/e", ".ckptfs/files", "z"):
+        (store / d).mkdir(parents=True)
+    for f, n in (("top", 1), ("a/one", 22), ("a/b/c/deep", 333), ("a/e/.ckptfs", 4), (".ckptfs/files/rec", 5), ("z/\udcff-not-utf8", 6)):
+        (store / f).write_bytes(b"x" * n)
+    (store / "link").symlink_to(elsewhere / "deep" / "secret")
+    (store / "a" / "dir-link").symlink_to(elsewhere)
+    os.mkfifo(store / "a" / "fifo")
+    b = LocalBackend(str(store), f"file://{store}")
+    with b.walking(many=many) as listed:
+        found = listed()
+    assert found == list(b.walk())
+    assert sorted((e.path, e.size, e.is_dir) for e in found) == [
+        ("a", 0, True), ("a/b", 0, True), ("a/b/c", 0, True), ("a/b/c/deep", 333, False), ("a/e", 0, True), ("a/e/.ckptfs", 4, False),
+        ("a/one", 22, False), ("top", 1, False), ("z", 0, True), ("z/\udcff-not-utf8", 6, False)]
+
+
+def test_a_walk_aside_that_fails_raises_as_the_walk_in_the_daemon_would(tmp_path):
+    """The process listing a store aside says why it failed: the restart
+    gets the error (and tries again, as for any store failure), not a
+    listing cut short."""
+    import errno
+
+    from ckptfs.writeback import listing
+
+    (tmp_path / "f").write_bytes(b"a file where a directory was opened")
+    aside = listing.Aside("", os.open(tmp_path / "f", os.O_RDONLY | os.O_CLOEXEC), "")
+    try:
+        with pytest.raises(OSError) as got:
+            aside.result(lambda path, why: None)
+        assert got.value.errno == errno.ENOTDIR
+    finally:
+        aside.close()
+
+
 def test_a_directory_of_the_store_the_daemon_cannot_read_is_left_out_with_a_warning():
     """A daemon run by a user who cannot list one directory of a local store
     shows the rest of the store; that directory is named in a warning."""
@@ -86,7 +132,6 @@ def test_no_store_call_reaches_above_the_store_root(tmp_path):
     caller."""
     import errno
 
-    import pytest
     from ckptfs.writeback.backend import LocalBackend
 
     (tmp_path / "outside").write_bytes(b"not the store's")
