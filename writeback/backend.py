@@ -440,8 +440,8 @@ class Backend:
         caller's own work (a restart decodes the store's records meanwhile);
         the callable waits for it. `many`: the store holds many files."""
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckptfs-walk") as pool:
-            listing = pool.submit(lambda: list(self.walk()))
-            yield listing.result
+            walked = pool.submit(lambda: list(self.walk()))
+            yield walked.result
 
     def find(self, prefix: str) -> list[str]:
         """Every file under `prefix` (ckptfs's own prefix included)."""
