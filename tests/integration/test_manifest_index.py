@@ -193,6 +193,36 @@ def test_a_stale_index_costs_a_lookup_not_a_false_eio(tmp_path):
         stop_mount(again)
 
 
+def test_an_index_short_of_a_record_still_verifies_the_file_it_left_out(tmp_path):
+    """A daemon could leave an index short of records (exiting while it
+    saved its image; fixed since), and every clean exit after kept it so:
+    the restart shows such a file with no record. Its first load reads the
+    record object, so damaged bytes are an error (EIO), not served."""
+    import errno
+
+    def first(m):
+        m.path("a.pt").write_bytes(b"a" * 5000)
+        m.path("b.pt").write_bytes(b"b" * 5000)
+
+    m = _session(tmp_path, first)
+    backend = open_store(str(m.store))
+    index = manifest.Image.of_index(backend)
+    index.forget([manifest.record_path("b.pt")])
+    backend.put(manifest.INDEX, index.packed())  # as the faulty exit left it: b's record object is there, its row is not
+    (m.store / "b.pt").write_bytes(b"B" * 5000)  # and the store's copy went bad since
+    again = start_mount(tmp_path)
+    try:
+        again.allowed_log_errors += ["b.pt"]
+        assert again.path("a.pt").read_bytes() == b"a" * 5000
+        try:
+            again.path("b.pt").read_bytes()
+            raise AssertionError("damaged bytes were served")
+        except OSError as exc:
+            assert exc.errno == errno.EIO
+    finally:
+        stop_mount(again)
+
+
 def test_after_a_crash_the_next_mount_reads_only_the_records_changed_since_the_image(tmp_path):
     """A clean exit leaves the index; the next daemon's claim turns it into a
     manifest image, that daemon changes a few files and is killed: the mount after
