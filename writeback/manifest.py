@@ -362,6 +362,11 @@ class Image:
                 out[rec.path] = rec
         return out, unreadable
 
+    def learn(self, objpath: str, rec: Record) -> None:
+        """A record object the image did not have (see `storeio.scan`): packed again."""
+        self.objects[objpath] = rec
+        self._packed = None
+
     def forget(self, objpaths) -> None:
         for objpath in objpaths:
             self.objects.pop(objpath, None)

@@ -253,6 +253,7 @@ def scan(backend: Backend) -> Scanned:
     # The listing waits on the store, the records' decoding on the CPU: side by side.
     with backend.walking(many=max(len(index or b""), len(base or b"")) >= MANY_PACKED) as listed:
         image = manifest.Image.of_packed(index)  # exact: left by a clean exit, nothing changed since
+        exact = image is not None
         if image is None:
             # Checked against the times the store gives its record objects. Not
             # after a write without a daemon: one made while a daemon hung may
@@ -266,6 +267,8 @@ def scan(backend: Backend) -> Scanned:
     entries, records = _nameable(entries, records, listed=backend.dirs)
     entries, hidden = _one_per_name(entries)
     files = {e.path for e in entries if not e.is_dir}
+    if exact and backend.dirs:
+        _left_out_of_the_index(backend, image, records, files)
     # Almost every record is a file's, at a file the store holds: only the
     # others are looked at below (one pass over 100,000 records each took
     # 10-70 ms of a restart).
@@ -322,6 +325,30 @@ def scan(backend: Backend) -> Scanned:
         del records[path]
     image.packed()  # here, in a worker thread: the daemon keeps it packed
     return Scanned(entries, records, unreadable, image, outside, index is not None, exchanged)
+
+
+def _left_out_of_the_index(backend: Backend, image: manifest.Image, records: dict[str, Record], files: set[str]) -> None:
+    """The records of `files` that an exact index is short of, read from
+    their objects into `records` and `image`. A daemon before 39c688d
+    could leave such an index (exiting while it saved its image), and every
+    clean exit after kept it: the files came back with no record, their
+    modes, owners and times lost. Only on a store of real directories,
+    where looking for an object that is not there costs a failed open: on
+    an object store it would cost a request per file that ckptfs did not
+    write, at every restart (there a file's first load looks: `Residency`)."""
+    unrecorded = files - records.keys()
+    if not unrecorded:
+        return
+    found = 0
+    for objpath, raw in backend.read_many(sorted(manifest.record_path(p) for p in unrecorded)):
+        rec = manifest.decoded(raw)
+        if rec is None or rec.kind != "file" or rec.path not in unrecorded or manifest.record_path(rec.path) != objpath:
+            continue  # garbage, or not this file's: it stays with no record (a load looks again)
+        records[rec.path] = rec
+        image.learn(objpath, rec)
+        found += 1
+    if found:
+        log.warning("the store's manifest index was short of %d records of its files: read from their objects", found)
 
 
 DIR_MOVE = "dirmove:"  # a symlink's or directory's record's source, written at its new name by a directory move on a local store
