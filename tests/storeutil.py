@@ -14,6 +14,11 @@ from ckptfs.writeback.backend import open_store
 from ckptfs.writeback.verify import verify
 
 
+def image_in(backend, name: str = manifest.INDEX) -> manifest.Image | None:
+    """The manifest image in object `name` of the store (the index, or IMAGE), as a restart reads it."""
+    return manifest.Image.of_packed(manifest.Image.packed_in(backend, name), name)
+
+
 def store_files(store: Path) -> dict[str, bytes]:
     out = {}
     for dirpath, dirnames, names in os.walk(store):

@@ -307,11 +307,6 @@ class Image:
             return None
 
     @classmethod
-    def of_index(cls, backend: Backend, name: str = INDEX) -> Image | None:
-        """The image in object `name` (INDEX or IMAGE), if it is there and readable."""
-        return cls.of_packed(cls.packed_in(backend, name), name)
-
-    @classmethod
     def of_packed(cls, packed: bytes | None, name: str = INDEX) -> Image | None:
         """The image `packed` holds (`packed_in` object `name`), if it is readable."""
         if packed is None:

@@ -14,7 +14,7 @@ from ckptfs.writeback.backend import IMAGE, open_store
 from ckptfs.writeback.engine import IMAGE_EVERY
 
 from tests.mountutil import run_cli, start_mount, stop_mount
-from tests.storeutil import verify_store, wait_until
+from tests.storeutil import image_in, verify_store, wait_until
 
 
 def _session(tmp_path, body, clean: bool = True):
@@ -209,7 +209,7 @@ def test_an_index_short_of_a_record_restores_the_file_it_left_out_with_its_recor
 
     m = _session(tmp_path, first)
     backend = open_store(str(m.store))
-    index = manifest.Image.of_index(backend)
+    index = image_in(backend)
     index.forget([manifest.record_path("b.pt")])
     backend.put(manifest.INDEX, index.packed())  # as the faulty exit left it: b's record object is there, its row is not
     (m.store / "b.pt").write_bytes(b"B" * 5000)  # and the store's copy went bad since
@@ -226,7 +226,7 @@ def test_an_index_short_of_a_record_restores_the_file_it_left_out_with_its_recor
             assert exc.errno == errno.EIO
 
     again = _session(tmp_path, second)
-    assert manifest.record_path("b.pt") in manifest.Image.of_index(open_store(str(again.store))).objects
+    assert manifest.record_path("b.pt") in image_in(open_store(str(again.store))).objects
 
 
 def test_after_a_crash_the_next_mount_reads_only_the_records_changed_since_the_image(tmp_path):

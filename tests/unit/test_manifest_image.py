@@ -14,6 +14,7 @@ import trio
 from ckptfs.writeback import manifest
 from ckptfs.writeback.backend import IMAGE, INDEX, new_daemon_id
 
+from tests.storeutil import image_in
 from tests.unit.test_convergence import _mount_view, _restarted_view, _store
 from tests.unit.test_engine import Rig, run_until_flushed
 
@@ -108,10 +109,10 @@ async def test_a_record_change_under_way_while_the_image_is_saved_is_left_out_an
     gate.set()  # the write lands after the save
     writer.join()
     rig.backend.put = real_put
-    assert manifest.record_path("a") not in manifest.Image.of_index(rig.backend, IMAGE).objects
+    assert manifest.record_path("a") not in image_in(rig.backend, IMAGE).objects
     time.sleep(0.05)
     await rig.engine.save_image(IMAGE)  # the next save
-    assert manifest.Image.of_index(rig.backend, IMAGE).objects[manifest.record_path("a")].current == changed.current
+    assert image_in(rig.backend, IMAGE).objects[manifest.record_path("a")].current == changed.current
 
     again = Rig(url, claim=False)
     await again.engine.scan()
@@ -134,7 +135,7 @@ async def test_an_image_save_takes_the_records_the_daemon_wrote_and_reads_only_t
     read = _reading(rig)
     await rig.engine.save_image(IMAGE)
     assert read == []
-    image = manifest.Image.of_index(rig.backend, IMAGE).records()[0]
+    image = image_in(rig.backend, IMAGE).records()[0]
     assert sorted(p for p, r in image.items() if r.kind == "file") == ["f0", "f1", "f2", "f3"]
     assert image == manifest.read_all(rig.backend)[0]
 
@@ -154,7 +155,7 @@ async def test_an_image_save_takes_the_records_the_daemon_wrote_and_reads_only_t
     read.clear()
     await rig.engine.save_image(IMAGE)
     assert read == [manifest.record_path("f1")]
-    assert manifest.Image.of_index(rig.backend, IMAGE).records()[0]["f1"].current == landed.current
+    assert image_in(rig.backend, IMAGE).records()[0]["f1"].current == landed.current
 
 
 @pytest.mark.parametrize("kind", ["local", "object"])
@@ -189,7 +190,7 @@ async def test_a_clean_exit_while_an_image_is_saved_leaves_an_index_with_the_rec
     finally:
         go_on.set()
         rig.backend.put = real_put
-    assert manifest.record_path("a") in manifest.Image.of_index(rig.backend, INDEX).objects
+    assert manifest.record_path("a") in image_in(rig.backend, INDEX).objects
 
     again = Rig(url, claim=False)
     await again.engine.scan()
@@ -209,7 +210,7 @@ async def test_a_file_an_index_on_an_object_store_left_without_its_record_is_ver
     rig.write("b", b"b" * 5000)
     await run_until_flushed(rig)
     await rig.engine.leave_index()
-    index = manifest.Image.of_index(rig.backend)
+    index = image_in(rig.backend)
     index.forget([manifest.record_path("b")])
     rig.backend.put(INDEX, index.packed())  # b's record object is there, its row is not
     rig.backend.put("b", b"B" * 5000)  # and the store's copy went bad since
@@ -300,7 +301,7 @@ async def test_objects_with_planted_names_among_the_records_do_not_stop_a_restar
             f.write(b"{}")
     again = Rig(url, claim=False)
     assert await again.engine.scan() == 5
-    assert manifest.Image.unpacked(again.engine._image).objects.keys() == manifest.Image.of_index(rig.backend, IMAGE).objects.keys()
+    assert manifest.Image.unpacked(again.engine._image).objects.keys() == image_in(rig.backend, IMAGE).objects.keys()
 
 
 @pytest.mark.parametrize("index", [True, False], ids=["from the index", "from the record objects"])
