@@ -3,6 +3,7 @@ commands that ask a running daemon (status, flush, prefetch, evict) in admin.py.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import logging.handlers
 import os
@@ -11,6 +12,8 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
@@ -116,11 +119,10 @@ def main() -> None:
               help="The daemon's oom_score_adj (-1000 to 1000): when memory runs out, the kernel kills the process with the highest "
                    "score. The daemon holds the only copy of what it has not published, while a trainer killed instead restarts "
                    "from the daemon's RAM; lowering it needs root (or CAP_SYS_RESOURCE), otherwise it is left as it is.")
-@click.option("--ready-fd", type=int, hidden=True)
 def mount(mountpoint: str, store_url: str, memory_limit: str, reuse_ram: str, foreground: bool, log_file: str | None, log_level: str,
           fsync_mode: str, drain_timeout: float, store_timeout: float, store_options: tuple[str, ...], spill_dir: str | None,
           metrics_port: int | None, metrics_host: str, cluster: str | None, cluster_password_file: str | None, node: str | None,
-          cluster_snapshot_every: int, oom_score_adj: int, ready_fd: int | None) -> None:
+          cluster_snapshot_every: int, oom_score_adj: int) -> None:
     """Mount a ckptfs file system at MOUNTPOINT, backed by the store at URL.
 
     Returns once the mount is live; the daemon keeps running in the background
@@ -128,6 +130,8 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, reuse_ram: str, fo
     """
     from ckptfs.fs.memory import total_ram
     from ckptfs.writeback.backend import StoreError, absolute_url, open_store
+
+    ready_fd: int | None = None  # in a daemon that `ckptfs mount` started: the pipe that command waits on
 
     def refuse(message: str, code: int) -> NoReturn:
         """Say why there is no mount: on stderr and, in a daemon that `ckptfs
@@ -156,68 +160,76 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, reuse_ram: str, fo
     except ValueError as exc:
         refuse(str(exc), 2)
     store_url = absolute_url(store_url)  # recorded for tools run from anywhere
-    try:
-        if cluster is not None:
-            check_cluster_url(cluster)
-        check_fuse(load=foreground)  # the daemon imports pyfuse3 in the foreground: a mount that spawns it need not
-        if foreground:
-            runtime.hold_mountpoint(runtime.resolved_to_mount(mountpoint))  # before the checks below, for the daemon's life
-        _remove_stale(mountpoint)
-        mp = check_mountpoint(mountpoint)
-        check_places(mp, store_url, spill_dir, log_file)
-        check_not_in_a_store(store_url)
-        runtime.private_dir(mp)  # the daemon's details and default log go there: the user's own, or refused
-        check_no_daemon(mp)
-        if log_file is not None:
-            check_log_file(log_file)
-        if foreground:  # a daemon that `ckptfs mount` spawns checks the store and the cluster once, for both, and says why not on the pipe
-            backend = open_store(store_url, options)
-            if cluster is None:
-                check_no_daemon(mp, backend)
-            else:
-                check_cluster(cluster, cluster_password_file, store_url)
-        spill_warning = check_spill_dir(spill_dir)
-        if spill_warning is not None:  # the spawned daemon's stderr is its log: there too
-            click.echo(f"ckptfs: warning: {printable(spill_warning)}", err=True)
-        if metrics_port is not None:
-            check_port(metrics_host, metrics_port)
-    except (PreflightError, StoreError, runtime.RuntimeDirError, runtime.MountpointBusy) as exc:
-        refuse(str(exc), 2)
-    cluster_args = [*(["--cluster", cluster, "--cluster-snapshot-every", str(cluster_snapshot_every)] if cluster else []),
-                    *(["--node", node] if node else []),
-                    *(["--cluster-password-file", os.path.abspath(cluster_password_file)] if cluster_password_file else [])]
 
-    if not foreground:
-        _spawn_daemon(mp, store_url, limit, log_file, log_level,
-                      ["--reuse-ram", str(reuse), "--fsync", fsync_mode, "--drain-timeout", str(drain_timeout), "--store-timeout", str(store_timeout),
-                       *[a for o in store_options for a in ("--store-option", o)],
-                       *(["--spill-dir", os.path.abspath(spill_dir)] if spill_dir else []),
-                       *(["--metrics-port", str(metrics_port), "--metrics-host", metrics_host] if metrics_port else []),
-                       "--oom-score-adj", str(oom_score_adj),
-                       *cluster_args])
-        return
+    def preflight(daemon: bool) -> Path:
+        """The checks a mount must pass; `daemon`: in the process that will
+        serve it, which also holds the mount point for its life and checks
+        the store and the cluster (`ckptfs mount` leaves those to the
+        daemon it starts, which says why not on the pipe)."""
+        try:
+            if cluster is not None:
+                check_cluster_url(cluster)
+            check_fuse(load=daemon)
+            if daemon:
+                runtime.hold_mountpoint(runtime.resolved_to_mount(mountpoint))  # before the checks below, for the daemon's life
+            _remove_stale(mountpoint)
+            mp = check_mountpoint(mountpoint)
+            check_places(mp, store_url, spill_dir, log_file)
+            check_not_in_a_store(store_url)
+            runtime.private_dir(mp)  # the daemon's details and default log go there: the user's own, or refused
+            check_no_daemon(mp)
+            if log_file is not None:
+                check_log_file(log_file)
+            if daemon:
+                backend = open_store(store_url, options)
+                if cluster is None:
+                    check_no_daemon(mp, backend)
+                else:
+                    check_cluster(cluster, cluster_password_file, store_url)
+            spill_warning = check_spill_dir(spill_dir)
+            if spill_warning is not None:  # a daemon in the background has its log as stderr: there too
+                click.echo(f"ckptfs: warning: {printable(spill_warning)}", err=True)
+            if metrics_port is not None:
+                check_port(metrics_host, metrics_port)
+        except (PreflightError, StoreError, runtime.RuntimeDirError, runtime.MountpointBusy) as exc:
+            refuse(str(exc), 2)
+        return mp
 
-    config = MountConfig(mp, store_url, limit, min(reuse, limit), Path(log_file) if log_file else None, log_level.upper(),
-                         fsync=fsync_mode, drain_timeout=drain_timeout, store_timeout=store_timeout, storage_options=options,
-                         spill_dir=os.path.abspath(spill_dir) if spill_dir else None, metrics_port=metrics_port, metrics_host=metrics_host,
-                         cluster=cluster, cluster_password_file=os.path.abspath(cluster_password_file) if cluster_password_file else None,
-                         node=node, cluster_snapshot_every=cluster_snapshot_every, oom_score_adj=oom_score_adj)
-    _setup_logging(config)
-    from ckptfs.daemon.mount import serve
-
-    def ready() -> None:
+    def serve_here(ready_on: int | None) -> NoReturn:
+        """Be the daemon: check, mount, serve until unmounted; `ready_on`:
+        the pipe to say "ok" on once the mount is live, or why not."""
         nonlocal ready_fd
-        if ready_fd is not None:
-            os.write(ready_fd, b"ok\n")
-            os.close(ready_fd)
-            ready_fd = None
+        ready_fd = ready_on
+        mp = preflight(daemon=True)
+        config = MountConfig(mp, store_url, limit, min(reuse, limit), Path(log_file) if log_file else None,
+                             log_level.upper(), fsync=fsync_mode, drain_timeout=drain_timeout, store_timeout=store_timeout,
+                             storage_options=options, spill_dir=os.path.abspath(spill_dir) if spill_dir else None,
+                             metrics_port=metrics_port, metrics_host=metrics_host, cluster=cluster,
+                             cluster_password_file=os.path.abspath(cluster_password_file) if cluster_password_file else None,
+                             node=node, cluster_snapshot_every=cluster_snapshot_every, oom_score_adj=oom_score_adj)
+        _setup_logging(config)
+        from ckptfs.daemon.mount import serve
 
-    try:
-        code = serve(config, ready)
-    except (RuntimeError, StoreError) as exc:  # the kernel refused the mount (pyfuse3.init), or the store could not be used
-        logging.getLogger("ckptfs").error("cannot mount %s: %s", mp, exc)
-        refuse(f"cannot mount {mp}: {exc}", 1)
-    sys.exit(code)
+        def ready() -> None:
+            nonlocal ready_fd
+            if ready_fd is not None:
+                os.write(ready_fd, b"ok\n")
+                os.close(ready_fd)
+                ready_fd = None
+
+        try:
+            code = serve(config, ready)
+        except (RuntimeError, StoreError) as exc:  # the kernel refused the mount (pyfuse3.init), or the store could not be used
+            logging.getLogger("ckptfs").error("cannot mount %s: %s", config.mountpoint, exc)
+            refuse(f"cannot mount {config.mountpoint}: {exc}", 1)
+        sys.exit(code)
+
+    if foreground:
+        serve_here(None)
+    mp = preflight(daemon=False)
+    follow = log_file is not None  # a log file the user named may be a symlink; the default one never is
+    log_file = os.path.abspath(log_file if log_file is not None else runtime.private_dir(mp) / "daemon.log")
+    _start_daemon(mp, store_url, log_file, follow, serve_here)
 
 
 def _remove_stale(mountpoint: str) -> None:
@@ -267,29 +279,48 @@ def _setup_logging(config: MountConfig) -> None:
     logging.basicConfig(level=config.log_level, handlers=[handler], force=True)
 
 
-def _spawn_daemon(mp: Path, store_url: str, limit: int, log_file: str | None, log_level: str, extra: list[str]) -> None:
-    follow = log_file is not None  # a log file the user named may be a symlink; the default one never is
-    if log_file is None:
-        log_file = str(runtime.private_dir(mp) / "daemon.log")
-    log_file = os.path.abspath(log_file)
+def _start_daemon(mp: Path, store_url: str, log_file: str, follow: bool, serve_here: Callable[[int], NoReturn]) -> None:
+    """Fork the daemon, which runs `serve_here` with its end of a pipe, and
+    wait until it says the mount is live, or why not. A fork, not a new
+    interpreter: the daemon starts with this command's imports and
+    arguments (a restart over 100,000 files spent 0.2-0.3 s of its time
+    starting a second interpreter and importing again)."""
     r, w = os.pipe()
-    cmd = [sys.executable, "-m", "ckptfs.tools.cli", "mount", str(mp), "--store", store_url, "--memory-limit", str(limit),
-           "--foreground", "--log-file", log_file, "--log-level", log_level, "--ready-fd", str(w), *extra]
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
     err = os.open(log_file, flags, 0o600)
-    try:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, pass_fds=(w,), start_new_session=True)
-    finally:
-        os.close(err)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the daemon: its own session, no terminal, its log as stderr
+        code = 1
+        try:
+            os.close(r)
+            os.setsid()
+            devnull = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1):
+                os.dup2(devnull, fd)
+            os.dup2(err, 2)
+            os.close(devnull)
+            os.close(err)
+            serve_here(w)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stderr.flush()
+            os._exit(code)
+    os.close(err)
     os.close(w)
-    said = wait_ready(proc, r, MOUNT_TIMEOUT_S)
+    said = wait_ready(pid, r, MOUNT_TIMEOUT_S)
     os.close(r)
     if said == b"ok":
-        click.echo(printable(f"ckptfs: mounted {mp} (store {store_url}, pid {proc.pid}, log {log_file})"))
+        click.echo(printable(f"ckptfs: mounted {mp} (store {store_url}, pid {pid}, log {log_file})"))
         return
     if said is None:
-        proc.kill()
-        proc.wait()
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
         if str(mp) in runtime.all_mountpoints():
             subprocess.run(["fusermount3", "-u", "-z", str(mp)], check=False)
         _fail(f"the daemon did not mount {mp} within {MOUNT_TIMEOUT_S:.0f}s; see {log_file}")
@@ -300,10 +331,10 @@ def _spawn_daemon(mp: Path, store_url: str, limit: int, log_file: str | None, lo
     _fail(f"the daemon could not mount {mp}: {_last_error(log_file).removeprefix(f'cannot mount {mp}: ')}")
 
 
-def wait_ready(proc: subprocess.Popen, fd: int, timeout: float) -> bytes | None:
-    """What the daemon `proc` said on pipe `fd`: b"ok" once its mount is
-    live; `CODE WHY` when it would not mount; b"" when it exited without a
-    word; None if it did none of these within `timeout`."""
+def wait_ready(pid: int, fd: int, timeout: float) -> bytes | None:
+    """What the daemon, child process `pid`, said on pipe `fd`: b"ok" once
+    its mount is live; `CODE WHY` when it would not mount; b"" when it
+    exited without a word; None if it did none of these within `timeout`."""
     deadline = time.monotonic() + timeout
     said = b""
     while time.monotonic() < deadline:
@@ -316,13 +347,21 @@ def wait_ready(proc: subprocess.Popen, fd: int, timeout: float) -> bytes | None:
             if got:
                 continue
             break  # end of file: the daemon is exiting; wait for it below
-        if proc.poll() is not None and not select.select([fd], [], [], 0)[0]:
+        if _exited(pid) and not select.select([fd], [], [], 0)[0]:
             return said
+    while not _exited(pid):
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.02)
+    return said
+
+
+def _exited(pid: int) -> bool:
+    """Child process `pid` has exited (and is reaped)."""
     try:
-        proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        return said
-    except subprocess.TimeoutExpired:
-        return None
+        return os.waitpid(pid, os.WNOHANG)[0] != 0
+    except ChildProcessError:  # reaped already
+        return True
 
 
 def _last_error(log_file: str) -> str:

@@ -341,14 +341,15 @@ def _mounts_at(mp: Path) -> int:
 
 
 def _daemons_of(mp: Path) -> list[int]:
-    """The pids of the daemons serving `mp` (started by `ckptfs mount`)."""
+    """The pids of the daemons serving `mp` (forked by `ckptfs mount`, with
+    its command line), and of `ckptfs mount` commands still running."""
     found = []
     for proc in Path("/proc").iterdir():
         try:
             argv = [os.fsdecode(a) for a in (proc / "cmdline").read_bytes().split(b"\0")]
         except OSError:
             continue
-        if proc.name.isdigit() and argv[3:6] == ["mount", str(mp), "--store"] and "--foreground" in argv:
+        if proc.name.isdigit() and argv[3:6] == ["mount", str(mp), "--store"]:
             found.append(int(proc.name))
     return found
 

@@ -346,7 +346,7 @@ def _ready_of(child: str) -> bytes | None:
     proc = subprocess.Popen([sys.executable, "-c", "import os, time; " + child.format(w=w)], pass_fds=(w,))
     os.close(w)
     try:
-        return wait_ready(proc, r, timeout=20)
+        return wait_ready(proc.pid, r, timeout=20)
     finally:
         os.close(r)
         proc.kill()
