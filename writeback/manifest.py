@@ -17,7 +17,6 @@ import logging
 import re
 import uuid
 import zlib
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import xxhash
@@ -33,21 +32,29 @@ VERSION = 1
 BLOCK = 64 << 20  # a load verifies and serves a file block by block (C6)
 
 
-@dataclass(frozen=True)
-class Digest:
+class Digest(NamedTuple):  # a tuple, as Record
     """A file's size and xxh3-128, and for files of more than one BLOCK the
     xxh3-128 of each BLOCK in order, so that a load can serve each block as
     soon as it is verified. Two digests are equal when size and hash are."""
 
     size: int
     xxh3: str  # xxh3-128, hex
-    blocks: tuple[str, ...] = field(default=(), compare=False)
+    blocks: tuple[str, ...] = ()
 
     def block(self, i: int) -> str | None:
         """The hash block `i` must have; None if only the whole file's is known."""
         if self.blocks:
             return self.blocks[i] if i < len(self.blocks) else None
         return self.xxh3 if i == 0 and self.size <= BLOCK else None
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Digest) and self.size == other.size and self.xxh3 == other.xxh3
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash((self.size, self.xxh3))
 
 
 class Meta(NamedTuple):  # a tuple: a restart makes one per file in the store
@@ -59,8 +66,11 @@ class Meta(NamedTuple):  # a tuple: a restart makes one per file in the store
     mtime_ns: int | None = None  # None: not recorded (a restart gives the time of the restart); 0 is 1970
 
 
-@dataclass(frozen=True)
-class Record:
+class Record(NamedTuple):
+    """What the store keeps of a published path besides its bytes. A tuple:
+    a restart makes one per file in the store, straight from its row in the
+    index (`_of_row`)."""
+
     path: str
     kind: str  # "file", "symlink" or "dir"
     current: Digest | None = None
@@ -111,7 +121,7 @@ class Record:
         return checked(cls(**d))
 
 
-_FIELDS = {f for f in Record.__dataclass_fields__}
+_FIELDS = frozenset(Record._fields)
 UNREADABLE = (ValueError, TypeError, KeyError, AttributeError)  # what decoding a record that is not one raises
 KINDS = frozenset({"file", "symlink", "dir"})
 _NS = 1 << 63  # times are signed 64-bit nanoseconds
@@ -429,10 +439,6 @@ def decoded(raw: bytes) -> Record | None:
         return None
 
 
-_ROW = ("path", "kind", "current", "previous", "mode", "mtime_ns", "target", "written_ns", "source", "uid", "gid")
-assert set(_ROW) == {f for f in Record.__dataclass_fields__}
-
-
 def _row(rec: Record) -> list:
     return [rec.path, rec.kind, _digest_row(rec.current), _digest_row(rec.previous), rec.mode, rec.mtime_ns, rec.target,
             rec.written_ns, rec.source, rec.uid, rec.gid]
@@ -442,28 +448,25 @@ def _digest_row(d: Digest | None) -> list | None:
     return None if d is None else [d.size, d.xxh3, list(d.blocks)]
 
 
+_tuple = tuple.__new__  # a Record or Digest of a row in field order, without NamedTuple's __new__ (a restart makes one per file)
+
+
 def _of_row(row: list) -> Record:
-    # A restart makes one Record per file: built without the frozen
-    # dataclass's __init__ (one object.__setattr__ per field, 5x the cost).
-    path, kind, cur, prev, mode, mtime_ns, target, written_ns, source, uid, gid = row
+    path, kind, cur, prev, mode, mtime_ns, target, written_ns, source, uid, gid = row  # the fields of Record, in order
     _check(path, kind, mode, mtime_ns, written_ns, target, source, uid, gid)
-    return _built(Record, {"path": path, "kind": kind, "current": _of_digest_row(cur), "previous": _of_digest_row(prev), "mode": mode,
-                           "mtime_ns": mtime_ns, "target": target, "written_ns": written_ns, "source": source, "uid": uid, "gid": gid})
+    if cur is not None:
+        row[2] = _of_digest_row(cur)
+    if prev is not None:
+        row[3] = _of_digest_row(prev)
+    return _tuple(Record, row)
 
 
-def _of_digest_row(row: list | None) -> Digest | None:
-    if row is None:
-        return None
-    d = _built(Digest, {"size": row[0], "xxh3": row[1], "blocks": tuple(row[2])})
+def _of_digest_row(row: list) -> Digest:
+    size, xxh3, blocks = row
+    d = _tuple(Digest, (size, xxh3, tuple(blocks)))
     if not _digest_ok(d):
         raise ValueError(f"an index row with a digest ckptfs never writes: {row!r:.200}")
     return d
-
-
-def _built(cls, fields: dict):
-    obj = object.__new__(cls)
-    obj.__dict__.update(fields)
-    return obj
 
 
 def mark_outside(backend: Backend) -> None:

@@ -138,7 +138,7 @@ def _staged_now(backend: Backend, rec: Record, staged: Staged, pieces: Callable[
     if staged.token is not None or not backend.stage_ahead_from or pieces is None:
         return rec, staged
     staged = backend.stage(pieces(), staged.size)
-    return dataclasses.replace(rec, source=f"staged:{staged.token}"), staged
+    return rec._replace(source=f"staged:{staged.token}"), staged
 
 
 def _refuse_newer(rec: Record, there: Record | None) -> None:
@@ -159,7 +159,7 @@ def holds(backend: Backend, path: str, digest: Digest) -> bool:
 def show(backend: Backend, rec: Record | None, src: str, dst: str, move: bool) -> None:
     """Give published bytes at `src` the name `dst` too (copy) or instead (move)."""
     if rec is not None:
-        manifest.write(backend, dataclasses.replace(rec, source=f"{'move' if move else 'copy'}:{src}"))
+        manifest.write(backend, rec._replace(source=f"{'move' if move else 'copy'}:{src}"))
     if move:
         globals()["move"](backend, src, dst, rec.current if rec is not None else None)
         manifest.delete(backend, src)

@@ -5,7 +5,6 @@ node applies the log, and so the order in which the nodes hear things."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import os
 import threading
@@ -757,7 +756,7 @@ async def test_a_directory_move_the_gone_node_left_halfway_keeps_what_it_moved_a
         a.lapse()  # a's publisher stops at its next store step: the rename's
         await b.ns.change("rename", ROOT, b"e", top.ino, b"x", 0)
         rec = manifest.read(b.backend, "e/x")  # what a did of it before it died: one member moved
-        storeio.show(b.backend, dataclasses.replace(rec, path="a/x/x"), "e/x", "a/x/x", True)
+        storeio.show(b.backend, rec._replace(path="a/x/x"), "e/x", "a/x/x", True)
         await take_over_when_heard(a, a_alive, b)
         with trio.fail_after(20):
             await b.engine.flush()

@@ -735,7 +735,6 @@ async def test_a_file_whose_record_has_no_block_hashes_loads_in_order_and_whole(
     """A record with only the whole file's hash (written before block
     hashes) cannot vouch for one block: the file is read in order and
     served once all of it is checked."""
-    import dataclasses
     import threading
 
     rig, data = _evicted_big_file(tmp_path, 2 * manifest.BLOCK + 1000)
@@ -744,7 +743,7 @@ async def test_a_file_whose_record_has_no_block_hashes_loads_in_order_and_whole(
     rig.engine.evict(1 << 40)
     res = rig.engine.residency
     rec = manifest.read(rig.backend, "big")
-    res.expect(node.ino, dataclasses.replace(rec, current=manifest.Digest(rec.current.size, rec.current.xxh3)))
+    res.expect(node.ino, rec._replace(current=manifest.Digest(rec.current.size, rec.current.xxh3)))
     go = threading.Event()
     order = _gate_loads(rig.backend, lambda off: off < 2 * manifest.BLOCK or go.wait(30))
     async with trio.open_nursery() as n:
@@ -772,14 +771,13 @@ async def test_a_record_with_too_few_block_hashes_never_serves_an_unchecked_bloc
     """A record whose block list is short (damaged) cannot vouch for the
     blocks it lacks: the file loads in order and whole, and rot in such a
     block is caught by the whole file's hash."""
-    import dataclasses
 
     rig, data = _evicted_big_file(tmp_path, 2 * manifest.BLOCK + 1000)
     await run_until_flushed(rig)
     node = rig.store.inode_at("big")
     rig.engine.evict(1 << 40)
     rec = manifest.read(rig.backend, "big")
-    rig.engine.residency.expect(node.ino, dataclasses.replace(rec, current=dataclasses.replace(rec.current, blocks=rec.current.blocks[:1])))
+    rig.engine.residency.expect(node.ino, rec._replace(current=rec.current._replace(blocks=rec.current.blocks[:1])))
     with open(tmp_path / "store" / "big", "r+b") as f:  # the last block rots in the store
         f.seek(2 * manifest.BLOCK + 10)
         f.write(bytes([data[2 * manifest.BLOCK + 10] ^ 1]))

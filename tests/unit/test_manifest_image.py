@@ -326,7 +326,7 @@ async def test_records_with_fields_ckptfs_never_writes_read_as_unreadable(tmp_pa
             key, _, row = line.partition(b"\t")
             values = json.loads(row)
             for k, v in bad.get(values[0], {}).items():
-                values[manifest._ROW.index(k)] = v
+                values[manifest.Record._fields.index(k)] = v
             lines[i] = key + b"\t" + json.dumps(values).encode()
         (url / INDEX).write_bytes(manifest._pack(since, lines))
     else:
