@@ -373,3 +373,34 @@ async def test_an_index_that_is_a_symlink_is_not_followed_and_every_record_is_re
     assert manifest.record_path("f") in read
     assert "is no file" in caplog.text
     await again.engine.load(again.store.inode_at("f").ino)
+
+
+def test_digests_are_equal_by_size_and_hash_whatever_blocks_they_name():
+    """A record written before block hashes names none: its digest is the
+    same file's as one that names them (as equal, and as a set member)."""
+    with_blocks = manifest.Digest(5, "ab" * 16, ("cd" * 16, "ef" * 16))
+    without = manifest.Digest(5, "ab" * 16)
+    assert with_blocks == without and not with_blocks != without and hash(with_blocks) == hash(without)
+    assert {with_blocks} == {without}
+    assert with_blocks != manifest.Digest(6, "ab" * 16) and with_blocks != manifest.Digest(5, "00" * 16)
+    assert with_blocks != (5, "ab" * 16, ("cd" * 16, "ef" * 16))  # a digest, not any tuple
+    rec = manifest.Record("a", "file", with_blocks)
+    assert rec == rec._replace(current=without) and rec != rec._replace(mode=0o600)
+
+
+@pytest.mark.parametrize("row", [
+    ["a", "file", None, None, 420, None, "", 0, "", None],  # a field short
+    ["a", "file", None, None, 420, None, "", 0, "", None, None, None],  # one too many
+    ["a", "file", [5, "ab"], None, 420, None, "", 0, "", None, None],  # a digest a field short
+    ["a", "file", [5, "ab", [], 1], None, 420, None, "", 0, "", None, None],
+    {"path": "a", "kind": "file"},
+    "abcdefghijk",
+], ids=["short", "long", "short digest", "long digest", "an object", "a string"])
+def test_an_index_row_of_another_shape_makes_the_index_unreadable(row):
+    """A row is decoded by position (`_of_row`): one of another length or
+    kind than ckptfs writes is no record, and the index is not trusted (a
+    restart reads every record object instead), never a traceback."""
+    good = ["b", "file", [1, "cd" * 16, []], None, 420, None, "", 0, "", None, None]
+    lines = [b"k1\t" + json.dumps(good).encode(), b"k2\t" + json.dumps(row).encode()]
+    assert manifest.Image.of_packed(manifest._pack(1.0, lines)) is None
+    assert manifest.Image.of_packed(manifest._pack(1.0, lines[:1])).records()[0]["b"].current == manifest.Digest(1, "cd" * 16)
