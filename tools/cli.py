@@ -302,6 +302,7 @@ def _start_daemon(mp: Path, store_url: str, log_file: str, follow: bool, serve_h
             os.dup2(err, 2)
             os.close(devnull)
             os.close(err)
+            _close_inherited()
             serve_here(w)
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
@@ -329,6 +330,19 @@ def _start_daemon(mp: Path, store_url: str, log_file: str, follow: bool, serve_h
         click.echo(f"ckptfs: error: {why.strip()}", err=True)
         sys.exit(int(code))
     _fail(f"the daemon could not mount {mp}: {_last_error(log_file).removeprefix(f'cannot mount {mp}: ')}")
+
+
+def _close_inherited() -> None:
+    """Close what this process inherited from its caller besides stdin,
+    stdout and stderr: a daemon keeping it would keep, say, the caller's
+    pipe open long after `ckptfs mount` returned, and a caller reading it to
+    its end would hang. Python opens its own descriptors not inheritable:
+    those stay."""
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
+            if fd > 2 and os.get_inheritable(fd):
+                os.close(fd)
 
 
 def wait_ready(pid: int, fd: int, timeout: float) -> bytes | None:

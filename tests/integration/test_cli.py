@@ -285,6 +285,27 @@ def test_a_mount_point_and_store_of_any_name(tmp_path, name):
         stop_background_mount(mp)
 
 
+def test_the_daemon_keeps_none_of_the_descriptors_its_caller_passed(dirs):
+    """The daemon is forked by `ckptfs mount`: it must not keep what the
+    command inherited (a pipe its caller reads to its end, as a shell's
+    command substitution or a job runner does), or the caller hangs as long
+    as the mount lives."""
+    mp, store = dirs
+    r, w = os.pipe()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "ckptfs.tools.cli", "mount", str(mp), "--store", str(store)],
+                              pass_fds=(w,), capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        os.close(w)
+        w = -1
+        assert select.select([r], [], [], 10)[0] and os.read(r, 1) == b"", "the daemon holds the caller's pipe"
+        assert run_cli("umount", str(mp)).returncode == 0
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+
+
 def test_mounts_of_one_mount_point_at_once_make_one_mount(dirs):
     """A launch script run by every rank of a node mounts the same path at
     once: each `ckptfs mount` passed the checks before any had mounted, so
