@@ -1073,30 +1073,23 @@ class Engine:
                     self.publisher.restored(e.path, Dir(node.ino))
                     dirs_at.add(e.path)
                 continue
-            # Two passes over the directory's files, around the tree's loop
-            # over them: at 100,000 files, each step per file here counts.
+            # Passes over the directory's files, around the tree's loop over
+            # them: at 100,000 files, each step per file here counts.
+            run = list(run)
             cut = len(parent) + 1 if parent else 0
-            found, wanted = [], []
-            for e in run:
-                rec = records.get(e.path)
-                if rec is None or rec.kind != "file":
-                    rec, recorded = None, NOT_RECORDED
-                else:
-                    recorded = Meta(rec.mode, rec.uid, rec.gid, rec.mtime_ns)
-                meta = _restorable(recorded)
-                found.append((e, rec, recorded))
-                wanted.append((e.path[cut:], meta.mode, e.size, meta.mtime_ns, meta.uid, meta.gid))
-            nodes = ns.restore_files(parent, wanted)
-            files = []
-            gens = self.published_gen
-            for (e, rec, recorded), node in zip(found, nodes, strict=True):
-                ino = node.ino
-                if rec is not None:
-                    self.residency.expect(ino, rec)
-                elif record_path(e.path) in bad:
+            names = [e.path[cut:] for e in run]
+            recs = [rec if rec is not None and rec.kind == "file" else None for rec in map(records.get, [e.path for e in run])]
+            recorded = [NOT_RECORDED if rec is None else Meta(rec.mode, rec.uid, rec.gid, rec.mtime_ns) for rec in recs]
+            nodes = ns.restore_files(parent, [(name, meta.mode, e.size, meta.mtime_ns, meta.uid, meta.gid)
+                                              for name, e, meta in zip(names, run, map(_restorable, recorded), strict=True)])
+            inos = [node.ino for node in nodes]
+            files = [(name, File(ino, shown=Shown(ino, 1, None if rec is None else rec.current, meta)))
+                     for name, ino, rec, meta in zip(names, inos, recs, recorded, strict=True)]
+            self.residency.expect(inos, recs)
+            for ino, rec, e in zip(inos, recs, run, strict=True):
+                if rec is None and record_path(e.path) in bad:
                     self.residency.unverifiable(ino, e.path)
-                files.append((e.path[cut:], File(ino, shown=Shown(ino, 1, None if rec is None else rec.current, recorded))))
-                gens[ino] = 1
+            self.published_gen.update(dict.fromkeys(inos, 1))
             self.publisher.restored_files(parent, files)
             n += len(files)
         for rec in records.values():

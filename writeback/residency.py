@@ -176,8 +176,9 @@ class Residency:
         self._unverifiable.pop(ino, None)
         self._unfound.discard(ino)
 
-    def expect(self, ino: int, record: Record) -> None:
-        self._expected[ino] = record
+    def expect(self, inos: list[int], records: list[Record | None]) -> None:
+        """Each inode's first load is verified against its record (None: it has none): a restart, a directory at a time."""
+        self._expected.update((ino, rec) for ino, rec in zip(inos, records, strict=True) if rec is not None)
 
     def unverifiable(self, ino: int, path: str) -> None:
         self._unverifiable[ino] = path

@@ -743,7 +743,7 @@ async def test_a_file_whose_record_has_no_block_hashes_loads_in_order_and_whole(
     rig.engine.evict(1 << 40)
     res = rig.engine.residency
     rec = manifest.read(rig.backend, "big")
-    res.expect(node.ino, rec._replace(current=manifest.Digest(rec.current.size, rec.current.xxh3)))
+    res.expect([node.ino], [rec._replace(current=manifest.Digest(rec.current.size, rec.current.xxh3))])
     go = threading.Event()
     order = _gate_loads(rig.backend, lambda off: off < 2 * manifest.BLOCK or go.wait(30))
     async with trio.open_nursery() as n:
@@ -777,7 +777,7 @@ async def test_a_record_with_too_few_block_hashes_never_serves_an_unchecked_bloc
     node = rig.store.inode_at("big")
     rig.engine.evict(1 << 40)
     rec = manifest.read(rig.backend, "big")
-    rig.engine.residency.expect(node.ino, rec._replace(current=rec.current._replace(blocks=rec.current.blocks[:1])))
+    rig.engine.residency.expect([node.ino], [rec._replace(current=rec.current._replace(blocks=rec.current.blocks[:1]))])
     with open(tmp_path / "store" / "big", "r+b") as f:  # the last block rots in the store
         f.seek(2 * manifest.BLOCK + 10)
         f.write(bytes([data[2 * manifest.BLOCK + 10] ^ 1]))
