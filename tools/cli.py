@@ -285,11 +285,17 @@ def _start_daemon(mp: Path, store_url: str, log_file: str, follow: bool, serve_h
     interpreter: the daemon starts with this command's imports and
     arguments (a restart over 100,000 files spent 0.2-0.3 s of its time
     starting a second interpreter and importing again)."""
+    for fd in (0, 1, 2):  # one closed (`ckptfs mount ... >&-`): the pipe or the log must not take its number, the daemon's own
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR)  # takes the lowest number free: that one
     r, w = os.pipe()
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
     err = os.open(log_file, flags, 0o600)
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):  # None where it was closed at the start
+        if stream is not None:
+            stream.flush()
     pid = os.fork()
     if pid == 0:  # the daemon: its own session, no terminal, its log as stderr
         code = 1
@@ -302,15 +308,24 @@ def _start_daemon(mp: Path, store_url: str, log_file: str, follow: bool, serve_h
             os.dup2(err, 2)
             os.close(devnull)
             os.close(err)
+            # Closed when this command started (`2>&-`): the daemon's are
+            # there now, as a fresh interpreter's would be (faulthandler,
+            # tracebacks and click write to sys.stderr).
+            if sys.stdout is None:
+                sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 - for the process's life
+            if sys.stderr is None:
+                sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
             _close_inherited()
             serve_here(w)
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
         except BaseException:
             traceback.print_exc()
-        finally:
+        finally:  # no unwinding into this command's frames: what an interpreter's exit would do, then out
             with contextlib.suppress(Exception):
-                sys.stderr.flush()
+                logging.shutdown()
+                if sys.stderr is not None:
+                    sys.stderr.flush()
             os._exit(code)
     os.close(err)
     os.close(w)

@@ -306,6 +306,21 @@ def test_the_daemon_keeps_none_of_the_descriptors_its_caller_passed(dirs):
             os.close(w)
 
 
+@pytest.mark.parametrize("closed", [">&-", "<&- >&- 2>&-"], ids=["stdout", "all three"])
+def test_a_mount_command_started_with_its_standard_descriptors_closed_mounts(dirs, closed):
+    """A command started by a supervisor or a script with stdout closed
+    (`>&-`): the daemon it forks must still report ready on its own pipe
+    and log to its own file (a pipe taking fd 1 would be lost to them)."""
+    mp, store = dirs
+    r = subprocess.run(["bash", "-c", f'exec "$0" -m ckptfs.tools.cli mount "$1" --store "$2" {closed}', sys.executable, str(mp), str(store)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert is_mounted(mp)
+    (mp / "f").write_bytes(b"x")
+    assert run_cli("umount", str(mp)).returncode == 0
+    assert (store / "f").read_bytes() == b"x"
+
+
 def test_mounts_of_one_mount_point_at_once_make_one_mount(dirs):
     """A launch script run by every rank of a node mounts the same path at
     once: each `ckptfs mount` passed the checks before any had mounted, so
