@@ -297,36 +297,8 @@ def _start_daemon(mp: Path, store_url: str, log_file: str, follow: bool, serve_h
         if stream is not None:
             stream.flush()
     pid = os.fork()
-    if pid == 0:  # the daemon: its own session, no terminal, its log as stderr
-        code = 1
-        try:
-            os.close(r)
-            os.setsid()
-            devnull = os.open(os.devnull, os.O_RDWR)
-            for fd in (0, 1):
-                os.dup2(devnull, fd)
-            os.dup2(err, 2)
-            os.close(devnull)
-            os.close(err)
-            # Closed when this command started (`2>&-`): the daemon's are
-            # there now, as a fresh interpreter's would be (faulthandler,
-            # tracebacks and click write to sys.stderr).
-            if sys.stdout is None:
-                sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 - for the process's life
-            if sys.stderr is None:
-                sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
-            _close_inherited()
-            serve_here(w)
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
-        except BaseException:
-            traceback.print_exc()
-        finally:  # no unwinding into this command's frames: what an interpreter's exit would do, then out
-            with contextlib.suppress(Exception):
-                logging.shutdown()
-                if sys.stderr is not None:
-                    sys.stderr.flush()
-            os._exit(code)
+    if pid == 0:
+        _be_the_daemon(r, w, err, serve_here)
     os.close(err)
     os.close(w)
     said = wait_ready(pid, r, MOUNT_TIMEOUT_S)
@@ -345,6 +317,40 @@ def _start_daemon(mp: Path, store_url: str, log_file: str, follow: bool, serve_h
         click.echo(f"ckptfs: error: {why.strip()}", err=True)
         sys.exit(int(code))
     _fail(f"the daemon could not mount {mp}: {_last_error(log_file).removeprefix(f'cannot mount {mp}: ')}")
+
+
+def _be_the_daemon(r: int, w: int, err: int, serve_here: Callable[[int], NoReturn]) -> NoReturn:
+    """The forked daemon: its own session, no terminal, `err` (its log) as
+    stderr; `serve_here` says on `w` when the mount is live, or why not."""
+    code = 1
+    try:
+        os.close(r)
+        os.setsid()
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1):
+            os.dup2(devnull, fd)
+        os.dup2(err, 2)
+        os.close(devnull)
+        os.close(err)
+        # Closed when the command started (`2>&-`): the daemon's are there
+        # now, as a fresh interpreter's would be (faulthandler, tracebacks
+        # and click write to sys.stderr).
+        if sys.stdout is None:
+            sys.stdout = open(1, "w", closefd=False)
+        if sys.stderr is None:
+            sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)
+        _close_inherited()
+        serve_here(w)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:  # no unwinding into the command's frames: what an interpreter's exit would do, then out
+        with contextlib.suppress(Exception):
+            logging.shutdown()
+            if sys.stderr is not None:
+                sys.stderr.flush()
+        os._exit(code)
 
 
 def _close_inherited() -> None:

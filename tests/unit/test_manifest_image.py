@@ -380,7 +380,7 @@ def test_digests_are_equal_by_size_and_hash_whatever_blocks_they_name():
     same file's as one that names them (as equal, and as a set member)."""
     with_blocks = manifest.Digest(5, "ab" * 16, ("cd" * 16, "ef" * 16))
     without = manifest.Digest(5, "ab" * 16)
-    assert with_blocks == without and not with_blocks != without and hash(with_blocks) == hash(without)
+    assert with_blocks == without and (with_blocks != without) is False and hash(with_blocks) == hash(without)
     assert {with_blocks} == {without}
     assert with_blocks != manifest.Digest(6, "ab" * 16) and with_blocks != manifest.Digest(5, "00" * 16)
     assert with_blocks != (5, "ab" * 16, ("cd" * 16, "ef" * 16))  # a digest, not any tuple
