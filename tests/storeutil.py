@@ -109,7 +109,8 @@ class StoreWatcher:
 
     def _watch(self) -> None:
         backend = None
-        while not self._stop.is_set():
+        while True:
+            last = self._stop.is_set()  # one more poll once stopped: the store as the test left it is seen too
             if backend is None and (self.store / ".ckptfs").exists():
                 backend = open_store(str(self.store))
             snap = store_files(self.store)  # not kept: a long test would fill RAM
@@ -120,6 +121,8 @@ class StoreWatcher:
                         self.violations.append(f"{path}: {len(data)} bytes match no manifest record")
             if self.check is not None:
                 self.violations += self.check(snap)
+            if last:
+                return
             time.sleep(0.005)
 
     def _whole(self, backend, path: str, data: bytes) -> bool:
