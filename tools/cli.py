@@ -228,6 +228,7 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, reuse_ram: str, fo
         serve_here(None)
     mp = preflight(daemon=False)
     follow = log_file is not None  # a log file the user named may be a symlink; the default one never is
+    # The daemon (`serve_here`, forked below) checks and logs to this very file: the closures read it from here.
     log_file = os.path.abspath(log_file if log_file is not None else runtime.private_dir(mp) / "daemon.log")
     _start_daemon(mp, store_url, log_file, follow, serve_here)
 
