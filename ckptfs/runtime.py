@@ -199,13 +199,24 @@ def raise_open_files_limit() -> None:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie, exited but not yet reaped, does not)."""
+    """Whether the process `pid` runs: any of its threads (a zombie, exited
+    but not yet reaped, does not). Not its main thread alone: that one is a
+    zombie as soon as it has exited, while the others may still be exiting,
+    with the process's descriptors (a daemon's lock on its mount point)
+    and its memory (gigabytes take a while to give back)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
         return False
-    return state not in ("Z", "X")
+    for tid in threads:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state not in ("Z", "X"):
+            return True
+    return False
 
 
 def control_socket(mountpoint: str | os.PathLike[str]) -> Path:
