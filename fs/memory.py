@@ -19,12 +19,16 @@ import errno
 import logging
 import mmap
 import os
+import time
 from collections.abc import Callable, Iterator
 
 from ckptfs.holes import ZEROS, is_hole, read_sparse, zeros
 
 log = logging.getLogger(__name__)
 
+HELD_BLOCKS = 3  # a file read in place holds at most this many verified blocks in RAM, for its reader (`Borrowing`)
+HELD_IDLE_S = 0.2  # a held block that no read came for this long is let go
+HELD_MAX_S = 1.0  # a load waits for its reader this long at most per block (a slower reader's blocks go through the page cache)
 CHUNK = 4 << 20  # big enough to keep mmap counts low (vm.max_map_count)
 SMALL_MAX = 256 << 10  # below this a chunk is a bytearray sized to its content
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
@@ -70,15 +74,22 @@ class MemoryPool:
         self.used -= nbytes
 
     def take_chunk(self) -> mmap.mmap:
-        if self._free:
-            return self._free.pop()
-        return mmap.mmap(-1, CHUNK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
+        return self.take_kept() or new_chunk()
+
+    def take_kept(self) -> mmap.mmap | None:
+        """A chunk kept for reuse, if any (already faulted in)."""
+        return self._free.pop() if self._free else None
 
     def give_chunk(self, chunk: mmap.mmap) -> None:
         if self.kept + CHUNK <= self.reuse and self.used + self.kept + CHUNK <= self.limit:
             self._free.append(chunk)
         else:
             _unmap(chunk)
+
+
+def new_chunk() -> mmap.mmap:
+    """A chunk of fresh memory, faulted in (any thread: no accounting)."""
+    return mmap.mmap(-1, CHUNK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
 
 
 def _unmap(chunk: mmap.mmap) -> None:
@@ -646,13 +657,24 @@ class Borrowing:
     the old one), through a descriptor of that very file (the name may move
     on, the bytes stay).
 
-    A load verifies it block by block (reading through one scratch chunk,
-    `view`), as it would into RAM, and `show` serves each verified range:
-    reads then come straight from the store file's page cache. Nothing of the
-    file goes into RAM, and a file larger than the RAM budget needs no spill
-    file. If the store file's size or mtime change (someone wrote it in
-    place), the borrow ends (`covers` says no): the next read loads and
-    verifies it again.
+    A load verifies it block by block, as it would into RAM, and `show`
+    serves each verified range. Nothing of the file goes into RAM for good,
+    and a file larger than the RAM budget needs no spill file. If the store
+    file's size or mtime change (someone wrote it in place), the borrow ends
+    (`covers` says no): the next read loads and verifies it again.
+
+    Where a block is verified, reads of it are served: the last few blocks
+    verified are *held* (`hold`: read into chunks of the RAM budget, up to
+    HELD_BLOCKS at a time) and reads of a held block are answered from those
+    chunks without a copy; other blocks go through one scratch chunk (`view`)
+    and their reads come from the store file's page cache. A held block is
+    let go once reads went past it (its pages in the store file's page cache
+    go too: what the mount serves is in the mount's own page cache by then),
+    or once no read came for HELD_IDLE_S; a load that would hold one more
+    block waits for that (`hold` says None), so it keeps pace with its
+    reader instead of running ahead of it through the page cache. It waits
+    HELD_MAX_S at most per block: a load's deadline allows for a store's
+    slowest rate, and waiting on a slow reader must not use that up.
     """
 
     spilled = False
@@ -663,12 +685,17 @@ class Borrowing:
         self.size = data.size
         self.cancelled = False  # the worker thread stops at its next piece
         self._data = data
+        self._pool = data._pool
         self._fd = -1  # the store file, once the load opened it (`adopt`)
         self._stamp: tuple[int, int] | None = None
         self._nowait = True  # reads try the page cache alone first (RWF_NOWAIT)
         self._scratch: bytearray | None = None  # the worker's: what it verifies goes through here
         self._shown = bytearray(-(-self.size // CHUNK))  # per chunk: 1 once served
         self._unshown = len(self._shown)
+        self._filling: _Held | None = None  # the block the worker reads into chunks now
+        self._held: list[_Held] = []  # verified blocks whose reads are answered from their chunks, oldest first
+        self._read_at = time.monotonic()  # when the file was last read (or the borrow began)
+        self.dropped: list[tuple[int, int]] = []  # ranges of the store file read past: the worker lets their pages go
         data.borrowed = self
 
     def adopt(self, fd: int) -> None:
@@ -684,11 +711,44 @@ class Borrowing:
         """The worker is done with the file (worker thread)."""
         self._scratch = None
 
+    def hold(self, off: int, n: int, pressed: bool) -> bool | None:
+        """Owning thread, before the worker reads the block `off`..`off + n`:
+        True if it goes into chunks of its own (then held once shown); False
+        if through the scratch chunk (RAM is short, or the borrow ended);
+        None: wait a moment and ask again (HELD_BLOCKS are held, and their
+        reader is still at them). `pressed`: a reader waits for a block not
+        held yet, and the oldest held block goes now."""
+        self._put_back(self._filling)  # a block that failed its check is never shown
+        self._filling = None
+        if self.cancelled or self._unshown == len(self._shown):
+            # The first block a reader waits for goes through the scratch chunk: 4 MiB
+            # of fresh memory before its first byte is served, not a block's 64 MiB.
+            return False
+        if len(self._held) >= HELD_BLOCKS:
+            oldest, now = self._held[0], time.monotonic()
+            if not (pressed or now - self._read_at > HELD_IDLE_S or now - oldest.since > HELD_MAX_S):
+                return None
+            self._let_go(oldest)
+        need = -(-n // CHUNK)
+        try:
+            self._pool.reserve(need * CHUNK)
+        except OSError:  # the budget is the files': this block goes through the page cache
+            return False
+        self._filling = _Held(off, off + n, [self._pool.take_kept() for _ in range(need)])  # the rest: fresh, made by the worker
+        return True
+
     def view(self, off: int, n: int) -> memoryview | None:
         """Where the worker reads the next piece to verify (worker thread):
-        the same scratch chunk every time; `place` keeps nothing."""
+        the block's own chunks if it is held, else the same scratch chunk
+        every time; `place` keeps nothing."""
         if self.cancelled:
             return None
+        filling = self._filling
+        if filling is not None and filling.start <= off < filling.end:
+            idx, lo = divmod(off - filling.start, CHUNK)
+            if filling.chunks[idx] is None:  # faulted in here, off the event loop
+                filling.chunks[idx] = new_chunk()
+            return memoryview(filling.chunks[idx])[lo : lo + min(n, CHUNK - lo, filling.end - off)]
         if self._scratch is None:
             self._scratch = bytearray(CHUNK)
         return memoryview(self._scratch)[: min(n, CHUNK)]
@@ -696,6 +756,9 @@ class Borrowing:
     def place(self, off: int, piece: memoryview | bytes) -> None:
         if off + len(piece) > self.size:
             raise OSError(errno.EIO, f"the store holds more than the file's {self.size} bytes")
+        filling = self._filling
+        if filling is not None and filling.start <= off < filling.end and is_hole(piece):
+            filling.whole = False  # a hole was not read into the chunks: its reads go to the store file
 
     def covers(self, off: int, end: int | None) -> bool:
         """Whether the bytes `off`..`end` (None: all) are served, from a store
@@ -718,17 +781,41 @@ class Borrowing:
         if self.cancelled or self._data.borrowed is not self or self._fd < 0:
             return False
         end = min(end, self.size)
+        filling, self._filling = self._filling, None
+        if filling is not None and filling.start == off and filling.end == end and filling.whole:
+            filling.since = time.monotonic()
+            self._held.append(filling)
+        else:
+            self._put_back(filling)
         for idx in range(off // CHUNK, -(-end // CHUNK)):
             if not self._shown[idx]:
                 self._shown[idx] = 1
                 self._unshown -= 1
         return True
 
-    def read(self, off: int, end: int) -> bytes | bytearray:
-        """The bytes `off`..`end` if the store file's page cache has them
-        all (just verified, they mostly are); else `WouldBlock`: the caller
-        reads them off its thread (a store on a network file system could
-        hold the event loop, and every other request, for as long)."""
+    def let_go_idle(self) -> float | None:
+        """Let go of the held blocks if no read came for them lately
+        (owning thread); None if none is held now, else when to look again
+        (seconds)."""
+        idle = time.monotonic() - self._read_at
+        if idle >= HELD_IDLE_S:
+            for held in list(self._held):
+                self._let_go(held)
+        return HELD_IDLE_S - idle if self._held else None
+
+    def read(self, off: int, end: int) -> bytes | bytearray | memoryview:
+        """The bytes `off`..`end`: a view of a held block's chunks (valid
+        until the owning thread's next step), or from the store file if
+        its page cache has them all (just verified, they mostly are); else
+        `WouldBlock`: the caller reads them off its thread (a store on a
+        network file system could hold the event loop, and every other
+        request, for as long)."""
+        self._read_at = time.monotonic()
+        for held in [h for h in self._held if h.end <= off]:  # read past: not read again (the mount's page cache has it)
+            self._let_go(held, True)
+        for held in self._held:
+            if held.start <= off and end <= held.end:
+                return held.read(off, end)
         if self._nowait:
             buf = bytearray(end - off)
             try:
@@ -749,11 +836,58 @@ class Borrowing:
     def release(self) -> None:
         """End the borrow (owning thread; idempotent)."""
         self.cancelled = True
+        for held in list(self._held):
+            self._let_go(held)
+        self._put_back(self._filling, reuse=False)  # the worker may be reading into it still
+        self._filling = None
         if self._data.borrowed is self:
             self._data.borrowed = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+    def _let_go(self, held: _Held, read_past: bool = False) -> None:
+        self._held.remove(held)
+        self._put_back(held)
+        if read_past:
+            self.dropped.append((held.start, held.end - held.start))
+
+    def _put_back(self, held: _Held | None, reuse: bool = True) -> None:
+        """A block's chunks go back to the budget, and to its stock of chunks
+        to reuse. A view of them handed to a FUSE reply is gone by then: the
+        reply is sent in the same step of the owning thread as the read that
+        made it. `reuse` False: the worker may still be writing into them;
+        each is unmapped once nothing refers to it any more."""
+        if held is None:
+            return
+        self._pool.unreserve(len(held.chunks) * CHUNK)
+        if reuse:
+            for chunk in held.chunks:
+                if chunk is not None:
+                    self._pool.give_chunk(chunk)
+
+
+class _Held:
+    """A block of a borrowed file read into chunks: the bytes `start`..`end`."""
+
+    __slots__ = ("chunks", "end", "since", "start", "whole")
+
+    def __init__(self, start: int, end: int, chunks: list[mmap.mmap | None]) -> None:
+        self.start, self.end, self.chunks = start, end, chunks
+        self.whole = True  # every byte was read into the chunks (no hole left out)
+        self.since = 0.0  # when it was shown
+
+    def read(self, off: int, end: int) -> memoryview | bytes:
+        idx, lo = divmod(off - self.start, CHUNK)
+        if lo + end - off <= CHUNK:  # within one chunk: a view, no copy
+            return memoryview(self.chunks[idx])[lo : lo + end - off]
+        parts, pos = [], off
+        while pos < end:
+            idx, lo = divmod(pos - self.start, CHUNK)
+            hi = min(CHUNK, lo + end - pos)
+            parts.append(memoryview(self.chunks[idx])[lo:hi])
+            pos += hi - lo
+        return b"".join(parts)
 
 
 class WouldBlock(Exception):

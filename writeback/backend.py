@@ -198,6 +198,10 @@ class Source:
         """The bytes `off`..`off + n` are likely read next: a local store
         starts reading them from its disk meanwhile."""
 
+    def forget(self, off: int, n: int) -> None:
+        """The bytes `off`..`off + n` are not read again: a local store lets
+        their pages go from its page cache."""
+
     def close(self) -> None:
         pass
 
@@ -220,6 +224,9 @@ class _FileSource(Source):
     def ahead(self, off: int, n: int) -> None:
         if off < self.size:
             os.posix_fadvise(self.fd, off, min(n, self.size - off), os.POSIX_FADV_WILLNEED)
+
+    def forget(self, off: int, n: int) -> None:
+        os.posix_fadvise(self.fd, off, n, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
         if self.fd >= 0:

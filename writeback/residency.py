@@ -7,9 +7,10 @@ the file's record, size and xxh3-128 together (C6); a mismatch, a missing
 object or an unreadable record is EIO, logged, never silent.
 
 A reader of a large file in a local store is served in place: its blocks are
-verified as a load would, and reads come straight from the store file (no
-RAM, no spill file: `fs.memory.Borrowing`). A writer, or a prefetch, loads
-the file into RAM as before.
+verified as a load would, and reads are answered from the few blocks just
+verified, held for the reader, or from the store file (no spill file, and
+nothing of the file in RAM once read: `fs.memory.Borrowing`). A writer, or a
+prefetch, loads the file into RAM as before.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .manifest import BLOCK, Digest, Record, hasher
 from .state import State
 
 if TYPE_CHECKING:
+    from .backend import Source
     from .engine import Engine
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,7 @@ LOAD_SPILL_PATIENCE_S = 60.0  # how long a load waits for room in a full spill d
 SPILL_FULL_SAY_S = 30.0  # while writes wait for room in the spill directory, it is logged this often
 ROOM_PATIENCE_S = 2.0  # how long a load waits for write-back to free RAM before it loads into the spill directory
 IN_PLACE_FROM = 8 << 20  # a reader of a file this large in a local store is served from the store's file (smaller ones load into RAM)
+HOLD_WAIT_S = 0.005  # a load served in place that keeps pace with its reader looks again this often
 IN_PLACE_MAX = 128  # files served in place at once (each holds a descriptor); past that, the least recently read one ends
 
 
@@ -55,7 +58,10 @@ class LoadTarget(Protocol):
     in_place: bool
     cancelled: bool
 
-    def adopt(self, fd: int) -> None: ...  # in-place targets only: called when `in_place`
+    def adopt(self, fd: int) -> None: ...  # in-place targets only (`in_place`), as are these three:
+    def hold(self, off: int, n: int, pressed: bool) -> bool | None: ...
+    def let_go_idle(self) -> float | None: ...
+    dropped: list[tuple[int, int]]
 
     def view(self, off: int, n: int) -> memoryview | None: ...
     def place(self, off: int, piece: memoryview | bytes) -> None: ...
@@ -87,10 +93,16 @@ class _Load:
         self._taken = bytearray(max(1, -(-target.size // BLOCK)))  # per block: 1 once handed to the worker
         self._asked: collections.deque[int] = collections.deque()  # blocks readers wait for, first asked first
         self._next = 0  # where reading on goes
+        self.waiting = 0  # callers waiting for it now
 
     def wake(self) -> None:
         self.changed.set()
         self.changed = trio.Event()
+
+    @property
+    def pressed(self) -> bool:
+        """A reader waits for bytes not served yet."""
+        return self.waiting > 0
 
     def ask(self, off: int, end: int | None) -> None:
         """A reader waits for the bytes `off`..`end` (None: all)."""
@@ -293,8 +305,12 @@ class Residency:
                 continue
             load.ask(off, end)
             # a caller of the whole file (a writer, prefetch) also waits for the load to be over
-            while load.error is None and not load.again and not (load.target.covers(off, end) and (end is not None or load.finished)):
-                await load.changed.wait()
+            load.waiting += 1
+            try:
+                while load.error is None and not load.again and not (load.target.covers(off, end) and (end is not None or load.finished)):
+                    await load.changed.wait()
+            finally:
+                load.waiting -= 1
             if load.again:
                 continue
             # Not when a truncate meanwhile dropped the load: the file is in RAM, as it is now.
@@ -428,7 +444,10 @@ class Residency:
             if not isinstance(exc, Exception):
                 raise
         else:
-            if not load.target.in_place:
+            if load.target.in_place:
+                if self.e._nursery is not None:
+                    self.e._nursery.start_soon(self._let_go, load.target)
+            else:
                 self.lru[load.ino] = None
             self.counters.loads += 1
             self.counters.loaded_bytes += load.target.size
@@ -441,6 +460,13 @@ class Residency:
             del self._loads[load.ino]
             load.finished = True
             load.wake()
+
+    @staticmethod
+    async def _let_go(target: LoadTarget) -> None:
+        """After a load served in place: its held blocks go once no read
+        comes for them."""
+        while (again := target.let_go_idle()) is not None:
+            await trio.sleep(again)
 
     def _stream(self, load: _Load) -> None:
         """Worker thread: read the file from the store block by block, in the
@@ -467,6 +493,8 @@ class Residency:
                 while i is not None:
                     pos = lo = i * BLOCK
                     block = hasher()
+                    if target.in_place and load.ranged:  # (a block that cannot be checked alone is served at the end)
+                        self._hold(load, source, lo, min(BLOCK, size - lo))
                     for piece in source.read(lo, min(BLOCK, size - lo), target.view):
                         if target.cancelled:
                             raise storeio.Cancelled()
@@ -487,6 +515,17 @@ class Residency:
         if whole is not None and wanted and not any(d.xxh3 == whole.hexdigest() for d in wanted):
             raise storeio.IntegrityError(f"checksum mismatch: the store has {size} bytes with xxh3 {whole.hexdigest()}, "
                                          f"the manifest says {' or '.join(str(d) for d in load.wanted)}")
+
+    def _hold(self, load: _Load, source: Source, lo: int, n: int) -> None:
+        """Worker thread, before a block of a file read in place: have the
+        block held for its reader if it can be (waiting, while the reader is
+        still at the blocks held before it), and let the store file's pages
+        the reader went past go."""
+        target = load.target
+        while trio.from_thread.run_sync(lambda: target.hold(lo, n, load.pressed)) is None:  # `pressed` read on the owning thread
+            time.sleep(HOLD_WAIT_S)
+        while target.dropped:
+            source.forget(*target.dropped.pop())
 
     def disturb(self, paths: tuple[str, ...]) -> None:
         """The publisher is about to change these store paths: a load

@@ -12,6 +12,7 @@ import time
 import pytest
 import trio
 import trio.lowlevel
+from ckptfs.fs import memory
 from ckptfs.fs.memory import MemoryPool
 from ckptfs.fs.tree import ROOT, InodeTree
 from ckptfs.writeback import manifest
@@ -843,9 +844,10 @@ async def _loads_over(rig: Rig) -> None:
 
 async def test_a_reader_of_a_large_file_in_a_local_store_is_served_in_place(tmp_path):
     """Reads of an evicted file in a local store come from the store's file,
-    verified block by block: nothing of it goes into RAM (a cold torch.load
-    after a restart paid for 2 GiB of fresh memory and a copy). A writer
-    loads it into RAM, and then the store file is let go."""
+    verified block by block: nothing of it stays in RAM (a cold torch.load
+    after a restart paid for 2 GiB of fresh memory and a copy; the blocks
+    held for the reader go once no read comes). A writer loads it into
+    RAM, and then the store file is let go."""
     rig, data, node = await _published_and_evicted(tmp_path, 2 * manifest.BLOCK + 1000)
     async with trio.open_nursery() as n:
         await n.start(rig.engine.run)
@@ -855,13 +857,83 @@ async def test_a_reader_of_a_large_file_in_a_local_store_is_served_in_place(tmp_
             await rig.engine.load(node.ino, 0, len(data))
         await _loads_over(rig)
         assert b"".join(node.data.read(off, 1 << 20) for off in range(0, len(data), 1 << 20)) == data
-        assert not node.data.resident and rig.store.pool.used == 0
+        with trio.fail_after(20):
+            while rig.store.pool.used:
+                await trio.sleep(0.05)
+        assert not node.data.resident
         assert rig.engine.counters.loads == 1 and _store_fds(tmp_path / "store" / "big") == 1
         with trio.fail_after(20):
             await rig.engine.load(node.ino)  # a writer's
         assert node.data.resident and rig.store.pool.used == node.data.allocated > 0
         assert node.data.read(0, len(data)) == data and node.data.borrowed is None
         assert _store_fds(tmp_path / "store" / "big") == 0
+        n.cancel_scope.cancel()
+
+
+async def test_a_reader_in_place_is_answered_from_the_blocks_just_verified(tmp_path, monkeypatch):
+    """Reads of a file served in place come from the blocks its load just
+    verified, held in RAM for the reader (views, not copies out of the store
+    file's page cache); the load keeps pace with its reader, so every read
+    past the first block finds its block held, and never more than
+    HELD_BLOCKS are."""
+    import mmap
+
+    monkeypatch.setattr(memory, "HELD_IDLE_S", 3600.0)  # a slow machine's pause between two reads lets no block go
+    monkeypatch.setattr(memory, "HELD_MAX_S", 3600.0)
+    rig, data, node = await _published_and_evicted(tmp_path, 5 * manifest.BLOCK + 1000)
+    most = 0
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        for off in range(0, len(data), 1 << 20):
+            with trio.fail_after(20):
+                await rig.engine.load(node.ino, off, off + (1 << 20))
+            piece = node.data.read(off, 1 << 20)
+            if off >= manifest.BLOCK:  # the first block a load verifies is not held (no fresh RAM before it is served)
+                assert isinstance(piece, memoryview) and isinstance(piece.obj, mmap.mmap), off
+            assert piece == data[off : off + (1 << 20)]
+            del piece
+            most = max(most, rig.store.pool.used)
+        await _loads_over(rig)
+        assert 0 < most <= memory.HELD_BLOCKS * manifest.BLOCK
+        assert rig.store.pool.used == memory.CHUNK  # the last block alone: the reads went past the others
+        n.cancel_scope.cancel()
+
+
+async def test_a_load_in_place_keeping_pace_goes_on_at_once_for_a_reader_that_waits(tmp_path, monkeypatch):
+    """A load waits while its reader is still at the blocks held for it, but
+    not when a reader waits for bytes not served yet (the end of the file,
+    say): then the oldest held block goes."""
+    monkeypatch.setattr(memory, "HELD_IDLE_S", 3600.0)  # nothing goes for lack of reads, or for time
+    monkeypatch.setattr(memory, "HELD_MAX_S", 3600.0)
+    rig, data, node = await _published_and_evicted(tmp_path, 5 * manifest.BLOCK + 1000)
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        with trio.fail_after(20):
+            await rig.engine.load(node.ino, manifest.BLOCK, manifest.BLOCK + 4096)
+            while rig.store.pool.used < memory.HELD_BLOCKS * manifest.BLOCK:  # blocks 2-4 held (1, the first verified, is not)
+                await trio.sleep(0.01)
+            await rig.engine.load(node.ino, len(data) - 100, len(data))
+        assert bytes(node.data.read(len(data) - 100, 100)) == data[-100:]
+        assert node.data.read(manifest.BLOCK, 10) == data[manifest.BLOCK : manifest.BLOCK + 10]
+        n.cancel_scope.cancel()
+
+
+async def test_a_load_in_place_whose_reader_stopped_goes_on_and_lets_its_ram_go(tmp_path):
+    """A load waits for its reader only while the reader reads: one that
+    stopped after the first bytes does not stall it, and what it held goes
+    once no read comes."""
+    rig, data, node = await _published_and_evicted(tmp_path, 5 * manifest.BLOCK + 1000)
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        with trio.fail_after(20):
+            await rig.engine.load(node.ino, 0, 4096)
+        assert node.data.read(0, 4096) == data[:4096]
+        await _loads_over(rig)
+        assert node.data.borrowed.covers(0, None) and rig.engine.counters.loads == 1
+        with trio.fail_after(20):
+            while rig.store.pool.used:
+                await trio.sleep(0.05)
+        assert bytes(node.data.read(3 * manifest.BLOCK, 100)) == data[3 * manifest.BLOCK : 3 * manifest.BLOCK + 100]
         n.cancel_scope.cancel()
 
 
@@ -899,6 +971,9 @@ async def test_a_read_in_place_that_would_wait_for_the_disk_is_handed_off_the_ev
     async with trio.open_nursery() as n:
         await n.start(rig.engine.run)
         await _read_all(rig, node, len(data))
+        with trio.fail_after(20):  # the blocks held for the reader go once no read comes
+            while rig.store.pool.used:
+                await trio.sleep(0.05)
         assert node.data.read(5, 10) == data[5:15]  # just verified: in the page cache
         fd = os.open(tmp_path / "store" / "big", os.O_RDONLY)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the kernel lets the store file's pages go
@@ -936,6 +1011,7 @@ async def test_files_served_in_place_at_once_are_bounded(tmp_path, monkeypatch):
                 assert len(open_now) <= 2, (round_, open_now)
                 assert sum(_store_fds(tmp_path / "store" / m) for m in files) <= 2
         await _loads_over(rig)
+        await trio.sleep(3 * memory.HELD_IDLE_S)  # the blocks held for the last readers go once no read comes
         assert rig.engine.counters.loads == 8 and rig.store.pool.used == 0
         n.cancel_scope.cancel()
 

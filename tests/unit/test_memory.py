@@ -1,16 +1,19 @@
 """FileData and MemoryPool: sparse chunked contents and exact accounting."""
 
 import errno
+import mmap
 import os
 import resource
 import signal
+import time
 
 import pytest
-from ckptfs.fs.memory import CHUNK, FileData, Loading, MemoryPool, total_ram
+from ckptfs.fs import memory
+from ckptfs.fs.memory import CHUNK, Borrowing, FileData, Loading, MemoryPool, total_ram
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptfs.holes import zeros
+from ckptfs.holes import read_sparse, zeros
 
 
 def test_write_read_across_chunks():
@@ -219,6 +222,121 @@ def test_a_load_places_and_shows_in_any_order_and_reads_land_in_place():
     assert f.read(3 * CHUNK - 3, 10) == b"ccc" and not f.resident
     load.place(0, b"a" * (2 * CHUNK))
     assert load.show(0, 2 * CHUNK) and f.resident and f.read(0, 3 * CHUNK) == b"a" * (2 * CHUNK) + b"c" * CHUNK
+
+
+def _borrowed(tmp_path, content: bytes, pool: MemoryPool | None = None) -> tuple[MemoryPool, FileData, Borrowing]:
+    """A file evicted with `content`, borrowed from a store file holding it
+    (zeros as holes where a whole chunk is zero)."""
+    pool = pool or MemoryPool(1 << 30)
+    f = FileData(pool)
+    f.truncate(len(content))
+    f.evict()
+    path = tmp_path / "store-file"
+    with open(path, "wb") as out:
+        for off in range(0, len(content), CHUNK):
+            piece = content[off : off + CHUNK]
+            if piece.count(0) != len(piece):
+                out.seek(off)
+                out.write(piece)
+        out.truncate(len(content))
+    borrowing = Borrowing(f)
+    borrowing.adopt(os.open(path, os.O_RDONLY))
+    return pool, f, borrowing
+
+
+def test_reads_of_a_block_held_for_its_reader_are_views_of_ram(tmp_path, monkeypatch):
+    """A block verified for reads in place is held in chunks of the RAM
+    budget: reads of it are answered from them without a copy, at most
+    HELD_BLOCKS are held, and one goes once reads went past it (its store
+    pages with it) or when a reader waits for another block; till then the
+    load waits (`hold` says None) instead of running ahead of its reader.
+    The first block a load verifies is not held (its reader waits for it:
+    no fresh RAM to fault in first)."""
+    monkeypatch.setattr(memory, "HELD_IDLE_S", 3600.0)  # no block goes for lack of reads here
+    monkeypatch.setattr(memory, "HELD_MAX_S", 3600.0)  # nor for a slow machine's sake
+    content = os.urandom(6 * CHUNK)
+    pool, f, b = _borrowed(tmp_path, content)
+    blocks = [(i * CHUNK, (i + 1) * CHUNK) for i in range(6)]
+    assert b.hold(*_span(blocks[0]), False) is False
+    _load_block(b, *blocks[0])
+    assert pool.used == 0 and isinstance(f.read(5, 10), bytearray)  # from the store file
+    for block in blocks[1:4]:
+        assert b.hold(*_span(block), False) is True
+        _load_block(b, *block)
+    assert pool.used == 3 * CHUNK == memory.HELD_BLOCKS * CHUNK
+    assert b.hold(*_span(blocks[4]), False) is None  # the reader is still at the first block held
+    piece = f.read(2 * CHUNK + 5, 100)
+    assert isinstance(piece, memoryview) and isinstance(piece.obj, mmap.mmap) and piece == content[2 * CHUNK + 5 : 2 * CHUNK + 105]
+    assert b.dropped == [(CHUNK, CHUNK)] and pool.used == 2 * CHUNK  # read past the first held block: let go
+    assert f.read(CHUNK + 10, 20) == content[CHUNK + 10 : CHUNK + 30]  # from the store file now
+    assert b.hold(*_span(blocks[4]), False) is True
+    _load_block(b, *blocks[4])
+    assert b.hold(*_span(blocks[5]), False) is None
+    assert b.hold(*_span(blocks[5]), True) is True  # a reader waits for it: the oldest goes
+    _load_block(b, *blocks[5])
+    assert pool.used == 3 * CHUNK
+    assert f.read(5 * CHUNK - 50, 100) == content[5 * CHUNK - 50 : 5 * CHUNK + 50]  # across two held blocks
+    b.release()
+    assert pool.used == 0
+
+
+def test_a_load_in_place_waits_for_a_slow_reader_a_bounded_time_per_block(tmp_path, monkeypatch):
+    """Waiting for a reader that keeps reading, slowly, must not use up the
+    load's deadline: after HELD_MAX_S a block held that long goes."""
+    monkeypatch.setattr(memory, "HELD_IDLE_S", 3600.0)
+    monkeypatch.setattr(memory, "HELD_MAX_S", 3600.0)
+    pool, f, b = _borrowed(tmp_path, os.urandom(5 * CHUNK))
+    _load_block(b, 0, CHUNK)
+    for lo in range(CHUNK, 4 * CHUNK, CHUNK):
+        assert b.hold(lo, CHUNK, False) is True
+        _load_block(b, lo, lo + CHUNK)
+    assert b.hold(4 * CHUNK, CHUNK, False) is None
+    monkeypatch.setattr(memory, "HELD_MAX_S", 0.2)
+    time.sleep(0.3)
+    f.read(CHUNK, 100)  # the reader is still there
+    assert b.hold(4 * CHUNK, CHUNK, False) is True and pool.used == 3 * CHUNK
+
+
+def test_a_block_with_a_hole_is_never_answered_from_recycled_chunks(tmp_path, monkeypatch):
+    """A hole is not read into a held block's chunks, and recycled chunks
+    hold an earlier file's bytes: such a block is answered from the store
+    file instead."""
+    monkeypatch.setattr(memory, "HELD_IDLE_S", 3600.0)
+    pool = MemoryPool(1 << 30)
+    for _ in range(2):  # chunks an earlier file filled, kept for reuse
+        chunk = pool.take_chunk()
+        chunk[:] = b"j" * CHUNK
+        pool.give_chunk(chunk)
+    content = b"d" * (2 * CHUNK) + bytes(CHUNK)
+    _, f, b = _borrowed(tmp_path, content, pool)
+    assert b.hold(0, CHUNK, False) is False  # the first block
+    _load_block(b, 0, CHUNK)
+    assert b.hold(CHUNK, 2 * CHUNK, False) is True
+    _load_block(b, CHUNK, 3 * CHUNK)
+    assert f.read(2 * CHUNK - 2, 4) == b"dd\0\0" and f.read(2 * CHUNK, CHUNK) == bytes(CHUNK)
+    assert pool.used == 0  # not held
+
+
+def test_a_block_read_in_place_without_room_in_ram_goes_through_the_page_cache(tmp_path):
+    pool, f, b = _borrowed(tmp_path, os.urandom(3 * CHUNK), MemoryPool(CHUNK))
+    content = open(tmp_path / "store-file", "rb").read()
+    _load_block(b, 0, CHUNK)
+    assert b.hold(CHUNK, 2 * CHUNK, False) is False
+    _load_block(b, CHUNK, 3 * CHUNK)
+    assert pool.used == 0 and bytes(f.read(3, 3 * CHUNK)) == content[3:]
+
+
+def _span(block: tuple[int, int]) -> tuple[int, int]:
+    return block[0], block[1] - block[0]
+
+
+def _load_block(b: Borrowing, lo: int, hi: int) -> None:
+    """What a load's worker does with one block, its check passed."""
+    pos = lo
+    for piece in read_sparse(b.fd, hi, start=lo, into=b.view):
+        b.place(pos, piece)
+        pos += len(piece)
+    assert b.show(lo, hi)
 
 
 def test_a_load_into_a_spill_file(tmp_path):
