@@ -295,6 +295,7 @@ def test_a_load_in_place_waits_for_a_slow_reader_a_bounded_time_per_block(tmp_pa
     time.sleep(0.3)
     f.read(CHUNK, 100)  # the reader is still there
     assert b.hold(4 * CHUNK, CHUNK, False) is True and pool.used == 3 * CHUNK
+    b.release()
 
 
 def test_a_block_with_a_hole_is_never_answered_from_recycled_chunks(tmp_path, monkeypatch):
@@ -315,6 +316,7 @@ def test_a_block_with_a_hole_is_never_answered_from_recycled_chunks(tmp_path, mo
     _load_block(b, CHUNK, 3 * CHUNK)
     assert f.read(2 * CHUNK - 2, 4) == b"dd\0\0" and f.read(2 * CHUNK, CHUNK) == bytes(CHUNK)
     assert pool.used == 0  # not held
+    b.release()
 
 
 def test_a_block_read_in_place_without_room_in_ram_goes_through_the_page_cache(tmp_path):
@@ -324,6 +326,7 @@ def test_a_block_read_in_place_without_room_in_ram_goes_through_the_page_cache(t
     assert b.hold(CHUNK, 2 * CHUNK, False) is False
     _load_block(b, CHUNK, 3 * CHUNK)
     assert pool.used == 0 and bytes(f.read(3, 3 * CHUNK)) == content[3:]
+    b.release()
 
 
 def _span(block: tuple[int, int]) -> tuple[int, int]:
