@@ -793,6 +793,14 @@ class Borrowing:
                 self._unshown -= 1
         return True
 
+    def let_go_held(self) -> int:
+        """Let go of every block held (RAM is wanted for files: the reader
+        reads on from the store file); returns the bytes freed."""
+        freed = sum(len(held.chunks) for held in self._held) * CHUNK
+        for held in list(self._held):
+            self._let_go(held)
+        return freed
+
     def let_go_idle(self) -> float | None:
         """Let go of the held blocks if no read came for them lately
         (owning thread); None if none is held now, else when to look again

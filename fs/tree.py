@@ -857,6 +857,14 @@ class InodeTree:
         if inode is not None and inode.data is not None:
             inode.data.unborrow()
 
+    def let_go_held(self, ino: int) -> int:
+        """Let go of the blocks a file read in place holds for its reader;
+        returns the bytes of the budget freed."""
+        inode = self.inodes.get(ino)
+        if inode is None or inode.data is None or inode.data.borrowed is None:
+            return 0
+        return inode.data.borrowed.let_go_held()
+
     def meta_of(self, ino: int) -> tuple[int, int, int, int] | None:
         """(mode, uid, gid, mtime_ns) of an inode, None if it is gone."""
         inode = self.inodes.get(ino)

@@ -202,8 +202,14 @@ class Residency:
     # -- eviction --------------------------------------------------------------
     def evict(self, nbytes: int) -> int:
         """Drop published files from RAM, least recently used first, until
-        `nbytes` are freed; returns what was freed. Unpublished data stays."""
+        `nbytes` are freed; returns what was freed. Unpublished data stays.
+        First go the blocks held for readers of files read in place (their
+        readers read on from the store files)."""
         freed = 0
+        for ino in self.served_in_place:
+            if freed >= nbytes:
+                break
+            freed += self.e.ns.let_go_held(ino)
         for ino in list(self.lru):
             if freed >= nbytes:
                 break

@@ -918,6 +918,25 @@ async def test_a_load_in_place_keeping_pace_goes_on_at_once_for_a_reader_that_wa
         n.cancel_scope.cancel()
 
 
+async def test_eviction_lets_go_of_the_blocks_held_for_readers_first(tmp_path, monkeypatch):
+    """Blocks held for the reader of a file read in place are RAM that
+    files may want: eviction (a writer making room, `ckptfs evict`) lets
+    them go first, and the reader reads on from the store file."""
+    monkeypatch.setattr(memory, "HELD_IDLE_S", 3600.0)  # they would stay held for as long
+    monkeypatch.setattr(memory, "HELD_MAX_S", 3600.0)
+    rig, data, node = await _published_and_evicted(tmp_path, 3 * manifest.BLOCK + 1000)
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        with trio.fail_after(20):
+            await rig.engine.load(node.ino, 0, 4096)
+        await _loads_over(rig)
+        held = rig.store.pool.used
+        assert held > 0
+        assert rig.engine.evict(1) == held and rig.store.pool.used == 0
+        assert bytes(node.data.read(2 * manifest.BLOCK, 100)) == data[2 * manifest.BLOCK : 2 * manifest.BLOCK + 100]
+        n.cancel_scope.cancel()
+
+
 async def test_a_load_in_place_whose_reader_stopped_goes_on_and_lets_its_ram_go(tmp_path):
     """A load waits for its reader only while the reader reads: one that
     stopped after the first bytes does not stall it, and what it held goes
