@@ -86,7 +86,8 @@ def main() -> None:
 @click.option("--memory-limit", default="50%", show_default=True, metavar="SIZE",
               help="RAM budget for file data: 512M, 8G, or a percentage of the memory this machine has (or its cgroup: a container's limit).")
 @click.option("--reuse-ram", default=DEFAULT_REUSE_RAM, show_default=True, metavar="SIZE",
-              help="Freed RAM (deleted, truncated or evicted files, blocks held for a reader of a file read in place) kept for the next save to write into, which is "
+              help="Freed RAM (deleted, truncated or evicted files, blocks held for a reader of a file read in place) "
+                   "kept for the next save to write into, which is "
                    "faster than fresh memory; the rest goes back to the OS at once. A size or a percentage of the budget; 0 keeps none.")
 @click.option("--foreground", "-f", is_flag=True, help="Stay in the foreground (logs go to stderr unless --log-file).")
 @click.option("--log-file", type=click.Path(dir_okay=False), help="Log here (default in background: the mount's runtime directory).")
