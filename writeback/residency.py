@@ -444,6 +444,9 @@ class Residency:
                 log.warning("cannot load %s from the store (try %d): %s; trying again in %.1fs", load.path, tries, exc, delay)
                 await trio.sleep(delay)  # readers keep waiting on this load meanwhile
                 load.again = True
+            elif isinstance(exc, trio.Cancelled):  # the engine's nursery: the daemon stops
+                log.info("stopped loading %s: the daemon is stopping", load.path)
+                load.error = OSError(errno.EIO, "the daemon is stopping")
             else:
                 log.error("cannot load %s from the store: %s", load.path, exc)
                 load.error = exc if isinstance(exc, OSError) and exc.errno else OSError(errno.EIO, f"cannot load {load.path} from the store: {exc}")

@@ -937,6 +937,28 @@ async def test_eviction_lets_go_of_the_blocks_held_for_readers_first(tmp_path, m
         n.cancel_scope.cancel()
 
 
+async def test_a_load_the_daemon_stops_is_not_logged_as_an_error(tmp_path, caplog):
+    """Unmounting while a file loads (its reader read a few bytes of a big
+    file, say) stops the load: said so, not logged as an error loading it."""
+    import logging
+    import threading
+
+    rig, data, node = await _published_and_evicted(tmp_path, 2 * manifest.BLOCK + 1000)
+    go = threading.Event()
+    _gate_loads(rig.backend, lambda off: off == 0 or go.wait(30))  # the store stalls after the first block
+    try:
+        with caplog.at_level(logging.INFO, logger="ckptfs.writeback.residency"):
+            async with trio.open_nursery() as n:
+                await n.start(rig.engine.run)
+                with trio.fail_after(20):
+                    await rig.engine.load(node.ino, 0, 4096)
+                n.cancel_scope.cancel()  # the daemon stops with the load under way
+    finally:
+        go.set()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert "stopped loading big: the daemon is stopping" in caplog.text
+
+
 async def test_a_load_in_place_whose_reader_stopped_goes_on_and_lets_its_ram_go(tmp_path):
     """A load waits for its reader only while the reader reads: one that
     stopped after the first bytes does not stall it, and what it held goes
