@@ -943,7 +943,7 @@ async def test_a_load_the_daemon_stops_is_not_logged_as_an_error(tmp_path, caplo
     import logging
     import threading
 
-    rig, data, node = await _published_and_evicted(tmp_path, 2 * manifest.BLOCK + 1000)
+    rig, _, node = await _published_and_evicted(tmp_path, 2 * manifest.BLOCK + 1000)
     go = threading.Event()
     _gate_loads(rig.backend, lambda off: off == 0 or go.wait(30))  # the store stalls after the first block
     try:
