@@ -192,6 +192,7 @@ class Engine:
         self._image_records = 0
         self._image_since: float | None = None
         self._taking = trio.Lock()
+        self._leaving = False  # at the exit (`leave_index`): `_keep_image` saves no more
         self._timeless = False  # the store gives no times of change (no image saved then)
         self._outside: list[str] = []
         self.link: ClusterLink | None = None  # cluster mode (see `cluster`)
@@ -742,7 +743,7 @@ class Engine:
             if self._image_since is not None and len(changed) < max(IMAGE_EVERY, self._image_records // 4):
                 continue
             try:
-                await self.save_image(IMAGE)
+                await self.save_image(IMAGE, background=True)
                 wait = IMAGE_CHECK_S
             except Exception as exc:  # the last one stands: a restart reads more records
                 wait = min(2 * wait, IMAGE_RETRY_MAX_S)
@@ -753,13 +754,16 @@ class Engine:
         """Whether this daemon keeps an image of the manifest (from its scan on)."""
         return self._image is not None
 
-    async def save_image(self, name: str) -> None:
+    async def save_image(self, name: str, background: bool = False) -> None:
         """This daemon's image of every record, as of now, into object `name`
         (IMAGE or INDEX). The record changes noted before the image's time
         are taken from the backend here, on the trio thread, and given back
         if the save fails or is abandoned (then a late one written by the
-        abandoned call is older than the next, and still right)."""
+        abandoned call is older than the next, and still right).
+        `background` (`_keep_image`): none once the daemon is leaving."""
         async with self._taking:
+            if background and self._leaving:
+                return
             assert self._image is not None and self.backend.records_changed is not None
             since = await self.calls.run("save the manifest image", manifest.image_time, self.backend)
             changed = self.backend.records_changed.take()
@@ -1134,6 +1138,11 @@ class Engine:
         manifest image, which the next mount checks against the store's times."""
         if self._image is None:
             return
+        # An image save under way ends first, and none starts after: the daemon
+        # retires next, and its staging (the image staged there) goes with it.
+        self._leaving = True
+        async with self._taking:
+            pass
         exact = not self.unpublished() and not self.calls.stragglers()
         try:
             if exact and not await self.calls.run("leave the manifest index", self.backend.find, manifest.OUTSIDE):

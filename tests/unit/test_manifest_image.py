@@ -197,6 +197,54 @@ async def test_a_clean_exit_while_an_image_is_saved_leaves_an_index_with_the_rec
     assert again.engine.residency._expected[again.store.inode_at("a").ino].current == manifest.digest_of([b"1" * 100])
 
 
+async def test_a_clean_exit_waits_for_an_image_save_under_way_before_the_daemon_retires(tmp_path):
+    """An image save staged in this daemon's staging when the exit began:
+    `leave_index` had nothing to leave (a helper had written to the store
+    without the daemon, and the save had taken the record changes) and the
+    daemon retired at once, its staging with the staged image: "cannot
+    save the manifest image: No such file or directory" (seen in CI)."""
+    url = _store(tmp_path, "local")
+    rig = await _started(url)
+    await rig.engine.save_image(IMAGE)
+    rig.write("a", b"1" * 100)
+    await run_until_flushed(rig)
+    manifest.mark_outside(rig.backend)  # a helper wrote to the store straight: no exact index at the exit
+    staged, go_on = threading.Event(), threading.Event()
+    real_publish = rig.backend.publish
+
+    def publish(staged_file, path, *args, **kw):
+        if path == IMAGE:
+            staged.set()
+            go_on.wait(10)
+        return real_publish(staged_file, path, *args, **kw)
+
+    failed: list[Exception] = []
+
+    async def keep_image():
+        try:
+            await rig.engine.save_image(IMAGE, background=True)
+        except Exception as exc:
+            failed.append(exc)
+
+    async def leave():
+        await rig.engine.leave_index()
+        await rig.engine.calls.run("retire", rig.backend.retire)
+
+    rig.backend.publish = publish
+    try:
+        async with trio.open_nursery() as n:
+            n.start_soon(keep_image)
+            await trio.to_thread.run_sync(staged.wait, 10)  # the image is staged, not yet in place
+            n.start_soon(leave)
+            await trio.sleep(0.3)
+            go_on.set()
+    finally:
+        go_on.set()
+        rig.backend.publish = real_publish
+    assert not failed
+    assert manifest.record_path("a") in image_in(rig.backend, IMAGE).objects
+
+
 async def test_a_file_an_index_on_an_object_store_left_without_its_record_is_verified_at_its_first_load(tmp_path):
     """An index short of a record (a daemon before 39c688d could leave one,
     and every clean exit after kept it): on an object store the scan does
