@@ -716,8 +716,8 @@ class Borrowing:
         True if it goes into chunks of its own (then held once shown); False
         if through the scratch chunk (RAM is short, or the borrow ended);
         None: wait a moment and ask again (HELD_BLOCKS are held, and their
-        reader is still at them). `pressed`: a reader waits for a block not
-        held yet, and the oldest held block goes now."""
+        reader is still at them). `pressed`: a reader waits for bytes not
+        served yet, and the oldest held block goes now."""
         self._put_back(self._filling)  # a block that failed its check is never shown
         self._filling = None
         if self.cancelled or self._unshown == len(self._shown):
