@@ -87,6 +87,7 @@ class _Load:
         self.error: OSError | None = None
         self.again = False  # the store moved the file while it loaded (a rename's turn): load it from where it is now
         self.disturbed = False  # the publisher changed its path in the store meanwhile (`Residency.disturb`)
+        self.from_index = False  # verified against the manifest index's record, not yet against the store's (`Residency._stale`)
         self.finished = False  # the load's task is over: counted, logged, evictable again
         self.changed = trio.Event()
         self.ranged = all(d.size <= BLOCK or len(d.blocks) == -(-d.size // BLOCK) for d in wanted)
@@ -170,12 +171,15 @@ class Residency:
         self._loads: dict[int, _Load] = {}  # loads in progress
         self._failures: dict[int, int] = {}  # loads of a file that failed in a row, for a passing reason
         self.served_in_place: collections.OrderedDict[int, None] = collections.OrderedDict()  # least recently read first
-        # The expected records came from the manifest index: each is read
-        # again from the store when its file first loads, and that one is
-        # verified against. The index is only a cache of the records: one
-        # made stale by a write straight to the store racing this mount's
-        # start must cost a lookup, not a false EIO.
+        # The expected records came from the manifest index. The index is
+        # only a cache of the records: one made stale by a write straight
+        # to the store racing this mount's start must cost a lookup, not a
+        # false EIO. A load verifies against the index's record first (its
+        # first byte waits for no record object); if the store's bytes do
+        # not match it, the load reads the record the store holds and, if
+        # that is another, loads again against it (`_stale`).
         self.recheck = False
+        self._rechecked: set[int] = set()  # files whose record was read again from the store since the scan
         self._spill_full_said = -math.inf  # when `make_spill_room` last logged that it waits
 
     def published(self, ino: int) -> None:
@@ -187,6 +191,7 @@ class Residency:
         self._expected.pop(ino, None)
         self._unverifiable.pop(ino, None)
         self._unfound.discard(ino)
+        self._rechecked.discard(ino)
 
     def expect(self, inos: list[int], records: list[Record | None]) -> None:
         """Each inode's first load is verified against its record (None: it has none): a restart, a directory at a time."""
@@ -360,14 +365,7 @@ class Residency:
         if ino in self._unverifiable:
             self._fail(path, "its record in the store cannot be read")
         expected = self._expected.get(ino)
-        if expected is not None and self.recheck:
-            try:
-                there = await self.e.calls.run(f"read the record of {path}", manifest.read, self.e.backend, path)
-            except (OSError, ValueError, KeyError, TypeError) as exc:  # the index's copy, then
-                log.warning("cannot read the record of %s again (%s): verifying against the manifest index", path, exc)
-                there = None
-            if there is not None and there.kind == "file" and ino in self._expected:
-                expected = self._expected[ino] = there
+        from_index = expected is not None and self.recheck and ino not in self._rechecked
         if expected is None and shown.digest is None and self.e.link is not None:
             # Cluster mode: published by another node, or found in the store when the cluster started
             expected = await self.e.calls.run(f"read the record of {path}", manifest.read, self.e.backend, path)
@@ -415,6 +413,7 @@ class Residency:
         if target.spilled:
             log.info("loading %s (%d bytes) into the spill directory: the RAM budget cannot hold it", path, target.size)
         load = self._loads[ino] = _Load(ino, path, target, wanted)
+        load.from_index = from_index
         if self.e._nursery is not None:
             self.e._nursery.start_soon(self._run, load)
         else:
@@ -431,6 +430,9 @@ class Residency:
             if isinstance(exc, storeio.Cancelled):  # truncated, replaced or deleted meanwhile: nothing to load
                 log.info("stopped loading %s: the file changed meanwhile", load.path)
                 load.error = OSError(errno.EIO, "the file changed while it was loading")
+            elif isinstance(exc, FileNotFoundError | storeio.IntegrityError) and load.from_index and await self._stale(load):
+                log.info("%s does not match its record in the manifest index: loading it again against the one in the store", load.path)
+                load.again = True
             elif isinstance(exc, FileNotFoundError | storeio.IntegrityError) and await self._moved(load):
                 log.info("%s moved in the store while it loaded: loading it from its new name", load.path)
                 load.again = True
@@ -542,6 +544,24 @@ class Residency:
         for load in self._loads.values():
             if any(load.path == p or load.path.startswith(p + "/") for p in paths):
                 load.disturbed = True
+
+    async def _stale(self, load: _Load) -> bool:
+        """After a load verified against the manifest index's record failed:
+        whether the store holds another record for the file (a write
+        without a daemon raced the mount's start, and the index is stale
+        for it). The next load verifies against that one, or, if it cannot
+        be read, against the index's again, and fails for good."""
+        self._rechecked.add(load.ino)
+        try:
+            there = await self.e.calls.run(f"read the record of {load.path}", manifest.read, self.e.backend, load.path)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("cannot read the record of %s again (%s): verifying against the manifest index", load.path, exc)
+            return False
+        was = self._expected.get(load.ino)
+        if there is None or there.kind != "file" or was is None or (there.current, there.previous) == (was.current, was.previous):
+            return False
+        self._expected[load.ino] = there
+        return True
 
     async def _moved(self, load: _Load) -> bool:
         """After the store had no file at `load.path`, or other bytes there:

@@ -9,6 +9,8 @@ import re
 import signal
 import time
 
+import pytest
+
 from ckptfs.writeback import manifest, storeio
 from ckptfs.writeback.backend import IMAGE, open_store
 from ckptfs.writeback.engine import IMAGE_EVERY
@@ -45,7 +47,8 @@ def _records(store) -> list:
 
 def test_a_clean_exit_leaves_the_index_and_the_next_mount_reads_it(tmp_path):
     """Every record object is garbled after a clean exit: the next mount
-    still shows and verifies every file, so it read the index, not them."""
+    still shows and verifies every file, so it read the index, not them;
+    nor does a read of a file whose bytes match the index's record."""
 
     def write(m):
         m.path("ck").mkdir()
@@ -63,6 +66,9 @@ def test_a_clean_exit_leaves_the_index_and_the_next_mount_reads_it(tmp_path):
         assert all(again.path("ck", f"f{i}").read_bytes() == bytes([i]) * (1000 + i) for i in range(20))
         assert again.path("ck", "f3").stat().st_mode & 0o777 == 0o600
         assert "cannot be verified" not in again.log_text()
+        # the bytes matched the index's records: a read waited for no record object (it used to read each
+        # file's again before its first byte, and warned here that it could not)
+        assert "cannot read the record" not in again.log_text()
         assert not (again.store / manifest.INDEX).exists()  # claimed: records change from now on
     finally:
         stop_mount(again)
@@ -172,23 +178,26 @@ def test_a_write_straight_to_the_store_makes_the_next_mount_read_every_record(tm
         stop_mount(again)
 
 
-def test_a_stale_index_costs_a_lookup_not_a_false_eio(tmp_path):
+@pytest.mark.parametrize("new", [b"new" * 4000, b"new" * 3000, b"old" * 3000 + b"new" * 4000 * 6000], ids=["resized", "same-size", "large"])
+def test_a_stale_index_costs_a_lookup_not_a_false_eio(tmp_path, new):
     """A write straight to the store can race a mount's start (its mark
     read and cleared by that mount's claim before its record lands): the
-    index then holds an old record. A load verifies against the record the
-    store holds then, so the new bytes read back, verified."""
+    index then holds an old record. A load whose bytes do not match the
+    index's record reads the record the store holds then, and loads again
+    against it, so the new bytes read back, verified."""
 
     def first(m):
         m.path("model.pt").write_bytes(b"old" * 3000)
 
     m = _session(tmp_path, first)
-    storeio.write_file(open_store(str(m.store)), "model.pt", b"new" * 4000)
+    storeio.write_file(open_store(str(m.store)), "model.pt", new)
     for mark in (m.store / manifest.OUTSIDE).iterdir():
         mark.unlink()  # as if the claim had cleared it before the record was written
     again = start_mount(tmp_path)
     try:
-        assert again.path("model.pt").read_bytes() == b"new" * 4000
+        assert again.path("model.pt").read_bytes() == new
         wait_until(lambda: "verified" in again.log_text(), 10, "the load logged")  # the bytes are served before the load says so
+        assert "ERROR" not in again.log_text()
     finally:
         stop_mount(again)
 
