@@ -549,8 +549,9 @@ class Residency:
         """After a load verified against the manifest index's record failed:
         whether the store holds another record for the file (a write
         without a daemon raced the mount's start, and the index is stale
-        for it). The next load verifies against that one, or, if it cannot
-        be read, against the index's again, and fails for good."""
+        for it): then the file loads again, against that one. Otherwise
+        (the same digests, no record there, or none that can be read) the
+        failure stands, unless the publisher moved the file (`_moved`)."""
         self._rechecked.add(load.ino)
         try:
             there = await self.e.calls.run(f"read the record of {load.path}", manifest.read, self.e.backend, load.path)

@@ -10,7 +10,6 @@ import signal
 import time
 
 import pytest
-
 from ckptfs.writeback import manifest, storeio
 from ckptfs.writeback.backend import IMAGE, open_store
 from ckptfs.writeback.engine import IMAGE_EVERY
