@@ -430,11 +430,11 @@ class Residency:
             if isinstance(exc, storeio.Cancelled):  # truncated, replaced or deleted meanwhile: nothing to load
                 log.info("stopped loading %s: the file changed meanwhile", load.path)
                 load.error = OSError(errno.EIO, "the file changed while it was loading")
-            elif isinstance(exc, FileNotFoundError | storeio.IntegrityError) and load.from_index and await self._stale(load):
-                log.info("%s does not match its record in the manifest index: loading it again against the one in the store", load.path)
-                load.again = True
             elif isinstance(exc, FileNotFoundError | storeio.IntegrityError) and await self._moved(load):
                 log.info("%s moved in the store while it loaded: loading it from its new name", load.path)
+                load.again = True
+            elif isinstance(exc, FileNotFoundError | storeio.IntegrityError) and load.from_index and await self._stale(load):
+                log.info("%s does not match its record in the manifest index: loading it again against the one in the store", load.path)
                 load.again = True
             elif isinstance(exc, FileNotFoundError):
                 load.error = self._failed(load.path, "missing from the store")
@@ -546,18 +546,24 @@ class Residency:
                 load.disturbed = True
 
     async def _stale(self, load: _Load) -> bool:
-        """After a load verified against the manifest index's record failed:
+        """After a load verified against the manifest index's record failed,
+        and not for a change the publisher made (`_moved` asked first):
         whether the store holds another record for the file (a write
         without a daemon raced the mount's start, and the index is stale
         for it): then the file loads again, against that one. Otherwise
         (the same digests, no record there, or none that can be read) the
-        failure stands, unless the publisher moved the file (`_moved`)."""
+        failure stands."""
         self._rechecked.add(load.ino)
         try:
             there = await self.e.calls.run(f"read the record of {load.path}", manifest.read, self.e.backend, load.path)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("cannot read the record of %s again (%s): verifying against the manifest index", load.path, exc)
             return False
+        found = self.e.publisher_shown(load.ino)
+        if load.disturbed or found is None or found[0] != load.path:
+            # the publisher changed the path meanwhile: what was read there may be another file's record
+            self._rechecked.discard(load.ino)
+            return True  # loaded again from where the file is now, against the index's record
         was = self._expected.get(load.ino)
         if there is None or there.kind != "file" or was is None or (there.current, there.previous) == (was.current, was.previous):
             return False

@@ -842,6 +842,54 @@ async def _loads_over(rig: Rig) -> None:
             await trio.sleep(0.01)
 
 
+async def test_a_load_after_a_restart_whose_file_the_publisher_moved_meanwhile_keeps_its_own_record(tmp_path):
+    """After a restart from the manifest index, a load verifies against the
+    index's record, and one that fails reads the record the store holds at
+    its path. When the failure came from the publisher moving the file
+    meanwhile (renamed in the mount, another file published at its old
+    name), the record there is the other file's: the load must go on from
+    the file's new name against its own record. (Asked in the other order,
+    the other file's record became the one to verify against, and the load
+    started again and again.)"""
+    import threading
+
+    rig = Rig(tmp_path / "store")
+    mine, other = os.urandom(5000), os.urandom(7000)
+    rig.write("a", mine)
+    await run_until_flushed(rig)
+    node = rig.store.inode_at("a")
+    rig.engine.evict(1 << 40)
+    assert not node.data.resident
+    residency = rig.engine.residency
+    residency.recheck = True  # as after a scan from the index, which gave this record
+    residency.expect([node.ino], [manifest.read(rig.backend, "a")])
+    go, waiting = threading.Event(), threading.Event()
+    opened = rig.backend.open_source
+
+    def open_source(path):  # the load's first open of the store file waits for the test
+        if not go.is_set():
+            waiting.set()
+            go.wait(30)
+        return opened(path)
+
+    rig.backend.open_source = open_source
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        n.start_soon(rig.engine.load, node.ino)
+        with trio.fail_after(20):
+            while not waiting.is_set():
+                await trio.sleep(0.01)
+            rig.rename("a", "y")
+            rig.write("a", other)
+            await rig.engine.flush()  # the store: this file at y, the other one at a
+            go.set()
+            await rig.engine.load(node.ino)
+        assert node.data.read(0, len(mine)) == mine
+        await _loads_over(rig)
+        n.cancel_scope.cancel()
+    assert rig.files() == {"y": mine, "a": other}
+
+
 async def test_a_reader_of_a_large_file_in_a_local_store_is_served_in_place(tmp_path):
     """Reads of an evicted file in a local store come from the store's file,
     verified block by block: nothing of it stays in RAM (a cold torch.load
