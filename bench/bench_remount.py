@@ -8,7 +8,10 @@ through the mount lists them all.
   neither (one record object read per file), vs `find` over the store
   directory itself in the same round;
 - S3 (SeaweedFS on loopback, started and stopped here), M files: the same
-  three cases.
+  three cases;
+- right after the local restart from the index: `status` (the totals) and
+  `status --files` (every file), each while another thread lists a
+  directory of the mount again and again (the mount must keep serving).
 
 The store is filled once through a mount (created, flushed, unmounted).
 Rounds are interleaved; medians. Run as root:
@@ -25,7 +28,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -78,18 +83,56 @@ def count(path: Path) -> int:
     return out.count(b"\n")
 
 
-def remount(mp: Path, store: str, n: int, options: list[str]) -> float:
-    """Seconds from `ckptfs mount` until `find` lists all n files."""
+def remount(mp: Path, store: str, n: int, options: list[str], then: Callable[[Path], None] | None = None) -> float:
+    """Seconds from `ckptfs mount` until `find` lists all n files (then
+    `then(mp)`, untimed, before the unmount)."""
     t0 = time.perf_counter()
     cli("mount", str(mp), "--store", store, *options)
     try:
         found = count(mp)
         took = time.perf_counter() - t0
+        if then is not None:
+            then(mp)
     finally:
         cli("umount", str(mp))  # a clean exit: leaves the index again
     if found != n:
         raise SystemExit(f"the mount listed {found} files, not {n}")
     return took
+
+
+def status_while_serving(mp: Path, t: dict[str, list[float]]) -> None:
+    """`status` (the totals) and `status --files` (every file) of the mount
+    just restored, client calls, each while another thread lists a
+    directory of 1,000 files in it again and again: the longest listing
+    during each call says whether the mount kept serving."""
+    longest, stop = [0.0], threading.Event()
+
+    def lister() -> None:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            os.listdir(mp / "d0000")
+            longest[0] = max(longest[0], time.perf_counter() - t0)
+            time.sleep(0.002)
+
+    c = Client(mp)
+    th = threading.Thread(target=lister)
+    th.start()
+    try:
+        for key, files in (("status", False), ("status files", True)):
+            time.sleep(0.2)
+            longest[0] = 0.0
+            t0 = time.perf_counter()
+            c.status(files=files)
+            t[key].append(time.perf_counter() - t0)
+            time.sleep(0.01)
+            t[f"{key} listdir"].append(longest[0])
+        time.sleep(0.2)
+        longest[0] = 0.0
+        time.sleep(1.0)
+        t["idle listdir"].append(longest[0])
+    finally:
+        stop.set()
+        th.join()
 
 
 def main() -> None:
@@ -102,7 +145,8 @@ def main() -> None:
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="ckptfs-remount-", dir=args.disk_dir))
     t: dict[str, list[float]] = {k: [] for k in ("local index", "local crash", "local none", "local find", "s3 index", "s3 crash",
-                                                 "s3 none")}
+                                                 "s3 none", "status", "status listdir", "status files", "status files listdir",
+                                                 "idle listdir")}
     server = None
     try:
         mp, store = base / "mnt", base / "store"
@@ -117,7 +161,7 @@ def main() -> None:
             s3fs = server._s3fs()
             fill(mp, s3_url, args.s3_files, s3_opts)
         for _ in range(args.rounds):
-            t["local index"].append(remount(mp, str(store), args.files, []))
+            t["local index"].append(remount(mp, str(store), args.files, [], then=lambda mp: status_while_serving(mp, t)))
             t0 = time.perf_counter()
             assert count(store) >= args.files
             t["local find"].append(time.perf_counter() - t0)
@@ -155,8 +199,17 @@ def main() -> None:
     if m:
         lines.append(f"| the same over S3 (SeaweedFS on loopback), {m:,} files, after a clean exit | {med['s3 index']:.2f} s | <= 3 s | "
                      f"{'yes' if med['s3 index'] <= 3 else 'no'} |")
+    ms = {k: med[k] * 1000 for k in ("status", "status listdir", "status files listdir", "idle listdir")}
     lines += [
+        f"| `status` with {n:,} files, right after the restart (client call) | {ms['status']:.0f} ms | <= 50 ms | "
+        f"{'yes' if ms['status'] <= 50 else 'no'} |",
+        f"| the mount keeps serving during `status --files` of all {n:,} files ({med['status files']:.2f} s): longest listing of a "
+        f"directory of 1,000 files meanwhile | {ms['status files listdir']:.0f} ms (idle: {ms['idle listdir']:.0f} ms) | (none) | |",
         "",
+        "- ms, `status`: " + " ".join(f"{x * 1000:.0f}" for x in t["status"]) + "; longest listing meanwhile: "
+        + " ".join(f"{x * 1000:.0f}" for x in t["status listdir"]),
+        "- seconds, `status --files`: " + " ".join(f"{x:.2f}" for x in t["status files"]) + "; longest listing meanwhile (ms): "
+        + " ".join(f"{x * 1000:.0f}" for x in t["status files listdir"]),
         "- seconds, local, after a clean exit: " + " ".join(f"{x:.2f}" for x in t["local index"]),
         "- seconds, local, after a crash (from the image its claim left): " + " ".join(f"{x:.2f}" for x in t["local crash"]),
         "- seconds, local, after a crash with no image (one record read per file): " + " ".join(f"{x:.2f}" for x in t["local none"]),

@@ -209,7 +209,6 @@ async def _main(config: MountConfig, tree: InodeTree, engine: Engine, control: C
         await nursery.start(engine.run)
         await nursery.start(control.serve)  # answers during the drain too: `ckptfs status` shows it
         metrics.watch(control.ledger.totals, trio.lowlevel.current_trio_token())
-        nursery.start_soon(control.ledger.keep_up)
         started = time.time()
         # Restoring makes a few objects per file in the store; the cyclic
         # collector would walk all of them again and again (half the restart
@@ -225,6 +224,7 @@ async def _main(config: MountConfig, tree: InodeTree, engine: Engine, control: C
             gc.enable()
             gc.freeze()
         await engine.claim(new_daemon_id(), started)
+        nursery.start_soon(control.ledger.keep_up)  # first: the files just restored, counted in batches
         engine.calls.crash_at = _crash_point()
         if n:
             log.info("the store holds %d files: shown now, loaded on first use", n)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 
 import trio
+from ckptfs.daemon import control, status
 from ckptfs.daemon.status import Ledger, recount
 from ckptfs.fs.tree import ROOT
 
+from ckptfs.client import PROTOCOL_VERSION
 from tests.unit.test_engine import Rig
 
 
@@ -75,3 +78,83 @@ async def test_a_refresh_in_batches_ends_however_many_files_are_in_flight(tmp_pa
         assert rounds < 10
     assert rounds == 4  # 30 touched files, 7 at a time
     assert _view(ledger.totals()) == _view(recount(rig.store, rig.engine))
+
+
+async def _turns_during(body) -> int:
+    """How many times another task got a turn while `body` was awaited."""
+    turns = 0
+    done = False
+
+    async def other() -> None:
+        nonlocal turns
+        while not done:
+            turns += 1
+            await trio.sleep(0)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(other)
+        await trio.sleep(0)
+        before = turns
+        await body()
+        done = True
+    return turns - before
+
+
+async def test_a_long_listing_lets_the_mount_answer_meanwhile(tmp_path, monkeypatch):
+    """`status --files` over every file, `evict` and the first totals after a
+    restart (every file to count) work in batches, the event loop getting a
+    turn between them: over 100,000 files the listing held every request to
+    the mount for 2 s (0.7 s of it making the rows). A file removed while
+    the listing waited is left out."""
+    monkeypatch.setattr(status, "FILES_BATCH", 10)
+    monkeypatch.setattr(status, "KEEP_UP_BATCH", 10)
+    rig = Rig(tmp_path / "store")
+    rig.mkdir("d")
+    for i in range(60):
+        rig.write(f"d/f{i:02d}", b"x" * i)
+    ledger = Ledger(rig.store, rig.engine)
+    got = []
+
+    async def listing() -> None:
+        got.extend(await status.files(rig.store, rig.engine, "d"))
+
+    async def remove_all_meanwhile() -> None:
+        await trio.sleep(0)  # the walk has made one batch or two of its six
+        for i in range(60):
+            rig.unlink(f"d/f{i:02d}")
+
+    async def both() -> None:
+        async with trio.open_nursery() as n:
+            n.start_soon(remove_all_meanwhile)
+            await listing()
+
+    assert await _turns_during(both) >= 3
+    paths = [f.path for f in got]
+    assert paths == sorted(paths) and 10 <= len(paths) < 60, "files removed before the walk reached them were listed"
+    rig.mkdir("e")
+    for i in range(40):
+        rig.write(f"e/g{i:02d}", b"y" * i)
+    assert await _turns_during(ledger.caught_up) >= 3  # every file written or removed counted, 10 at a time
+    assert _view(ledger.totals()) == _view(recount(rig.store, rig.engine))
+
+
+async def test_a_long_reply_is_the_json_of_its_rows_made_in_batches(tmp_path, monkeypatch):
+    """A reply with `Rows` (`status --files`) is encoded a batch at a time,
+    the event loop getting a turn between batches, into the same JSON as
+    the whole reply encoded at once."""
+    monkeypatch.setattr(control, "ROWS_BATCH", 7)
+    rows = [{"path": f"d/é{i}\n\"", "size": i, "state": "published"} for i in range(50)]
+    message = {"ok": True, "result": {"mount": {"pid": 1}, "files": control.Rows(list(range(50)), lambda i: rows[i]), "totals": {}}}
+    line = b""
+
+    async def encode() -> None:
+        nonlocal line
+        line = await control._line(message)
+
+    assert await _turns_during(encode) >= 7
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    assert json.loads(line) == {"version": PROTOCOL_VERSION, "ok": True, "result": {"mount": {"pid": 1}, "files": rows, "totals": {}}}
+    empty = {"ok": True, "result": {"files": control.Rows([], str)}}
+    assert json.loads(await control._line(empty)) == {"version": PROTOCOL_VERSION, "ok": True, "result": {"files": []}}
+    plain = {"ok": False, "error": "no"}
+    assert await control._line(plain) == json.dumps({"version": PROTOCOL_VERSION, **plain}).encode() + b"\n"
