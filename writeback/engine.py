@@ -181,7 +181,7 @@ class Engine:
         self.streams = Streams(self)
         self.counters: Counters = self.residency.counters
         self.skipped: list[Op] = []  # namespace changes the store could never take (reported at unmount)
-        self.touched: set[int] = set()  # inodes whose generation left the in-flight set (for status)
+        self.touched: set[int] = set()  # inodes whose generation changed state or left the in-flight set (for status)
         self._seq = 0
         self._send, self._recv = trio.open_memory_channel[FileGen](math.inf)
         self._wake = trio.Event()
@@ -223,10 +223,13 @@ class Engine:
     def sealed(self, ino: int, generation: int, snapshot: Snapshot) -> None:
         meta = self.meta_of(ino)
         assert meta is not None
-        gen = FileGen(self._next(), ino, generation, snapshot, meta, snapshot.size, self.ns.paths_of(ino))
+        gen = FileGen(self._next(), ino, generation, snapshot, meta, snapshot.size, self.ns.paths_of(ino), on_state=self._state_changed)
         self._enqueue(gen)
         if not self.streams.sealed(gen, snapshot):
             self._send.send_nowait(gen)
+
+    def _state_changed(self, gen: FileGen) -> None:
+        self.touched.add(gen.ino)
 
     def grew(self, ino: int, data: Growing) -> None:
         """A file open for writing was written on from where its writer got to (staged while written: streaming.py)."""
@@ -237,7 +240,7 @@ class Engine:
         RAM holds the bytes and it stages them (`staged_elsewhere` when it has)."""
         meta = self.meta_of(ino)
         assert meta is not None
-        gen = FileGen(self._next(), ino, generation, None, meta, size, self.ns.paths_of(ino), owner=owner)
+        gen = FileGen(self._next(), ino, generation, None, meta, size, self.ns.paths_of(ino), owner=owner, on_state=self._state_changed)
         gen.move(State.UPLOADING)
         self._enqueue(gen)
         self._sealed_elsewhere[ino] = generation
@@ -273,7 +276,7 @@ class Engine:
                 continue
             meta = self.meta_of(ino)
             assert meta is not None  # in the snapshot: in the tree
-            gen = FileGen(held[0], ino, generation, None, meta, size, self.ns.paths_of(ino), owner=held[1])
+            gen = FileGen(held[0], ino, generation, None, meta, size, self.ns.paths_of(ino), owner=held[1], on_state=self._state_changed)
             gen.move(State.UPLOADING)
             self.pending[ino] = gen
             self._sealed_elsewhere[ino] = generation
@@ -478,11 +481,11 @@ class Engine:
         out += [op for _, op in self.publisher.deferred]
         return out + self.skipped
 
-    def failing(self) -> list[Op]:
-        """Unpublished ops whose last step failed (parked and skipped ones
-        included), the newest error first. One that failed, then went on,
-        is not failing any more."""
-        ops = [op for op in self.unpublished()
+    def failing(self, unpublished: list[Op] | None = None) -> list[Op]:
+        """Unpublished ops (`unpublished()`, if the caller has it) whose
+        last step failed (parked and skipped ones included), the newest
+        error first. One that failed, then went on, is not failing any more."""
+        ops = [op for op in (self.unpublished() if unpublished is None else unpublished)
                if op.error and (not isinstance(op, FileGen) or op.state in (State.FAILED, State.PARKED))]
         return sorted(ops, key=lambda op: op.error_at, reverse=True)
 

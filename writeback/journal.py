@@ -8,6 +8,7 @@ that order (C3). Paths are relative to the mount's root, as of the event.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -69,6 +70,9 @@ class FileGen(Op):
     owner: str | None = None  # cluster mode: the node whose RAM holds it (None: this one), which stages it
     hidden: bool = False  # cluster mode: staged again under a hidden key, never at a name (`Publisher._staged_again`)
     shown_at: str = ""  # the name it was first shown at (published there: by this node, or by the publishing node, which said so)
+    # Called after each change of `state` (by the engine: `status` counts
+    # the file again, and needs to look at no generation that did not change).
+    on_state: Callable[[FileGen], None] | None = field(default=None, repr=False)
 
     @property
     def path(self) -> str:
@@ -89,6 +93,8 @@ class FileGen(Op):
 
     def move(self, new: State) -> None:
         self.state = transition(self.state, new)
+        if self.on_state is not None:
+            self.on_state(self)
 
     @property
     def settled(self) -> bool:
