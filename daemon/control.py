@@ -189,7 +189,9 @@ class ControlServer:
     async def evict(self, path: str) -> dict:
         path = self._resolved(path)
         evicted, freed, refused = 0, 0, []
-        for f in await status.files(self.tree, self.engine, path):
+        for n, f in enumerate(await status.files(self.tree, self.engine, path), 1):
+            if n % status.FILES_BATCH == 0:
+                await trio.sleep(0)  # the mount answers meanwhile; each file's eviction checks it is still published
             if f.state != "published":
                 refused.append({"path": f.path, "state": f.state})
             elif f.resident and not f.spilled:

@@ -183,3 +183,26 @@ async def test_a_status_query_looks_only_at_files_that_changed(tmp_path, monkeyp
     totals = ledger.totals()
     assert _view(totals) == _view(recount(rig.store, rig.engine))
     assert totals.by_state["published"].files == 50 and len(set(counted)) == 50
+
+
+async def test_evict_of_many_files_lets_the_mount_answer_meanwhile(tmp_path, monkeypatch):
+    """`ckptfs evict` of a whole mount lists its files and evicts them in
+    batches, the event loop getting a turn between them."""
+    monkeypatch.setattr(status, "FILES_BATCH", 10)
+    rig = Rig(tmp_path / "store")
+    for i in range(40):
+        rig.write(f"f{i:02d}", b"x" * 100)
+    server = control.ControlServer(tmp_path / "sock", rig.store, rig.engine, Ledger(rig.store, rig.engine), {"mountpoint": str(tmp_path)})
+    result: dict = {}
+
+    async def evict() -> None:
+        result.update(await server.evict(""))
+
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        with trio.fail_after(20):
+            await rig.engine.flush()
+        assert await _turns_during(evict) >= 6  # 4 batches listed, 4 evicted
+        n.cancel_scope.cancel()
+    assert result == {"evicted": 40, "bytes": result["bytes"], "refused": []} and result["bytes"] > 0
+    assert not any(rig.store.inode_at(f"f{i:02d}").data.resident for i in range(40))
