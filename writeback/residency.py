@@ -45,6 +45,7 @@ ROOM_PATIENCE_S = 2.0  # how long a load waits for write-back to free RAM before
 IN_PLACE_FROM = 8 << 20  # a reader of a file this large in a local store is served from the store's file (smaller ones load into RAM)
 HOLD_WAIT_S = 0.005  # a load served in place that keeps pace with its reader looks again this often
 IN_PLACE_MAX = 128  # files served in place at once (each holds a descriptor); past that, the least recently read one ends
+PREFETCH_BATCH = 1000  # files a prefetch passes between two turns of the event loop
 
 
 class LoadTarget(Protocol):
@@ -617,7 +618,9 @@ class Residency:
             return 0, failed
         items = [(base, start)] if isinstance(start, File) else [(f"{base}/{rel}" if base else rel, node)
                                                                   for rel, node in self.e.publisher.replica.walk(start)]
-        for path, node in items:
+        for i, (path, node) in enumerate(items, 1):
+            if i % PREFETCH_BATCH == 0:
+                await trio.sleep(0)  # files already in RAM are passed without a wait: the mount answers meanwhile
             if not isinstance(node, File) or node.shown is None:
                 continue
             live = self.e.ns.inode_at(path)
