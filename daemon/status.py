@@ -89,7 +89,7 @@ async def files(tree: InodeTree, engine: Engine, prefix: str = "") -> list[FileS
     walk gives the event loop a turn every FILES_BATCH files (100,000 files
     took 0.7 s here, every request to the mount waiting). So it is not one
     instant's view: a file removed meanwhile is left out, one renamed
-    meanwhile may show at either name, or not at all."""
+    meanwhile may show at its old name, its new one, both or neither."""
     out = []
     for n, (path, inode) in enumerate(tree.files_under(prefix), 1):
         if inode.links:  # not removed while the walk waited
