@@ -33,8 +33,21 @@ def printable(text: str) -> str:
 
 class EscapingFormatter(logging.Formatter):
     """A log line per record, whatever the names in it: the message is escaped
-    (a traceback appended after it keeps its lines)."""
+    (a traceback appended after it keeps its lines).
+
+    A record with `lines` (`extra={"lines": [...]}`: many events of one
+    moment, e.g. the files one store call published) is written as one line
+    per item, each escaped and with the record's time and level: one call
+    to the handler (one write, one size check of a rotating log) for all of
+    them."""
 
     def formatMessage(self, record: logging.LogRecord) -> str:
-        record.message = printable(record.message)
-        return super().formatMessage(record)
+        lines = getattr(record, "lines", None)
+        if lines is None:
+            record.message = printable(record.message)
+            return super().formatMessage(record)
+        out = []
+        for line in lines:
+            record.message = printable(line)
+            out.append(super().formatMessage(record))
+        return "\n".join(out)

@@ -945,14 +945,26 @@ class Engine:
         self.notify()
         return False
 
-    def published(self, gen: FileGen, path: str) -> None:
-        """The publisher showed `gen` at `path`."""
+    def published(self, gen: FileGen, path: str, lines: list[str] | None = None) -> None:
+        """The publisher showed `gen` at `path`. Its log line goes to `lines`
+        where given (the files one store call showed: `log_published` of
+        them all after), else to the log now."""
         if gen.state is not State.PUBLISHED and self.link is not None and self.link.publishes:
             self.link.published(gen, path)
-        self._settle(gen, path)
+        self._settle(gen, path, lines)
 
-    def _settle(self, gen: FileGen, path: str) -> None:
-        """`gen` is shown at `path` (by this node's publisher, or another's)."""
+    @staticmethod
+    def log_published(lines: list[str]) -> None:
+        """The lines of the files one store call published, as one log record
+        (`EscapingFormatter` writes a line per file): a group of 512 small
+        files costs the event loop one call to the log's handler, not 512,
+        each a write to the log file during which FUSE requests wait."""
+        if lines:
+            log.info("%s", "\n".join(lines), extra={"lines": lines})
+
+    def _settle(self, gen: FileGen, path: str, lines: list[str] | None = None) -> None:
+        """`gen` is shown at `path` (by this node's publisher, or another's);
+        `lines` as for `published`."""
         if gen.state is State.PUBLISHED:
             return
         gen.move(State.PUBLISHED)
@@ -969,8 +981,12 @@ class Engine:
         self.counters.published_files += 1
         self._recent.append((time.monotonic(), gen.size))
         since = time.time() - gen.sealed_at
-        log.info("published %s (%d bytes, generation %d, %.3fs since seal, %.1f MB/s)", path, gen.size, gen.generation, since,
-                 gen.size / max(since, 1e-6) / 1e6)
+        line = (f"published {path} ({gen.size} bytes, generation {gen.generation}, {since:.3f}s since seal, "
+                f"{gen.size / max(since, 1e-6) / 1e6:.1f} MB/s)")
+        if lines is None:
+            log.info("%s", line)
+        else:
+            lines.append(line)
         self.notify()
 
     def superseded_in_store(self, gen: FileGen) -> None:

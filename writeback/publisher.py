@@ -472,12 +472,14 @@ class Publisher:
             # failure parked): a failing group is never tried again whole.
             self.single_until = group[-1].seq
             return False
+        lines: list[str] = []
         for gen, name, node in held:
             _shown(node, gen)
             self._made_parents(name)
-            self.e.published(gen, name)
+            self.e.published(gen, name, lines)
             self._complete(gen)
             self._dirty_after(gen)
+        self.e.log_published(lines)
         await self._show_waiting_markers()
         return True
 
@@ -1047,12 +1049,14 @@ class Publisher:
             items = [(self._record(f"{base}/{rel}", gen, f), gen.staged, f"{base}/{rel}", gen.pieces) for rel, f, gen in batch]
             if not await self._in_one_call(f"publish {len(batch)} files into {base}", items, [gen for _, _, gen in batch], recorded):
                 continue  # these go one at a time
+            lines: list[str] = []
             for rel, f, gen in batch:
                 _shown(f, gen)
                 if recorded:
                     self._made_parents(f"{base}/{rel}")
-                self.e.published(gen, f"{dst}/{rel}")
+                self.e.published(gen, f"{dst}/{rel}", lines)
                 done.add(id(f))
+            self.e.log_published(lines)
         return done
 
     async def _write_records(self, recs: list[Record]) -> None:

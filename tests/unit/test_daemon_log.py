@@ -54,3 +54,27 @@ def test_a_reply_the_kernel_no_longer_waits_for_is_not_an_error(caplog):
         pyfuse3_log.error("fuse_release(): fuse_reply_* failed with %s", os.strerror(errno.ENOENT))
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
         ("DEBUG", "fuse_release(): fuse_reply_* failed with No such file or directory")]
+
+
+def test_a_record_of_many_lines_is_written_a_line_each_with_its_prefix_and_escaped():
+    """The files one group commit published are logged as one record (one
+    write to the log, not one per file: see the publisher's test). The
+    formatter writes each of its lines as a line of its own, with the
+    record's time, level and logger, each escaped: a name in it can no more
+    forge a log line than in a record of its own."""
+    import logging
+
+    from ckptfs.tools.cli import LOG_FORMAT
+
+    from ckptfs.escape import EscapingFormatter
+
+    lines = ["published a (1 bytes)", "published bad\udcff\nERROR forged (2 bytes)", "published c (3 bytes)"]
+    record = logging.LogRecord("ckptfs.writeback.engine", logging.INFO, __file__, 1, "%s", ("\n".join(lines),), None)
+    record.lines = lines
+    out = EscapingFormatter(LOG_FORMAT).format(record).split("\n")
+    assert len(out) == 3
+    prefix = out[0][: out[0].index("published")]
+    assert prefix.endswith(" INFO ckptfs.writeback.engine: ")
+    assert out == [prefix + "published a (1 bytes)", prefix + "published bad\\xff\\nERROR forged (2 bytes)", prefix + "published c (3 bytes)"]
+    plain = logging.LogRecord("x", logging.INFO, __file__, 1, "one %s", ("line\nforged",), None)
+    assert EscapingFormatter(LOG_FORMAT).format(plain).endswith(" INFO x: one line\\nforged")
