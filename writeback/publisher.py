@@ -473,13 +473,15 @@ class Publisher:
             self.single_until = group[-1].seq
             return False
         lines: list[str] = []
-        for gen, name, node in held:
-            _shown(node, gen)
-            self._made_parents(name)
-            self.e.published(gen, name, lines)
-            self._complete(gen)
-            self._dirty_after(gen)
-        self.e.log_published(lines)
+        try:
+            for gen, name, node in held:
+                _shown(node, gen)
+                self._made_parents(name)
+                self.e.published(gen, name, lines)
+                self._complete(gen)
+                self._dirty_after(gen)
+        finally:
+            self.e.log_published(lines)
         await self._show_waiting_markers()
         return True
 
@@ -1050,13 +1052,15 @@ class Publisher:
             if not await self._in_one_call(f"publish {len(batch)} files into {base}", items, [gen for _, _, gen in batch], recorded):
                 continue  # these go one at a time
             lines: list[str] = []
-            for rel, f, gen in batch:
-                _shown(f, gen)
-                if recorded:
-                    self._made_parents(f"{base}/{rel}")
-                self.e.published(gen, f"{dst}/{rel}", lines)
-                done.add(id(f))
-            self.e.log_published(lines)
+            try:
+                for rel, f, gen in batch:
+                    _shown(f, gen)
+                    if recorded:
+                        self._made_parents(f"{base}/{rel}")
+                    self.e.published(gen, f"{dst}/{rel}", lines)
+                    done.add(id(f))
+            finally:
+                self.e.log_published(lines)
         return done
 
     async def _write_records(self, recs: list[Record]) -> None:
