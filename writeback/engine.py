@@ -864,21 +864,27 @@ class Engine:
                 return fn(*args)
             finally:
                 with contextlib.suppress(trio.RunFinishedError):
-                    for gen in gens:
-                        token.run_sync_soon(self._reader_done, gen)  # without waiting for trio to run it
+                    token.run_sync_soon(self._readers_done, gens)  # without waiting for trio to run it
 
         return await self.calls.run(what, body, nbytes=nbytes, ended=ended)
 
-    def _reader_done(self, gen: FileGen) -> None:
-        """Run by trio at a thread's request (`run_sync_soon`): an exception
-        here would end the whole run, so none leaves."""
-        gen.readers -= 1
-        if gen.state in (State.PUBLISHED, State.DROPPED):
-            try:
-                self._release(gen)
-            except Exception:
-                log.exception("releasing the snapshot of %s failed", gen.path)
-            self.notify()  # its memory may be free now
+    def _readers_done(self, gens: list[FileGen]) -> None:
+        """Run by trio at a thread's request (`run_sync_soon`), once for all
+        the snapshots the thread read (a group commit's 512: one wakeup of
+        the event loop, not 512, each a write to its wakeup socket while
+        FUSE requests wait). An exception here would end the whole run, so
+        none leaves."""
+        freed = False
+        for gen in gens:
+            gen.readers -= 1
+            if gen.state in (State.PUBLISHED, State.DROPPED):
+                try:
+                    self._release(gen)
+                except Exception:
+                    log.exception("releasing the snapshot of %s failed", gen.path)
+                freed = True
+        if freed:
+            self.notify()  # their memory may be free now
 
     def upload_again(self, gen: FileGen, delay: float = 0.0) -> None:
         gen.staged = None
