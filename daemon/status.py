@@ -8,7 +8,9 @@ metrics all report the same thing. Runs on the trio thread; no FUSE here.
 
 from __future__ import annotations
 
+import collections
 import errno
+import itertools
 import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
@@ -61,8 +63,11 @@ def _state(inode: Inode, d: Durability | None) -> str:
     if inode.version != inode.sealed_version or d is None:
         return "dirty"
     if d.generation == inode.generation:
-        return "failed" if d.state is State.PARKED else d.state.value
-    return State.PUBLISHED.value if d.published_generation >= inode.generation else "dirty"
+        return "failed" if d.state is State.PARKED else _SHOWN[d.state]
+    return "published" if d.published_generation >= inode.generation else "dirty"
+
+
+_SHOWN = {s: s.value for s in State}  # (`.value` of an enum member is a descriptor call: a restart asks for it once a file)
 
 
 XATTRS = ("state", "xxh3", "generation", "error")
@@ -140,11 +145,13 @@ def recount(tree: InodeTree, engine: Engine) -> Totals:
     is checked against; the daemon answers from the ledger."""
     t = Totals()
     seen: set[int] = set()
+    entries = []
     for path, inode in tree.files_under():
         if inode.ino in seen:  # hard links: the file once
             continue
         seen.add(inode.ino)
-        _count(t, _entry(file_status(tree, engine, inode, path)), +1)
+        entries.append(_entry(file_status(tree, engine, inode, path)))
+    _count_all(t, entries, +1)
     return _finish(t, tree, engine)
 
 
@@ -163,11 +170,15 @@ def _ledger_entry(engine: Engine, inode: Inode) -> tuple[str, int, str]:
     return _state(inode, engine.durability(inode.ino, digest=False)), inode.size, _where(inode.data.resident, inode.data.spilled)
 
 
-def _count(t: Totals, entry: tuple[str, int, str], sign: int) -> None:
-    state, size, where = entry
-    for c in (t.files, t.by_state[state], getattr(t, where)):
-        c.files += sign
-        c.bytes += sign * size
+def _count_all(t: Totals, entries: list[tuple[str, int, str]], sign: int) -> None:
+    """Add (sign 1) or take away (-1) these entries. Alike entries (a
+    restart's files: published, evicted, mostly of few sizes) are counted
+    together, in C: one by one, they were a fifth of the catch-up after a
+    restart over 100,000 files (0.24 s of the event loop; 0.18 s now)."""
+    for (state, size, where), n in collections.Counter(entries).items():
+        for c in (t.files, t.by_state[state], getattr(t, where)):
+            c.files += sign * n
+            c.bytes += sign * n * size
 
 
 class Ledger:
@@ -192,18 +203,17 @@ class Ledger:
             now = list(touched)
             touched, self.tree.touched = set(now[:limit]), set(now[limit:])
             left = True
+        entries, inodes, engine = self.entries, self.tree.inodes, self.engine
+        old = [e for e in map(entries.pop, touched, itertools.repeat(None)) if e is not None]
+        new = []
         for ino in touched:  # a generation's change of state touches its file (`FileGen.on_state`)
-            old = self.entries.pop(ino, None)
-            if old is not None:
-                _count(self.sums, old, -1)
-            inode = self.tree.inodes.get(ino)
-            if inode is None or not inode.is_reg or inode.data is None:
+            inode = inodes.get(ino)
+            if inode is None or not inode.is_reg or inode.data is None or not inode.links:  # gone, or unlinked: no path
                 continue
-            if not inode.links:  # unlinked: no path
-                continue
-            new = _ledger_entry(self.engine, inode)
-            self.entries[ino] = new
-            _count(self.sums, new, +1)
+            entry = entries[ino] = _ledger_entry(engine, inode)
+            new.append(entry)
+        _count_all(self.sums, old, -1)
+        _count_all(self.sums, new, +1)
         return left
 
     def totals(self) -> Totals:
