@@ -88,7 +88,7 @@ def publish(backend: Backend, rec: Record | None, staged: Staged, path: str, dig
         except manifest.UNREADABLE:  # no record, only garbage where it goes: this publication writes one over it
             there = None
         _refuse_newer(rec, there)
-        rec, staged = _staged_now(backend, rec, staged, pieces)
+        [(rec, staged)] = _staged_now(backend, [(rec, staged, pieces)])
         manifest.write(backend, rec)  # first: see manifest.py
     try:
         backend.publish(staged, path, pieces() if pieces is not None else (), mode=rec.mode if rec is not None else mode)
@@ -114,7 +114,8 @@ def publish_group(backend: Backend, items: list[tuple[Record, Staged, str, Calla
         for objpath, (rec, _staged, _path, _pieces) in zip(objpaths, items, strict=True):
             if objpath in there:
                 _refuse_newer(rec, manifest.decoded(there[objpath]))
-        items = [(*_staged_now(backend, rec, staged, pieces), path, pieces) for rec, staged, path, pieces in items]
+        now = _staged_now(backend, [(rec, staged, pieces) for rec, staged, _path, pieces in items])
+        items = [(rec, staged, path, pieces) for (rec, staged), (_rec, _staged, path, pieces) in zip(now, items, strict=True)]
     recs = [rec for rec, _, _, _ in items] if recorded else []
     objpaths = [manifest.changing(backend, manifest.record_path(rec.path)) for rec in recs]
     done = False
@@ -128,17 +129,23 @@ def publish_group(backend: Backend, items: list[tuple[Record, Staged, str, Calla
             manifest.changed(backend, objpath, rec if done else UNKNOWN)
 
 
-def _staged_now(backend: Backend, rec: Record, staged: Staged, pieces: Callable[[], Iterable] | None) -> tuple[Record, Staged]:
-    """A small file not staged ahead, on a store that stages everything
-    (`stage_ahead_from`: local stores): staged now, before its record, which
-    names the staged copy. So a crash between the record and the data is
-    told from a real loss at the next mount (`scan`): the staged copy is
-    still there. (A record saying `put:` could not tell them apart once its
-    daemon is gone: a file lost from the store later would be forgotten.)"""
-    if staged.token is not None or not backend.stage_ahead_from or pieces is None:
-        return rec, staged
-    staged = backend.stage(pieces(), staged.size)
-    return rec._replace(source=f"staged:{staged.token}"), staged
+def _staged_now(backend: Backend, files: list[tuple[Record, Staged, Callable[[], Iterable] | None]]) -> list[tuple[Record, Staged]]:
+    """Small files not staged ahead, on a store that stages everything
+    (`stage_ahead_from`: local stores): staged now (`Backend.stage_many`),
+    before their records, which name the staged copies. So a crash between
+    a record and its data is told from a real loss at the next mount
+    (`scan`): the staged copy is still there. (A record saying `put:` could
+    not tell them apart once its daemon is gone: a file lost from the store
+    later would be forgotten.)"""
+    out = [(rec, staged) for rec, staged, _pieces in files]
+    if not backend.stage_ahead_from:
+        return out
+    todo = [i for i, (_rec, staged, pieces) in enumerate(files) if staged.token is None and pieces is not None]
+    if not todo:
+        return out
+    for i, staged in zip(todo, backend.stage_many([(files[i][2](), files[i][1].size) for i in todo]), strict=True):  # type: ignore[misc]
+        out[i] = (files[i][0]._replace(source=f"staged:{staged.token}"), staged)
+    return out
 
 
 def _refuse_newer(rec: Record, there: Record | None) -> None:

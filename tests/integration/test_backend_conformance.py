@@ -60,6 +60,18 @@ def test_staging_is_bound_to_no_name(store):
     assert data_of(store, "final/name") == b"x" * 100
 
 
+def test_many_files_staged_at_once_are_each_invisible_until_published_at_any_name(store):
+    """`stage_many`: a group's small files, in order, each its own staged copy."""
+    contents = [b"", b"one", b"two" * 1000, bytes(range(256))]
+    staged = store.stage_many([(iter([c]), len(c)) for c in contents])
+    assert [s.size for s in staged] == [len(c) for c in contents]
+    assert [e.path for e in store.walk() if not e.is_dir] == []
+    for i, (s, c) in enumerate(reversed(list(zip(staged, contents, strict=True)))):
+        store.publish(s, f"many/f{i}", iter([c]))
+    assert [data_of(store, f"many/f{i}") for i in range(len(contents))] == contents[::-1]
+    assert _no_litter(store)
+
+
 def test_a_group_publishes_records_then_files_and_leaves_no_litter(store):
     """`publish_group`: records first, then every file, staged ahead or not
     (a `Staged` with no token is written from its bytes), replacing what is
