@@ -253,6 +253,16 @@ def test_statfs_reports_budget_and_namemax(mnt: Path):
     assert shutil.disk_usage(mnt).total == 4 << 30
 
 
+def test_the_mount_reads_ahead_as_set(mnt: Path):
+    """The kernel's read-ahead of the mount (one value per mount, taken by
+    each open): the daemon sets it once the mount is live."""
+    from ckptfs.daemon.mount import READ_AHEAD_KB
+
+    st = os.stat(mnt)
+    with open(f"/sys/class/bdi/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/read_ahead_kb") as f:
+        assert int(f.read()) == READ_AHEAD_KB
+
+
 def test_name_and_path_too_long(mnt: Path):
     with pytest.raises(OSError) as e:
         (mnt / ("a" * 256)).write_bytes(b"")
