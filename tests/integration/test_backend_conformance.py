@@ -378,7 +378,7 @@ def test_read_many_returns_what_is_there_and_leaves_out_what_is_not(store):
     else:
         for name, data in contents.items():
             store.put(name, data)
-    asked = names + ["r/0/missing.json", "nowhere/x.json"]
+    asked = [*names, "r/0/missing.json", "nowhere/x.json"]
     got = dict(store.read_many(asked))
     assert got == contents
 
