@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import errno
 import itertools
+import operator
 import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
@@ -67,6 +68,7 @@ def _state(inode: Inode, d: Durability | None) -> str:
     return "published" if d.published_generation >= inode.generation else "dirty"
 
 
+_SEALED_AT = operator.attrgetter("sealed_at")
 _SHOWN = {s: s.value for s in State}  # (`.value` of an enum member is a descriptor call: a restart asks for it once a file)
 
 
@@ -249,13 +251,13 @@ def _finish(t: Totals, tree: InodeTree, engine: Engine) -> Totals:
     t.budget_limit, t.budget_used = usage.limit, usage.used
     left = engine.unpublished()
     t.queue = len(left)
-    sealed = [g.sealed_at for g in left if isinstance(g, FileGen)]
-    t.oldest_unpublished_s = time.time() - min(sealed) if sealed else 0.0
+    gens = [g for g in left if isinstance(g, FileGen)]
+    t.oldest_unpublished_s = time.time() - min(map(_SEALED_AT, gens)) if gens else 0.0
     t.upload_bytes_per_s = engine.throughput()
-    t.lost = sum(1 for g in left if isinstance(g, FileGen) and g.lost)
     t.stalled = engine.stalled
     failing = engine.failing(left)  # not a second pass over the queue (0.07 s with 100,000 files in it)
     t.failing = len(failing)
+    t.lost = sum(1 for g in failing if isinstance(g, FileGen) and g.lost)  # lost: parked with an error, so failing
     if failing:
         t.last_error, t.last_error_age_s = failing[0].error, max(0.0, time.time() - failing[0].error_at)
     t.counters = {**asdict(engine.counters), "verify_failures": len(engine.verify_failures)}

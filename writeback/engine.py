@@ -472,12 +472,17 @@ class Engine:
     def unpublished(self) -> list[Op]:
         """What is not in the store yet: unsettled generations (held and
         parked ones included), queued renames and removals, waiting removals."""
-        out: list[Op] = [g for g in self.unsettled.values() if not self.publisher.settled(g) and g.state is not State.DROPPED]
+        # An unsettled generation neither published nor dropped is not settled
+        # (`Publisher.settled`): told from its state alone, as this walks
+        # every file in flight at each `status` (100,000 of them: 0.1 s).
+        published, dropped = State.PUBLISHED, State.DROPPED
+        out: list[Op] = [g for g in self.unsettled.values() if g.state is not published and g.state is not dropped]
         # (a following node's queue keeps ops the publishing node applied beyond its position: done, see following.py)
         # Published generations still queued here: shown at one name, their
         # turn not over (`waiting`).
         leads = not self.publisher.follows
-        out += [op for op in self.queue if not op.done.is_set() and (not isinstance(op, FileGen) or (leads and op.state is State.PUBLISHED))]
+        out += [op for op in self.queue
+                if (not isinstance(op, FileGen) or (leads and op.state is published)) and not op.done.is_set()]
         out += [op for _, op in self.publisher.deferred]
         return out + self.skipped
 

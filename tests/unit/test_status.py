@@ -7,12 +7,15 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
 
 import trio
 from ckptfs.daemon import control, status
 from ckptfs.daemon.status import Ledger, recount
 from ckptfs.fs.tree import ROOT
 from ckptfs.writeback import residency
+from ckptfs.writeback.journal import FileGen
+from ckptfs.writeback.publisher import Publisher
 
 from ckptfs.client import PROTOCOL_VERSION
 from tests.unit.test_engine import Rig
@@ -186,6 +189,27 @@ async def test_a_status_query_looks_only_at_files_that_changed(tmp_path, monkeyp
     totals = ledger.totals()
     assert _view(totals) == _view(recount(rig.store, rig.engine))
     assert totals.by_state["published"].files == 50 and len(set(counted)) == 50
+
+
+async def test_the_totals_of_a_long_queue_look_at_each_queued_file_only_for_what_it_shows(tmp_path, monkeypatch):
+    """Each `status` walks the write-back queue once for its length, its
+    oldest file and what fails: with 100,000 files queued that took 0.1 s
+    a query, the mount waiting, as each file cost a call to tell whether it
+    was settled and another whether it was lost (0.04 s now)."""
+    rig = Rig(tmp_path / "store")
+    for i in range(200):
+        rig.write(f"f{i}", b"x")  # sealed and queued: the engine is not running
+    first = rig.engine.unsettled[next(iter(rig.engine.unsettled))]
+    calls: list[str] = []
+    settled = Publisher.settled
+    monkeypatch.setattr(Publisher, "settled", lambda self, gen: calls.append("settled") or settled(self, gen))
+    lost = FileGen.lost
+    monkeypatch.setattr(FileGen, "lost", property(lambda gen: calls.append("lost") or lost.fget(gen)))
+    before = time.time()
+    totals = Ledger(rig.store, rig.engine).totals()
+    assert calls == []
+    assert totals.queue == 200 and totals.lost == 0 and totals.failing == 0
+    assert before - first.sealed_at <= totals.oldest_unpublished_s <= time.time() - first.sealed_at
 
 
 async def test_evict_of_many_files_lets_the_mount_answer_meanwhile(tmp_path, monkeypatch):
