@@ -86,6 +86,24 @@ async def test_a_refresh_in_batches_ends_however_many_files_are_in_flight(tmp_pa
     assert _view(ledger.totals()) == _view(recount(rig.store, rig.engine))
 
 
+async def test_the_ledger_keeps_up_within_a_second_so_a_query_refreshes_little(tmp_path, autojump_clock):
+    """What files made and published touch is counted every second in the
+    background: a `status` asked while 2,000 files a second are made and
+    published refreshed up to five seconds of them (10,000 files: 37 ms)."""
+    rig = Rig(tmp_path / "store")
+    ledger = Ledger(rig.store, rig.engine)
+    async with trio.open_nursery() as n:
+        n.start_soon(ledger.keep_up)
+        await trio.sleep(0.1)
+        for i in range(20):
+            rig.write(f"f{i}", b"x")
+        assert rig.store.touched
+        await trio.sleep(1.1)
+        assert not rig.store.touched and not rig.engine.touched
+        assert ledger.sums.files.files == 20
+        n.cancel_scope.cancel()
+
+
 async def _turns_during(body) -> int:
     """How many times another task got a turn while `body` was awaited."""
     turns = 0
