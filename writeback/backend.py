@@ -607,22 +607,25 @@ class LocalBackend(Backend):
             out = []
             for pieces, size in files:
                 large = not 0 <= size < SYNCED_AT_PUBLISH
-                tmp = self._staging_name()
-                _write_new(d, tmp.rpartition("/")[2], pieces, sync=large, direct=large)
-                out.append(Staged(size, tmp))
+                out.append(Staged(size, self._write_staged(d, pieces, sync=large, direct=large)))
             return out
         finally:
             os.close(d)
 
-    def _write_staged(self, pieces: Iterable[memoryview | bytes], sync: bool, direct: bool = False) -> str:
+    def _write_staged(self, d: int, pieces: Iterable[memoryview | bytes], sync: bool, direct: bool = False) -> str:
+        """A new file in the staging directory (open as `d`); its token."""
         tmp = self._staging_name()
-        with self._at(tmp, create=True) as (d, name):
-            _write_new(d, name, pieces, sync, direct)
+        _write_new(d, tmp.rpartition("/")[2], pieces, sync, direct)
         return tmp
 
     def publish(self, staged: Staged, path: str, pieces: Iterable[memoryview | bytes] = (), mode: int | None = None) -> None:
-        if staged.token is None:  # a small file, written whole now
-            self._replace(self._write_staged(pieces, sync=True), path, mode)
+        if staged.token is None:  # a small file, written whole now and synced at once
+            d = self._dir(self.staging, create=True)
+            try:
+                tmp = self._write_staged(d, pieces, sync=True)
+            finally:
+                os.close(d)
+            self._replace(tmp, path, mode)
             return
         self._replace(staged.token, path, mode, sync_src=0 <= staged.size < SYNCED_AT_PUBLISH)
 

@@ -140,11 +140,10 @@ def _staged_now(backend: Backend, files: list[tuple[Record, Staged, Callable[[],
     out = [(rec, staged) for rec, staged, _pieces in files]
     if not backend.stage_ahead_from:
         return out
-    todo = [(i, rec, staged.size, pieces) for i, (rec, staged, pieces) in enumerate(files) if staged.token is None and pieces is not None]
-    if not todo:
-        return out
-    for (i, rec, _size, _pieces), staged in zip(todo, backend.stage_many([(pieces(), size) for _i, _rec, size, pieces in todo]), strict=True):
-        out[i] = (rec._replace(source=f"staged:{staged.token}"), staged)
+    todo = [(i, staged.size, pieces) for i, (_rec, staged, pieces) in enumerate(files) if staged.token is None and pieces is not None]
+    if todo:
+        for (i, _size, _pieces), staged in zip(todo, backend.stage_many([(pieces(), size) for _i, size, pieces in todo]), strict=True):
+            out[i] = (out[i][0]._replace(source=f"staged:{staged.token}"), staged)
     return out
 
 
