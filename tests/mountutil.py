@@ -29,11 +29,12 @@ def is_mounted(path: Path | str) -> bool:
     return str(path) in runtime.all_mountpoints()
 
 
-def run_cli(*args: str, timeout: float = 120, env: dict | None = None, user: int | None = None) -> subprocess.CompletedProcess:
+def run_cli(*args: str, timeout: float = 120, env: dict | None = None, user: int | None = None,
+            cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "ckptfs.tools.cli", *args],
         capture_output=True, text=True, timeout=timeout, env=env,
-        user=user,
+        user=user, cwd=cwd,
     )
 
 

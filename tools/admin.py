@@ -19,6 +19,7 @@ from ckptfs import runtime
 from ckptfs.client import AccessDenied, CkptfsError, Client, DaemonUnavailable, FlushIncomplete, NotMounted, RequestFailed
 from ckptfs.escape import printable
 
+from .paths import GivenPath
 from .units import Number, format_duration, format_size
 
 EXIT_INCOMPLETE, EXIT_USAGE, EXIT_UNAVAILABLE = 1, 2, 3
@@ -67,7 +68,7 @@ def _console():
 
 # -- status --------------------------------------------------------------------
 @click.command()
-@click.argument("mountpoint", required=False, type=click.Path())
+@click.argument("mountpoint", required=False, type=GivenPath())
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (stable, versioned).")
 @click.option("--files", "files", is_flag=False, flag_value="", default=None, metavar="[PATH]",
               help="Also list every file (under PATH: absolute, or relative to the mountpoint) with its state.")
@@ -216,7 +217,7 @@ def _print_cluster(console, c: dict) -> None:
 
 # -- flush ---------------------------------------------------------------------
 @click.command()
-@click.argument("path", required=False, default=".", metavar="[MOUNTPOINT|PATH]", type=click.Path())
+@click.argument("path", required=False, default=".", metavar="[MOUNTPOINT|PATH]", type=GivenPath())
 @click.option("--timeout", type=Number(0), default=None, metavar="S", help="Give up after S seconds (exit 1) [default: wait until published].")
 @click.option("--cluster", is_flag=True, help="Wait for what every node of the mount's cluster sealed before now, not only what this node has seen.")
 def flush(path: str, timeout: float | None, cluster: bool) -> None:
@@ -286,7 +287,7 @@ def _request(path: str, method) -> dict:
 
 
 @click.command()
-@click.argument("path", type=click.Path())
+@click.argument("path", type=GivenPath())
 def prefetch(path: str) -> None:
     """Load PATH (a file or a directory, recursively) from the store into RAM,
     verified, ahead of a restart's reads. Files that cannot be loaded (corrupt
@@ -301,7 +302,7 @@ def prefetch(path: str) -> None:
 
 
 @click.command()
-@click.argument("path", type=click.Path())
+@click.argument("path", type=GivenPath())
 def evict(path: str) -> None:
     """Drop PATH's published files (a file or a directory, recursively) from
     RAM; they load again from the store on next use. Unpublished files are

@@ -11,6 +11,7 @@ import click
 
 from ckptfs.advise import advise as compute
 
+from .paths import GivenPath
 from .units import Number, format_duration, format_size, parse_size
 
 
@@ -20,7 +21,7 @@ from .units import Number, format_duration, format_size, parse_size
               help="Mean time between failures of the whole job, in hours.")
 @click.option("--restart-seconds", type=Number(0, 1e6), default=0.0, show_default=True, metavar="R",
               help="How long a restart takes (relaunch + load).")
-@click.option("--measure", "measure_mp", type=click.Path(), metavar="MOUNTPOINT", help="Measure C: time a real save of --size into this directory.")
+@click.option("--measure", "measure_mp", type=GivenPath(), metavar="MOUNTPOINT", help="Measure C: time a real save of --size into this directory.")
 @click.option("--size", default="1G", show_default=True, metavar="SIZE", help="Checkpoint size for --measure.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def advise(save_seconds: float | None, mtbf_hours: float, restart_seconds: float, measure_mp: str | None, size: str, as_json: bool) -> None:

@@ -26,6 +26,7 @@ from ckptfs.escape import EscapingFormatter, printable
 
 from .admin import COMMANDS
 from .advise import advise
+from .paths import GivenPath, StoreURL
 from .preflight import (
     PreflightError,
     check_cluster,
@@ -81,8 +82,8 @@ def main() -> None:
 
 
 @main.command()
-@click.argument("mountpoint", type=click.Path())
-@click.option("--store", "store_url", required=True, metavar="URL", help="Durable store: a local directory or any fsspec URL (file://, s3://, gs://).")
+@click.argument("mountpoint", type=GivenPath())
+@click.option("--store", "store_url", required=True, type=StoreURL(), metavar="URL", help="Durable store: a local directory or any fsspec URL (file://, s3://, gs://).")
 @click.option("--memory-limit", default="50%", show_default=True, metavar="SIZE",
               help="RAM budget for file data: 512M, 8G, or a percentage of the memory this machine has (or its cgroup: a container's limit).")
 @click.option("--reuse-ram", default=DEFAULT_REUSE_RAM, show_default=True, metavar="SIZE",
@@ -90,7 +91,7 @@ def main() -> None:
                    "kept for the next save to write into, which is "
                    "faster than fresh memory; the rest goes back to the OS at once. A size or a percentage of the budget; 0 keeps none.")
 @click.option("--foreground", "-f", is_flag=True, help="Stay in the foreground (logs go to stderr unless --log-file).")
-@click.option("--log-file", type=click.Path(dir_okay=False), help="Log here (default in background: the mount's runtime directory).")
+@click.option("--log-file", type=GivenPath(dir_okay=False), help="Log here (default in background: the mount's runtime directory).")
 @click.option("--log-level", default="INFO", show_default=True, type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 @click.option("--fsync", "fsync_mode", default="ram", show_default=True, type=click.Choice(["ram", "durable"]),
               help="ram: fsync returns at once (the data is in RAM). durable: fsync waits until the file is published to the store.")
@@ -101,7 +102,7 @@ def main() -> None:
 @click.option("--store-option", "store_options", multiple=True, metavar="KEY=VALUE",
               help="An fsspec storage option, e.g. client_kwargs.endpoint_url=http://host:9000 (repeatable). "
                    "Secrets are better passed as JSON in $CKPTFS_STORE_OPTIONS, or the store's own variables (AWS_*).")
-@click.option("--spill-dir", type=click.Path(file_okay=False), metavar="DIR",
+@click.option("--spill-dir", type=GivenPath(file_okay=False), metavar="DIR",
               help="Where a file too big for the RAM budget continues, on local disk (never the store: a store outage "
                    "must not fail a write) [default: /var/tmp].")
 @click.option("--metrics-port", type=click.IntRange(1, 65535), metavar="N", help="Serve Prometheus metrics on this port (/metrics).")
@@ -111,7 +112,7 @@ def main() -> None:
               help="Cluster mode: share one namespace with every daemon mounted with this Redis URL "
                    "(redis://HOST:PORT/DB, rediss:// for TLS) and the same --store. The password comes from "
                    "$CKPTFS_REDIS_PASSWORD or --cluster-password-file, never the URL on a shared machine.")
-@click.option("--cluster-password-file", type=click.Path(dir_okay=False), metavar="FILE", help="A file holding the Redis password.")
+@click.option("--cluster-password-file", type=GivenPath(dir_okay=False), metavar="FILE", help="A file holding the Redis password.")
 @click.option("--node", metavar="NAME", help="This node's name in the cluster (status and logs) [default: the host name].")
 @click.option("--cluster-snapshot-every", default=10_000, show_default=True, type=click.IntRange(1), metavar="N",
               help="Cluster mode, on the node that publishes: keep a snapshot of the namespace in Redis every N changes, "
@@ -411,7 +412,7 @@ def _last_error(log_file: str) -> str:
 
 
 @main.command()
-@click.argument("mountpoint", type=click.Path())
+@click.argument("mountpoint", type=GivenPath())
 @click.option("--timeout", default=600.0, show_default=True,
               help="Seconds to wait for the daemon to publish everything and exit (it goes on publishing after; umount again waits again).")
 def umount(mountpoint: str, timeout: float) -> None:
@@ -486,7 +487,7 @@ EXIT_CORRUPT, EXIT_MISSING, EXIT_EXTRA = 8, 16, 32
 
 
 @main.command()
-@click.argument("target", metavar="STORE_URL|MOUNTPOINT")
+@click.argument("target", type=StoreURL(), metavar="STORE_URL|MOUNTPOINT")
 @click.argument("path", required=False, default="")
 @click.option("--store-option", "store_options", multiple=True, metavar="KEY=VALUE", help="An fsspec storage option (as for mount).")
 def verify(target: str, path: str, store_options: tuple[str, ...]) -> None:

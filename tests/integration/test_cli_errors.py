@@ -118,6 +118,41 @@ def test_a_mistake_is_one_line(places, argv, env, code, word):
             _cleanup_background(mp)
 
 
+EMPTY = [
+    ["mount", "", "--store", "{store}"],
+    ["mount", "{mp}", "--store", ""],
+    ["mount", "{mp}", "--store", "file://"],
+    ["mount", "{mp}", "--store", "{store}", "--spill-dir", ""],
+    ["mount", "{mp}", "--store", "{store}", "--log-file", ""],
+    ["umount", ""],
+    ["status", ""],
+    ["flush", ""],
+    ["prefetch", ""],
+    ["evict", ""],
+    ["verify", ""],
+    ["verify", "file://"],
+]
+
+
+@pytest.mark.parametrize("argv", EMPTY, ids=[" ".join(a or "''" for a in argv) for argv in EMPTY])
+def test_an_empty_path_or_store_is_refused_not_taken_for_the_current_directory(tmp_path, argv):
+    """What `"$MNT"` or `"$STORE"` gives when the variable is unset: the
+    current directory would become a store (its files shown in the mount,
+    and the mount's written into it) or a mount point."""
+    cwd, mp = tmp_path / "cwd", tmp_path / "mnt"
+    cwd.mkdir()
+    mp.mkdir()
+    (cwd / "notes.txt").write_text("the user's own file\n")
+    try:
+        r = run_cli(*(a.format(mp=mp, store=tmp_path / "store") for a in argv), cwd=cwd, timeout=60)
+        assert_one_line(r, 2, "unset shell variable" if "file://" not in argv else "names no directory")
+        assert sorted(os.listdir(cwd)) == ["notes.txt"] and not is_mounted(cwd)
+        assert sorted(os.listdir(tmp_path)) == ["cwd", "mnt"] and not is_mounted(mp)
+    finally:
+        for where in (cwd, mp):
+            _cleanup_background(where)
+
+
 def test_a_spill_directory_that_cannot_hold_files_is_refused_at_mount(tmp_path):
     """--spill-dir on a read-only file system (a container's /var/tmp is
     often one) was accepted: the first save larger than the RAM budget then

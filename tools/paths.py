@@ -1,0 +1,39 @@
+"""Paths and store URLs as given on the command line.
+
+An empty one is refused, never taken for the current directory: it is what
+`ckptfs mount "$MNT" --store "$STORE"` passes when a variable is unset, and
+the current directory would then become a store (its files shown in the
+mount, the mount's written into it) or a mount point. So do `ls ''` and
+every POSIX call (ENOENT)."""
+
+from __future__ import annotations
+
+import click
+
+UNSET = "empty (an unset shell variable?)"
+
+
+class GivenPath(click.Path):
+    """A click.Path that is not empty."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str) and value == "":
+            self.fail(UNSET, param, ctx)
+        return super().convert(value, param, ctx)
+
+
+class StoreURL(click.ParamType):
+    """A store URL or a local directory, not empty, and a local URL naming a
+    directory (`file://` alone names none)."""
+
+    name = "url"
+
+    def convert(self, value, param, ctx) -> str:
+        from ckptfs.writeback.backend import split_protocol  # only where the store is opened anyway (trio: 0.1 s)
+
+        if not value.strip():
+            self.fail(UNSET, param, ctx)
+        protocol, rest = split_protocol(value)
+        if protocol in ("file", "local") and not rest:
+            self.fail(f"{value!r} names no directory: write {protocol}:///ABSOLUTE/PATH or a plain path", param, ctx)
+        return value
