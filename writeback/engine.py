@@ -1104,7 +1104,8 @@ class Engine:
             dirs_at.add(parent)
             if is_dir:
                 for e in run:
-                    node = ns.restore(e.path, stat.S_IFDIR | 0o755)
+                    own = scanned.unrecorded.get(e.path, NOT_RECORDED_DIR)  # a directory with a record: restored below
+                    node = ns.restore(e.path, stat.S_IFDIR | own.mode, uid=own.uid, gid=own.gid)
                     self.publisher.restored(e.path, Dir(node.ino))
                     dirs_at.add(e.path)
                 continue
@@ -1115,8 +1116,10 @@ class Engine:
             names = [e.path[cut:] for e in run]
             recs = [rec if rec is not None and rec.kind == "file" else None for rec in map(records.get, [e.path for e in run])]
             recorded = [NOT_RECORDED if rec is None else Meta(rec.mode, rec.uid, rec.gid, rec.mtime_ns) for rec in recs]
+            shown = [_restorable(meta) if rec is not None else scanned.unrecorded.get(e.path, NOT_RECORDED)
+                     for e, rec, meta in zip(run, recs, recorded, strict=True)]
             nodes = ns.restore_files(parent, [(name, meta.mode, e.size, meta.mtime_ns, meta.uid, meta.gid)
-                                              for name, e, meta in zip(names, run, map(_restorable, recorded), strict=True)])
+                                              for name, e, meta in zip(names, run, shown, strict=True)])
             inos = [node.ino for node in nodes]
             files = [(name, File(ino, shown=Shown(ino, 1, None if rec is None else rec.current, meta)))
                      for name, ino, rec, meta in zip(names, inos, recs, recorded, strict=True)]
@@ -1248,7 +1251,8 @@ def _bind_made(replica: Replica, ns: Restorer, paths: set[str]) -> list[Dir]:
     return found
 
 
-NOT_RECORDED = Meta()  # a file the store holds with no record
+NOT_RECORDED = Meta()  # a file the store holds with no record (and keeps no attributes of: `storeio.unrecorded_meta`)
+NOT_RECORDED_DIR = Meta(0o755)  # the same, a directory
 
 
 def _restorable(meta: Meta) -> Meta:

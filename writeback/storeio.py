@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import errno
 import logging
+import stat
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
@@ -237,6 +238,9 @@ class Scanned:
     outside: list[str]  # marks of record changes made without a daemon (all records were read)
     indexed: bool  # the records came from the manifest index or image, not all from their objects
     exchanged: int = 0  # the journal position of the last exchange the store applied, as its plan says (`exchange`)
+    # Files and directories with no record, on a store that keeps attributes
+    # itself (`unrecorded_meta`): what its file system says of them.
+    unrecorded: dict[str, manifest.Meta] = dataclasses.field(default_factory=dict)
 
 
 # A packed image of this many bytes holds some 7,000 records, and the store
@@ -330,7 +334,24 @@ def scan(backend: Backend) -> Scanned:
         image.forget([manifest.record_path(path)])
         del records[path]
     image.packed()  # here, in a worker thread: the daemon keeps it packed
-    return Scanned(entries, records, unreadable, image, outside, index is not None, exchanged)
+    unrecorded = unrecorded_meta(backend, [e.path for e in entries if e.path not in records or records[e.path].kind != ("dir" if e.is_dir else "file")])
+    return Scanned(entries, records, unreadable, image, outside, index is not None, exchanged, unrecorded)
+
+
+def unrecorded_meta(backend: Backend, paths: list[str]) -> dict[str, manifest.Meta]:
+    """What a local store's own file system says of entries ckptfs has no
+    record of (another tool put them there; a daemon killed before it
+    recorded a directory): its permission bits, owner and mtime, so that the
+    mount never opens to every user what the store keeps to one. Never its
+    set-ID bits (a directory keeps its sticky bit). An object store keeps
+    none: such entries take the defaults (`manifest.Meta()`)."""
+    out = {}
+    for path, st in backend.stat_many(paths):  # in listing order: a directory's entries together
+        if stat.S_ISDIR(st.st_mode):
+            out[path] = manifest.Meta(st.st_mode & 0o1777, st.st_uid, st.st_gid, None)  # a directory's time: see `Engine.scan`
+        elif stat.S_ISREG(st.st_mode):
+            out[path] = manifest.Meta(st.st_mode & 0o777, st.st_uid, st.st_gid, st.st_mtime_ns)
+    return out
 
 
 def _left_out_of_the_index(backend: Backend, image: manifest.Image, records: dict[str, Record], files: set[str]) -> None:

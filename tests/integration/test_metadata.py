@@ -77,6 +77,47 @@ def test_modes_owners_and_mtimes_come_back_exactly(tmp_path):
         stop_mount(m)
 
 
+def test_files_another_tool_put_in_a_local_store_keep_its_modes_owners_and_times(tmp_path):
+    """A store directory filled before ckptfs (`rsync -a`, `cp -a`) or beside
+    it: with no record of them, the mount shows what the store's file system
+    says, and never opens to every user (a root mount is `allow_other`) what
+    the store keeps to one."""
+    store = tmp_path / "store"
+    (store / "private").mkdir(parents=True)
+    (store / "private" / "token").write_bytes(b"secret\n")
+    os.chmod(store / "private" / "token", 0o600)
+    os.chown(store / "private" / "token", 1234, 5678)
+    os.utime(store / "private" / "token", ns=(1, 1_600_000_000_123_456_789))
+    os.chmod(store / "private", 0o700)
+    os.chown(store / "private", 1234, 5678)
+    (store / "tool").write_bytes(b"#!/bin/sh\n")
+    os.chown(store / "tool", 1234, 1234)
+    os.chmod(store / "tool", 0o4755)  # set-user-ID in a store ckptfs never wrote: not to be trusted
+    (store / "shared").mkdir()
+    os.chmod(store / "shared", 0o1777)
+    (store / "checkpoint-30").mkdir()
+    (store / "checkpoint-30" / "model.pt").write_bytes(b"30")
+    os.utime(store / "checkpoint-30" / "model.pt", ns=(1, 1_700_000_000_000_000_000))
+    m = start_mount(tmp_path)
+    mp = m.mountpoint
+    try:
+        st = os.stat(mp / "private" / "token")
+        assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, st.st_mtime_ns) == (0o600, 1234, 5678, 1_600_000_000_123_456_789)
+        st = os.stat(mp / "private")
+        assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o700, 1234, 5678)
+        st = os.stat(mp / "tool")
+        assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o755, 1234)
+        assert stat.S_IMODE(os.stat(mp / "shared").st_mode) == 0o1777
+        assert os.stat(mp / "checkpoint-30" / "model.pt").st_mtime_ns == 1_700_000_000_000_000_000
+        import subprocess
+
+        r = subprocess.run(["cat", str(mp / "private" / "token")], capture_output=True, user=65534)
+        assert r.returncode != 0 and r.stdout == b"", r
+        assert (mp / "private" / "token").read_bytes() == b"secret\n"  # its owner (here root) still reads it
+    finally:
+        stop_mount(m)
+
+
 def test_a_mode_changed_after_publication_reaches_the_store(fresh_mount):
     m = fresh_mount
     p = m.path("weights.bin")
