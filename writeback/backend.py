@@ -763,8 +763,9 @@ class LocalBackend(Backend):
             heads.close()
 
     def stat_many(self, paths: list[str]) -> Iterator[tuple[str, os.stat_result]]:
-        """As `read_many`, each directory opened once for `paths` sorted; a
-        symlink is not followed (and is no entry of the store's)."""
+        """As `read_many`, each directory opened once when `paths` come a
+        directory at a time; a symlink is not followed (and is no entry of
+        the store's)."""
         heads = _OpenDirs(self._dir)
         try:
             for path in paths:

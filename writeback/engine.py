@@ -1104,7 +1104,7 @@ class Engine:
             dirs_at.add(parent)
             if is_dir:
                 for e in run:
-                    own = scanned.unrecorded.get(e.path, NOT_RECORDED_DIR)  # a directory with a record: restored below
+                    own = scanned.unrecorded.get(e.path, NOT_RECORDED_DIR)  # one with a record takes its attributes below
                     node = ns.restore(e.path, stat.S_IFDIR | own.mode, uid=own.uid, gid=own.gid)
                     self.publisher.restored(e.path, Dir(node.ino))
                     dirs_at.add(e.path)
@@ -1116,10 +1116,11 @@ class Engine:
             names = [e.path[cut:] for e in run]
             recs = [rec if rec is not None and rec.kind == "file" else None for rec in map(records.get, [e.path for e in run])]
             recorded = [NOT_RECORDED if rec is None else Meta(rec.mode, rec.uid, rec.gid, rec.mtime_ns) for rec in recs]
-            shown = [_restorable(meta) if rec is not None else scanned.unrecorded.get(e.path, NOT_RECORDED)
-                     for e, rec, meta in zip(run, recs, recorded, strict=True)]
+            given = list(map(_restorable, recorded))
+            if scanned.unrecorded:  # files another tool put in the store: as its file system has them
+                given = [scanned.unrecorded.get(e.path, meta) if rec is None else meta for e, rec, meta in zip(run, recs, given, strict=True)]
             nodes = ns.restore_files(parent, [(name, meta.mode, e.size, meta.mtime_ns, meta.uid, meta.gid)
-                                              for name, e, meta in zip(names, run, shown, strict=True)])
+                                              for name, e, meta in zip(names, run, given, strict=True)])
             inos = [node.ino for node in nodes]
             files = [(name, File(ino, shown=Shown(ino, 1, None if rec is None else rec.current, meta)))
                      for name, ino, rec, meta in zip(names, inos, recs, recorded, strict=True)]
