@@ -12,11 +12,12 @@ position reached) and makes the store agree:
   becomes visible as a unit: on a local store its held members are put in
   place and the directory moves with one rename(2); on an object store
   members move first and completion markers (`markers`) last.
-- Removals wait (see `_gated`): a removal is applied only once every
-  generation sealed before it is settled (published, or dropped for good by
-  an op the publisher has already passed), so rotation never removes an old
-  checkpoint before the newer one is in the store, even when the newer one
-  was itself deleted before its turn.
+- Removals wait (see `_gated`): a removal is applied only at a journal
+  position where everything sealed before it is in the store or was gone
+  from the mount by then (deleted or replaced before its turn, C4), and so
+  is everything sealed before that; so rotation never removes an old
+  checkpoint before a newer one is in the store, even when the newer ones
+  were themselves deleted before their turn.
 - A generation that fails permanently (a name the store cannot take) is
   *parked* after `Retry.park_after` tries: loud, retried rarely, and it no
   longer blocks the queue. It still blocks later removals and completion
@@ -112,6 +113,11 @@ class Publisher:
         self.markers = markers
         self.position = 0  # seq of the last op applied (or deferred)
         self.deferred: collections.deque[tuple[Node | None, Remove]] = collections.deque()
+        # Where the store may stand, from the generations settled so far (`_gated`):
+        # the furthest journal position the store lacks one of them from, and
+        # the last position before which each of them is in the store or gone.
+        self._reach = 0
+        self._cut = 0
         # Removals after the first of `deferred` that had their turn and are not held back, ascending (`removals_held`)
         self.not_held: list[int] = []
         self._removals_held: tuple[object, HeldBack] | None = None  # the last `removals_held`, while neither list changed
@@ -1194,19 +1200,36 @@ class Publisher:
 
     # -- removals wait ----------------------------------------------------------
     def _gated(self, seq: int) -> bool:
-        """Whether a generation sealed before `seq` is not settled yet."""
+        """Whether the removal at `seq` must wait. The store skips what the
+        mount deleted or replaced before its turn (C4), so it may go from one
+        moment of the mount to a later one without the files in between;
+        a removal is applied only at a moment it can stand at: one where
+        every generation sealed before it is published or was already gone
+        from the mount, and that moment after the removal. Not enough: that
+        every generation sealed before the removal is settled. A keep-N
+        rotation faster than write-back deletes each new checkpoint before
+        its turn; the old one's removal then waited only for those
+        deletions, and the store held no complete checkpoint while the
+        newest was still on its way (a kill -9 soak)."""
         self.trim_settled()
-        return bool(self.e.unsettled) and next(iter(self.e.unsettled)) < seq
+        front = next(iter(self.e.unsettled), None)  # the first generation not settled
+        if front is None:  # all settled, each gone by a deletion the publisher passed: it can stand where it is
+            return False
+        return seq > (front if self._reach <= front else self._cut)
 
     def trim_settled(self) -> None:
         """Settled generations leave the front of `unsettled` (in seal
-        order), so what is in flight stays cheap to look at."""
+        order), so what is in flight stays cheap to look at; what `_gated`
+        needs of them is kept (`_reach`, `_cut`)."""
         unsettled = self.e.unsettled
         while unsettled:
             first = next(iter(unsettled.values()))
             if not self.settled(first):
                 return
             unsettled.popitem(last=False)
+            if self._reach <= first.seq:  # everything sealed before it is in the store, or gone from the mount before it
+                self._cut = first.seq
+            self._reach = max(self._reach, _gone_at(first))
 
     def settled(self, gen: FileGen) -> bool:
         if gen.state is State.PUBLISHED:
@@ -1456,6 +1479,18 @@ def _shown(node: File, gen: FileGen) -> None:
     node.held = None
     if gen.staged is not None and gen.staged.token is not None:
         gen.staged = None  # consumed: the staging object is now the file
+
+
+def _gone_at(gen: FileGen) -> int:
+    """A settled generation: the journal position from which the store may
+    lack its bytes. Published: none (its seal). Replaced by a newer
+    generation of its file: that one's seal. Deleted before its turn: the
+    op that deleted it."""
+    if gen.state is State.DROPPED:
+        if gen.superseded_by is not None:
+            return gen.superseded_by.seq
+        return max(gen.seq, gen.dropped_by)
+    return gen.seq
 
 
 def _under(top: str, rel: str) -> str:

@@ -158,6 +158,75 @@ async def test_rotation_never_leaves_the_store_without_a_complete_checkpoint(tmp
     assert sorted(complete()) == ["c5", "c6"] and sorted(os.listdir(tmp_path / "store")) == [".ckptfs", "c5", "c6"]
 
 
+class Stalling:
+    """Wraps a backend: a call naming a path under `prefix` waits until
+    `go` is set (a slow upload of the newest checkpoint)."""
+
+    def __init__(self, inner, prefix: str) -> None:
+        self.inner, self.prefix, self.go = inner, prefix, threading.Event()
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if not callable(attr) or name in ("dirs", "staging", "daemon_id", "hidden_name"):
+            return attr
+
+        def call(*args, **kwargs):
+            if self.prefix in repr(args):
+                self.go.wait(30)
+            return attr(*args, **kwargs)
+
+        return call
+
+
+async def test_a_rotation_that_outruns_write_back_keeps_the_last_complete_checkpoint(tmp_path):
+    """keep-1 rotation: c2, c3 and c4 are saved, and c1, c2, c3 deleted,
+    before the store comes back from an outage; then c4's upload is slow.
+    c2 and c3 are never uploaded (deleted before their turn, C4), so the
+    store may go from c1 to c4 directly, but it must not remove c1 before
+    c4 is in: it would hold no complete checkpoint (found by a kill -9
+    soak of a fast keep-3 rotation)."""
+    rig = Rig(tmp_path / "store")
+    root = tmp_path / "store"
+    files = ("model", "done")
+
+    def complete():
+        return sorted(c for c in os.listdir(root) if c.startswith("c") and all((root / c / f).exists() for f in files))
+
+    def save(c):
+        rig.mkdir(c)
+        for f in files:
+            rig.write(f"{c}/{f}", c.encode() * 100)
+
+    def delete(c):
+        for f in files:
+            rig.unlink(f"{c}/{f}")
+        rig.store.rmdir(ROOT, c.encode())
+
+    save("c1")
+    await run_until_flushed(rig)
+    stalling = Stalling(Checked(rig.backend, lambda: [] if complete() else ["no complete checkpoint in the store"]), "c4/")
+    faulty = FaultyBackend(stalling, error_rate=0.0, latency_s=0.0)
+    rig.engine.backend = faulty
+    faulty.down = True
+    for n in range(2, 5):
+        save(f"c{n}")
+        delete(f"c{n - 1}")
+
+    async def slow_c4():
+        faulty.down = False
+        await trio.sleep(1.0)  # the store is back; c4's upload hangs meanwhile
+        held = complete()
+        stalling.go.set()
+        assert held, "no complete checkpoint in the store while c4 was being uploaded"
+
+    try:
+        await run_until_flushed(rig, slow_c4)
+    finally:
+        stalling.go.set()
+    assert not stalling.inner.violations, stalling.inner.violations
+    assert complete() == ["c4"]
+
+
 async def test_a_marker_never_shows_without_data_deleted_after_it(tmp_path):
     """Rotation that has removed an old checkpoint's data but not yet its
     marker when write-back reaches them (rmtree removes in directory order):
