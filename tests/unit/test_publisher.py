@@ -109,27 +109,35 @@ async def test_directory_commit_on_an_object_store_shows_markers_last(tmp_path):
     mem.rm(f"/{tmp_path.name}", recursive=True)
 
 
+class _Checkpoints:
+    """Checkpoints `c<N>/` of `files` made and deleted in a rig's mount, and
+    those its store holds whole."""
+
+    def __init__(self, rig: Rig, files: tuple[str, ...]) -> None:
+        self.rig, self.files = rig, files
+
+    def complete(self) -> list[str]:
+        root = self.rig.root
+        return sorted(c for c in os.listdir(root) if c.startswith("c") and all((root / c / f).exists() for f in self.files))
+
+    def save(self, c: str) -> None:
+        self.rig.mkdir(c)
+        for f in self.files:
+            self.rig.write(f"{c}/{f}", c.encode() * 100)
+
+    def delete(self, c: str) -> None:
+        for f in self.files:
+            self.rig.unlink(f"{c}/{f}")
+        self.rig.store.rmdir(ROOT, c.encode())
+
+
 async def test_rotation_never_leaves_the_store_without_a_complete_checkpoint(tmp_path):
     """keep-2 rotation through an outage: c3 and c4 are written and deleted
     again before the store comes back. The deletions of c1 and c2 must wait
     until a newer complete checkpoint is in the store."""
     rig = Rig(tmp_path / "store")
-    files = ("model", "optim", "done")
-
-    def complete():
-        root = tmp_path / "store"
-        return [c for c in os.listdir(root) if c.startswith("c") and all((root / c / f).exists() for f in files)]
-
-    def save(c):
-        rig.mkdir(c)
-        for f in files:
-            rig.write(f"{c}/{f}", c.encode() * 100)
-
-    def delete(c):
-        for f in files:
-            rig.unlink(f"{c}/{f}")
-        rig.store.rmdir(ROOT, c.encode())
-
+    ckpts = _Checkpoints(rig, ("model", "optim", "done"))
+    complete, save, delete = ckpts.complete, ckpts.save, ckpts.delete
     save("c1")
     save("c2")
     await run_until_flushed(rig)
@@ -186,22 +194,8 @@ async def test_a_rotation_that_outruns_write_back_keeps_the_last_complete_checkp
     c4 is in: it would hold no complete checkpoint (found by a kill -9
     soak of a fast keep-3 rotation)."""
     rig = Rig(tmp_path / "store")
-    root = tmp_path / "store"
-    files = ("model", "done")
-
-    def complete():
-        return sorted(c for c in os.listdir(root) if c.startswith("c") and all((root / c / f).exists() for f in files))
-
-    def save(c):
-        rig.mkdir(c)
-        for f in files:
-            rig.write(f"{c}/{f}", c.encode() * 100)
-
-    def delete(c):
-        for f in files:
-            rig.unlink(f"{c}/{f}")
-        rig.store.rmdir(ROOT, c.encode())
-
+    ckpts = _Checkpoints(rig, ("model", "done"))
+    complete, save, delete = ckpts.complete, ckpts.save, ckpts.delete
     save("c1")
     await run_until_flushed(rig)
     stalling = Stalling(Checked(rig.backend, lambda: [] if complete() else ["no complete checkpoint in the store"]), "c4/")
