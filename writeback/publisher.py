@@ -1201,16 +1201,15 @@ class Publisher:
     # -- removals wait ----------------------------------------------------------
     def _gated(self, seq: int) -> bool:
         """Whether the removal at `seq` must wait. The store skips what the
-        mount deleted or replaced before its turn (C4), so it may go from one
-        moment of the mount to a later one without the files in between;
-        a removal is applied only at a moment it can stand at: one where
-        every generation sealed before it is published or was already gone
-        from the mount, and that moment after the removal. Not enough: that
-        every generation sealed before the removal is settled. A keep-N
+        mount deleted or replaced before its turn (C4), so it may jump from
+        one moment of the mount to a later one. A removal is applied only
+        where the store can stand: at a journal position after it before
+        which every generation is published or was gone from the mount
+        (`_cut`, or the first unsettled generation). That every generation
+        sealed before the removal is settled is not enough: a keep-N
         rotation faster than write-back deletes each new checkpoint before
-        its turn; the old one's removal then waited only for those
-        deletions, and the store held no complete checkpoint while the
-        newest was still on its way (a kill -9 soak)."""
+        its turn, and the old one's removal then left the store with no
+        complete checkpoint while the newest was on its way (a kill -9 soak)."""
         self.trim_settled()
         front = next(iter(self.e.unsettled), None)  # the first generation not settled
         if front is None:  # all settled, each gone by a deletion the publisher passed: it can stand where it is

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import errno
 import logging
+import os
 import stat
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -340,15 +341,19 @@ def scan(backend: Backend) -> Scanned:
 
 def unrecorded_meta(backend: Backend, paths: list[str]) -> dict[str, manifest.Meta]:
     """What a local store's own file system says of entries ckptfs has no
-    record of (another tool put them there; a daemon killed before it
-    recorded a directory): its permission bits, owner and mtime, so that the
-    mount never opens to every user what the store keeps to one. Never its
-    set-ID bits (a directory keeps its sticky bit). An object store keeps
-    none: such entries take the defaults (`manifest.Meta()`)."""
+    record of, put there by another tool: their permission bits, owner and
+    mtime, so that the mount never opens to every user what the store keeps
+    to one. Never set-ID bits (a directory keeps its sticky bit). A file
+    ckptfs publishes always has its record first, but a directory it made
+    has none until the queue is idle, and is `0700` until then: one that
+    the daemon's own user owns may be such a directory, left by a daemon
+    killed meanwhile, and takes the defaults (`0755`), as on an object
+    store, which keeps no attributes at all."""
     out = {}
     for path, st in backend.stat_many(paths):  # in listing order: a directory's entries together
         if stat.S_ISDIR(st.st_mode):
-            out[path] = manifest.Meta(st.st_mode & 0o1777, st.st_uid, st.st_gid, None)  # a directory's time: see `Engine.scan`
+            if st.st_uid != os.geteuid():  # not one ckptfs made; its time: see `Engine.scan`
+                out[path] = manifest.Meta(st.st_mode & 0o1777, st.st_uid, st.st_gid, None)
         elif stat.S_ISREG(st.st_mode):
             out[path] = manifest.Meta(st.st_mode & 0o777, st.st_uid, st.st_gid, st.st_mtime_ns)
     return out

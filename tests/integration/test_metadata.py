@@ -95,6 +95,9 @@ def test_files_another_tool_put_in_a_local_store_keep_its_modes_owners_and_times
     os.chmod(store / "tool", 0o4755)  # set-user-ID in a store ckptfs never wrote: not to be trusted
     (store / "shared").mkdir()
     os.chmod(store / "shared", 0o1777)
+    os.chown(store / "shared", 1234, 1234)
+    (store / "unrecorded").mkdir(mode=0o700)  # as a daemon killed before it recorded a directory it made leaves it
+    (store / "unrecorded" / "model.pt").write_bytes(b"m")
     (store / "checkpoint-30").mkdir()
     (store / "checkpoint-30" / "model.pt").write_bytes(b"30")
     os.utime(store / "checkpoint-30" / "model.pt", ns=(1, 1_700_000_000_000_000_000))
@@ -108,6 +111,7 @@ def test_files_another_tool_put_in_a_local_store_keep_its_modes_owners_and_times
         st = os.stat(mp / "tool")
         assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o755, 1234)
         assert stat.S_IMODE(os.stat(mp / "shared").st_mode) == 0o1777
+        assert stat.S_IMODE(os.stat(mp / "unrecorded").st_mode) == 0o755  # the defaults, as before: maybe ckptfs's own
         assert os.stat(mp / "checkpoint-30" / "model.pt").st_mtime_ns == 1_700_000_000_000_000_000
         import subprocess
 
