@@ -62,3 +62,4 @@ class MountConfig:
     node: str | None = None  # this node's name in the cluster (default: the host name)
     cluster_snapshot_every: int = 10_000  # log entries between snapshots of the namespace (cluster.snapshot)
     oom_score_adj: int | None = None  # the kernel's OOM killer picks this daemon less (negative) or more; None: as inherited
+    markers: tuple[str, ...] = ()  # completion markers of the user's own (name patterns), besides publisher.MARKERS

@@ -24,6 +24,7 @@ from ckptfs.writeback.backend import StoreError, new_daemon_id, open_store
 from ckptfs.writeback.calls import Deadlines
 from ckptfs.writeback.engine import Engine
 from ckptfs.writeback.journal import FileGen, Op, kind
+from ckptfs.writeback.publisher import MARKERS
 
 from ckptfs import runtime
 from ckptfs.config import DEFAULT_SPILL_DIR, MountConfig
@@ -109,7 +110,8 @@ def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
     spill_dir = config.spill_dir or DEFAULT_SPILL_DIR
     tree = InodeTree(MemoryPool(config.memory_limit, config.reuse_ram), uid=os.getuid(), gid=os.getgid(), spill_dir=spill_dir,
                      check_path=None if backend.any_name else _logged_refusals(backend.check_path))
-    engine = Engine(backend, tree, workers=config.upload_workers, deadlines=Deadlines(call_s=config.store_timeout))
+    engine = Engine(backend, tree, workers=config.upload_workers, deadlines=Deadlines(call_s=config.store_timeout),
+                    markers=MARKERS + tuple(m for m in config.markers if m not in MARKERS))
     tree.journal = engine
     node = None
     if config.cluster is not None:
@@ -162,7 +164,8 @@ def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         info.write()
-        log.info("mounted %s (store %s, RAM budget %d bytes, fsync=%s)", mountpoint, config.store_url, config.memory_limit, config.fsync)
+        log.info("mounted %s (store %s, RAM budget %d bytes, fsync=%s%s)", mountpoint, config.store_url, config.memory_limit, config.fsync,
+                 f", also completion markers: {' '.join(config.markers)}" if config.markers else "")
         try:
             left = trio.run(_main, config, tree, engine, control, metrics, unmount, ready, node)
         except BaseExceptionGroup as group:

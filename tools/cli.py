@@ -26,7 +26,7 @@ from ckptfs.escape import EscapingFormatter, printable
 
 from .admin import COMMANDS
 from .advise import advise
-from .paths import GivenPath, StoreURL
+from .paths import GivenPath, NamePattern, StoreURL
 from .preflight import (
     PreflightError,
     check_cluster,
@@ -117,6 +117,12 @@ def main() -> None:
 @click.option("--cluster-snapshot-every", default=10_000, show_default=True, type=click.IntRange(1), metavar="N",
               help="Cluster mode, on the node that publishes: keep a snapshot of the namespace in Redis every N changes, "
                    "and trim the log of changes before it (nodes that join later load the snapshot).")
+@click.option("--marker", "markers", multiple=True, type=NamePattern(), metavar="GLOB",
+              help="Also take files whose name matches GLOB (e.g. done, '*.complete') as completion markers, as the "
+                   "built-in ones (.metadata, commit_success.txt, latest*, ...) are: such a file is not published while a file "
+                   "in its directory tree failed for good, or while one closed before it was deleted or renamed in the mount "
+                   "after it and that change has not reached the store yet (a rotation caught halfway); on an object store, "
+                   "a directory moved in the mount gets its markers last. Give every node of a cluster the same (repeatable).")
 @click.option("--oom-score-adj", default=-500, show_default=True, type=click.IntRange(-1000, 1000), metavar="N",
               help="The daemon's oom_score_adj (-1000 to 1000): when memory runs out, the kernel kills the process with the highest "
                    "score. The daemon holds the only copy of what it has not published, while a trainer killed instead restarts "
@@ -124,7 +130,7 @@ def main() -> None:
 def mount(mountpoint: str, store_url: str, memory_limit: str, reuse_ram: str, foreground: bool, log_file: str | None, log_level: str,
           fsync_mode: str, drain_timeout: float, store_timeout: float, store_options: tuple[str, ...], spill_dir: str | None,
           metrics_port: int | None, metrics_host: str, cluster: str | None, cluster_password_file: str | None, node: str | None,
-          cluster_snapshot_every: int, oom_score_adj: int) -> None:
+          cluster_snapshot_every: int, markers: tuple[str, ...], oom_score_adj: int) -> None:
     """Mount a ckptfs file system at MOUNTPOINT, backed by the store at URL.
 
     Returns once the mount is live; the daemon keeps running in the background
@@ -208,7 +214,8 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, reuse_ram: str, fo
                              storage_options=options, spill_dir=os.path.abspath(spill_dir) if spill_dir else None,
                              metrics_port=metrics_port, metrics_host=metrics_host, cluster=cluster,
                              cluster_password_file=os.path.abspath(cluster_password_file) if cluster_password_file else None,
-                             node=node, cluster_snapshot_every=cluster_snapshot_every, oom_score_adj=oom_score_adj)
+                             node=node, cluster_snapshot_every=cluster_snapshot_every, oom_score_adj=oom_score_adj,
+                             markers=tuple(dict.fromkeys(markers)))
         _setup_logging(config)
         from ckptfs.daemon.mount import serve
 

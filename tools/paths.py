@@ -1,4 +1,4 @@
-"""Paths and store URLs as given on the command line.
+"""Paths, store URLs and file-name patterns as given on the command line.
 
 An empty one is refused, never taken for the current directory: it is what
 `ckptfs mount "$MNT" --store "$STORE"` passes when a variable is unset, and
@@ -36,4 +36,21 @@ class StoreURL(click.ParamType):
         protocol, rest = split_protocol(value)
         if protocol in ("file", "local") and not rest:
             self.fail(f"{value!r} names no directory: write {protocol}:///ABSOLUTE/PATH or a plain path", param, ctx)
+        return value
+
+
+class NamePattern(click.ParamType):
+    """A pattern for a file's name (fnmatch: `*`, `?`, `[...]`), matched
+    against the last part of each path: not empty, no `/`."""
+
+    name = "glob"
+
+    def convert(self, value, param, ctx) -> str:
+        if not value.strip():
+            self.fail(UNSET, param, ctx)
+        if "/" in value or "\0" in value:
+            self.fail(f"{value!r} is not a file's name: a pattern is matched against the name alone (say 'done', not 'ckpt/done')",
+                      param, ctx)
+        if value in (".", ".."):
+            self.fail(f"{value!r} names no file", param, ctx)
         return value

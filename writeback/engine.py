@@ -933,7 +933,8 @@ class Engine:
                 op.move(State.PARKED)
                 self.publisher.park(op)
                 log.error("%s of %s failed for good (%s): parked, retried every %.0fs; it blocks later removals and completion "
-                          "markers in its directory until it is renamed, rewritten or deleted", step, op.path, op.error, self.retry.parked_s)
+                          "markers in its directory tree until it is rewritten, deleted or published by a retry (markers: or moved out of "
+                          "their tree)", step, op.path, op.error, self.retry.parked_s)
                 self.notify()
                 return True
             op.move(State.FAILED)

@@ -242,6 +242,7 @@ class Publisher:
         await self._release_deferred()
         if self.parked and trio.current_time() >= self.retry_parked_at:
             await self._retry_parked()
+        await self._show_waiting_markers()  # also after a step that returned early (`_remove_group`)
         if not e.queue:
             return True
         op = self.current = e.queue[0]
@@ -552,10 +553,10 @@ class Publisher:
         if gen.state is State.DROPPED or gen.ino != node.ino:
             node.held = None
             return False
-        if gen.state is State.PARKED or not self.live_at(path, gen.ino) or self._marker_blocked(path):
+        if gen.state is State.PARKED or not self.live_at(path, gen.ino):
             return False
-        if self._vouches_for_held(path, gen):
-            log.debug("%s waits: a file sealed before it in its directory is not in the store yet", path)
+        if self._marker_blocked(path) or self._vouches_for_held(path, gen):
+            log.debug("%s waits: a file in its directory tree is not in the store yet", path)
             self.waiting_markers.add(node)
             return False
         at = into or path
@@ -783,14 +784,16 @@ class Publisher:
         return False
 
     async def _show_waiting_markers(self) -> None:
-        """Show the markers that waited, once what they vouch for is shown,
-        or gone from the replica (a removal had its turn)."""
-        for node in list(self.waiting_markers):
+        """Show the markers that waited, in the order they were sealed, once
+        what they vouch for is shown, or gone from the replica (a removal had
+        its turn), and no file in their tree is parked (it was deleted,
+        rewritten or moved out of it, or published at last)."""
+        for node in sorted(self.waiting_markers, key=lambda n: n.held.seq if n.held is not None else 0):
             path = self.replica.path_of(node)
             gen = node.held
             if path is None or gen is None or gen.state is State.DROPPED:
                 self.waiting_markers.discard(node)
-            elif not self._vouches_for_held(path, gen):
+            elif not self._marker_blocked(path) and not self._vouches_for_held(path, gen):
                 self.waiting_markers.discard(node)
                 self.current = gen
                 try:

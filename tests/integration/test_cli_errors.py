@@ -52,6 +52,8 @@ CASES = [
     ("negative drain timeout", ["mount", "{mp}", "--store", "{store}", "--drain-timeout", "-5"], {}, 2, "--drain-timeout"),
     ("drain timeout nan", ["mount", "{mp}", "--store", "{store}", "--drain-timeout", "nan"], {}, 2, "--drain-timeout"),
     ("store timeout 0", ["mount", "{mp}", "--store", "{store}", "--store-timeout", "0"], {}, 2, "--store-timeout"),
+    ("marker that is a path", ["mount", "{mp}", "--store", "{store}", "--marker", "ckpt/done"], {}, 2, "not a file's name"),
+    ("marker that is empty", ["mount", "{mp}", "--store", "{store}", "--marker", ""], {}, 2, "--marker"),
     ("store is the mount point", ["mount", "{mp}", "--store", "{mp}"], {}, 2, "inside the mount point"),
     ("store under the mount point", ["mount", "{mp}", "--store", "{mp}/store"], {}, 2, "inside the mount point"),
     ("store under the mount point, as a URL", ["mount", "{mp}", "--store", "file://{mp}/store"], {}, 2, "inside the mount point"),

@@ -195,6 +195,46 @@ def test_a_name_the_store_cannot_take_is_parked_and_does_not_block_the_rest(tmp_
         stop_mount(mount)
 
 
+@pytest.mark.parametrize("own", [False, True], ids=["no --marker", "--marker done"])
+def test_a_marker_of_the_users_own_waits_for_a_parked_file_in_its_directory(tmp_path, own):
+    """`--marker done`: `ck/done` is a completion marker, as `.metadata` is.
+    A file in its directory tree can never be published (parked: the store
+    has a symlink where its directory goes), so `done` must not reach the
+    store, while files elsewhere do; once the parked file is deleted it is
+    published. Without the option `done` is data like any other file."""
+    store = tmp_path / "store"
+    (store / "ck").mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (store / "ck" / "sub").symlink_to(elsewhere)
+    mount = start_mount(tmp_path, extra=("--marker", "done") if own else ())
+    mount.allowed_log_errors += [*RETRY_LOG, "symlink in the store", "cannot be applied"]
+    try:
+        mount.path("ck", "sub").mkdir()
+        mount.path("ck", "sub", "shard").write_bytes(b"s" * 100)
+        mount.path("ck", "done").write_text("ok")
+        mount.path("other").mkdir()
+        mount.path("other", "after.pt").write_bytes(b"a" * 100)
+        wait_until(lambda: (store / "other" / "after.pt").exists(), timeout=60, what="a file in another directory")
+        wait_until(lambda: "parked" in run_cli("status", str(mount.mountpoint), "--files", "--json").stdout, timeout=60,
+                   what="the shard to be parked")
+        if not own:
+            wait_until(lambda: (store / "ck" / "done").exists(), timeout=60, what="done, a plain file")
+            return
+        time.sleep(1)  # write-back passed it long ago
+        assert not (store / "ck" / "done").exists()
+        r = run_cli("status", str(mount.mountpoint), "--files", "--json")
+        assert {f["path"]: f["state"] for f in json.loads(r.stdout)["files"]}["ck/done"] != "published"
+        mount.path("ck", "sub", "shard").unlink()
+        wait_until(lambda: (store / "ck" / "done").exists(), timeout=60, what="done, once the parked file is deleted")
+        assert "also completion markers: done" in mount.log_text()
+        r = umount(mount)  # the store still differs where the symlink is: said, and not published
+        assert r.returncode == 1 and "ck/sub" in r.stderr and "done" not in r.stderr, r.stderr
+        assert list(elsewhere.iterdir()) == []
+    finally:
+        stop_mount(mount)
+
+
 def test_a_path_longer_than_path_max_in_the_store_is_published(tmp_path):
     """The store sits so deep that a file's path there passes PATH_MAX: the
     mount takes it, and so does the store (every store call works relative

@@ -22,6 +22,7 @@ from ckptfs.writeback.backend import DAEMONS, STAGING, Backend, LocalBackend, op
 from ckptfs.writeback.calls import Deadlines
 from ckptfs.writeback.engine import Retry
 from ckptfs.writeback.journal import FileGen, Remove
+from ckptfs.writeback.publisher import MARKERS
 from ckptfs.writeback.state import State
 from ckptfs.writeback.verify import verify
 
@@ -221,19 +222,23 @@ async def test_a_rotation_that_outruns_write_back_keeps_the_last_complete_checkp
     assert complete() == ["c4"]
 
 
-async def test_a_marker_never_shows_without_data_deleted_after_it(tmp_path):
+@pytest.mark.parametrize("marker, markers", [("commit_success.txt", MARKERS), ("done", (*MARKERS, "done"))],
+                         ids=["built-in marker", "a marker of the user's own (--marker done)"])
+async def test_a_marker_never_shows_without_data_deleted_after_it(tmp_path, marker, markers):
     """Rotation that has removed an old checkpoint's data but not yet its
     marker when write-back reaches them (rmtree removes in directory order):
     the data is never published (deleted before its turn, C4), and the marker
     must not appear alone in the store before the newer checkpoint (whose
     files were closed before the removal) is there: the mount never showed
-    that state. Found by the kill -9 crash-point test."""
-    rig = Rig(tmp_path / "store")
+    that state. Found by the kill -9 crash-point test; for a marker of the
+    user's own (`done`, not one ckptfs knows), by a keep-1 rotation faster
+    than an S3 store: every checkpoint's `done` reached the store, alone."""
+    rig = Rig(tmp_path / "store", markers=markers)
     root = tmp_path / "store"
 
     def check():
-        if (root / "1" / "commit_success.txt").exists() and not (root / "1" / "a").exists() and not (root / "2" / "a").exists():
-            return ["1/commit_success.txt without its data, before checkpoint 2"]
+        if (root / "1" / marker).exists() and not (root / "1" / "a").exists() and not (root / "2" / "a").exists():
+            return [f"1/{marker} without its data, before checkpoint 2"]
         return []
 
     checked = Checked(rig.backend, check)
@@ -241,12 +246,12 @@ async def test_a_marker_never_shows_without_data_deleted_after_it(tmp_path):
     for step in ("1", "2"):
         rig.mkdir(step)
         rig.write(f"{step}/a", step.encode() * 100)
-        rig.write(f"{step}/commit_success.txt", b"ok")
+        rig.write(f"{step}/{marker}", b"ok")
     rig.unlink("1/a")  # rmtree of 1 under way: its marker is next
     await run_until_flushed(rig)
     assert not checked.violations, checked.violations
-    assert (root / "2" / "a").exists() and (root / "1" / "commit_success.txt").exists() and not (root / "1" / "a").exists()
-    rig.unlink("1/commit_success.txt")
+    assert (root / "2" / "a").exists() and (root / "1" / marker).exists() and not (root / "1" / "a").exists()
+    rig.unlink(f"1/{marker}")
     rig.store.rmdir(ROOT, b"1")
     await run_until_flushed(rig)
     assert sorted(os.listdir(root)) == [".ckptfs", "2"]
@@ -359,6 +364,46 @@ async def test_a_name_the_store_cannot_take_is_parked_and_blocks_nothing_it_does
         assert not any(p.endswith("commit_success.txt") for p in files)
         left = rig.engine.unpublished()
         assert any(getattr(op, "state", None) is State.PARKED for op in left)
+        assert list(elsewhere.iterdir()) == []
+        n.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("resolve", ["deleted", "renamed out of its tree", "its directory renamed out"])
+async def test_a_marker_held_back_by_a_parked_file_is_published_once_that_file_is_gone_from_its_tree(tmp_path, resolve):
+    """A file parked for good (the store has a symlink where its directory
+    goes) holds back the completion marker of its tree. Once the user
+    deletes it or moves it out of the marker's tree, the marker must be
+    published; it stayed held back for good, with nothing left to wake it
+    (found by a test of `--marker` on a real mount)."""
+    rig = Rig(tmp_path / "store", retry=Retry(first_s=0.01, max_s=0.05, park_after=2, parked_s=3600))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "store" / "ck").mkdir(parents=True)
+    (tmp_path / "store" / "ck" / "bad").symlink_to(elsewhere)
+    rig.mkdir("ck")
+    rig.mkdir("ck/bad")
+    h = rig.write("ck/bad/shard", b"S" * 100)
+    rig.write("ck/commit_success.txt", b"ok")
+
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        with pytest.raises(OSError):
+            with trio.fail_after(10):
+                await rig.engine.wait_published(h.inode.ino, h.inode.generation)  # parked: EIO
+        with trio.fail_after(10):
+            await rig.engine.flush()  # returns: the marker is stuck behind the parked file
+        assert "ck/commit_success.txt" not in rig.files()
+        if resolve == "deleted":
+            rig.unlink("ck/bad/shard")
+        elif resolve == "renamed out of its tree":
+            rig.rename("ck/bad/shard", "shard")
+        else:
+            rig.rename("ck/bad", "bad")
+        with trio.fail_after(10):
+            await rig.engine.flush()
+        assert rig.files().get("ck/commit_success.txt") == b"ok"
+        # moved: still parked, tried again at its next retry (every `parked_s`)
+        assert [op.ino for op in rig.engine.unpublished() if isinstance(op, FileGen)] == ([] if resolve == "deleted" else [h.inode.ino])
         assert list(elsewhere.iterdir()) == []
         n.cancel_scope.cancel()
 
