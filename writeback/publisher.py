@@ -753,14 +753,18 @@ class Publisher:
             d = d.parent
 
     def _marker_blocked(self, path: str) -> bool:
-        if not self.parked or not self._is_marker(path):
+        """Whether the completion marker at `path` waits for something no
+        step of write-back resolves: a file in its directory tree is parked,
+        or a rename, exchange or hard link there could never be applied to
+        the store (skipped: what it vouches for is not where the mount has it)."""
+        if not (self.parked or self.e.skipped) or not self._is_marker(path):
             return False
         base = path.rsplit("/", 1)[0] if "/" in path else ""
         for gen in self.parked:
             for p in self.e.ns.paths_of(gen.ino):
                 if not base or p.startswith(base + "/"):
                     return True
-        return False
+        return any(isinstance(op, (Rename, Exchange, Link)) and (not base or _overlap((base,), _paths(op))) for op in self.e.skipped)
 
     def _vouches_for_held(self, path: str, gen: FileGen) -> bool:
         """Whether a completion marker at `path` would vouch for a file sealed

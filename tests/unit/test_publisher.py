@@ -408,6 +408,34 @@ async def test_a_marker_held_back_by_a_parked_file_is_published_once_that_file_i
         n.cancel_scope.cancel()
 
 
+async def test_a_marker_is_held_back_where_a_directory_rename_could_not_be_applied(tmp_path):
+    """Orbax: files into `5.orbax-checkpoint-tmp-1/`, the directory renamed to
+    `5`, then `5/commit_success.txt`. Another tool left a symlink at `5/sub`
+    in the (local) store, so the rename can never be applied (skipped: the
+    store differs from the mount there) and the data stays at the temporary
+    name. The marker vouches for `5/manifest`, which the store does not have
+    there: it must not be published (it was, alone), while files elsewhere
+    go on, and a flush says it is stuck."""
+    rig = Rig(tmp_path / "store", retry=Retry(first_s=0.01, max_s=0.05, park_after=2, parked_s=3600))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "store" / "5").mkdir(parents=True)
+    (tmp_path / "store" / "5" / "sub").symlink_to(elsewhere)
+    rig.mkdir("5.orbax-checkpoint-tmp-1")
+    rig.mkdir("5.orbax-checkpoint-tmp-1/sub")
+    rig.write("5.orbax-checkpoint-tmp-1/sub/x", b"x" * 100)
+    rig.write("5.orbax-checkpoint-tmp-1/manifest", b"m" * 100)
+    rig.rename("5.orbax-checkpoint-tmp-1", "5")
+    marker = rig.write("5/commit_success.txt", b"ok")
+    rig.write("after", b"after")
+    await run_until_flushed(rig)
+    files = rig.files()
+    assert files.get("after") == b"after"
+    assert "5/commit_success.txt" not in files, sorted(files)
+    assert any(op.ino == marker.inode.ino for op in rig.engine.unpublished() if isinstance(op, FileGen))
+    assert list(elsewhere.iterdir()) == []
+
+
 async def test_a_publish_that_half_succeeded_is_success_on_retry(tmp_path):
     """The data was made visible, then the call failed: the retry finds its
     staged copy gone and the final bytes right, and moves on."""
