@@ -148,7 +148,8 @@ class Client:
             left = result["left"]
             if result.get("timed_out") and timeout is not None:
                 raise FlushIncomplete(f"{len(left)} files not published after {timeout:g}s", left, True)
-            raise FlushIncomplete(f"{len(left)} files can never be published as they are (parked: change or delete them)", left, False)
+            raise FlushIncomplete(f"{len(left)} files or changes can never be published as they are (parked, or a change the store "
+                                  "could not take: change or delete them)", left, False)
         return result
 
     def prefetch(self, path: str | os.PathLike[str] | None = None) -> dict:

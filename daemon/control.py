@@ -166,8 +166,10 @@ class ControlServer:
     def _describe(self, op: Op) -> dict:
         if isinstance(op, FileGen):
             paths = self.tree.paths_of(op.ino)
-            return {"path": paths[0] if paths else op.path, "size": op.size, "state": op.state.value, "error": op.error, "tries": op.tries}
-        return {"path": op.path, "size": 0, "state": f"{kind(op)} pending", "error": op.error, "tries": op.tries}
+            return {"path": paths[0] if paths else op.path, "size": op.size, "state": op.state.value,
+                    "error": op.error or self.engine.publisher.held_back(op), "tries": op.tries}
+        state = f"{kind(op)} {'not applied' if op.seq in self.engine.skipped else 'pending'}"
+        return {"path": op.path, "size": 0, "state": state, "error": op.error, "tries": op.tries}
 
     async def prefetch(self, stream: trio.SocketStream, path: str) -> dict:
         path = self._resolved(path)

@@ -229,10 +229,16 @@ def flush(path: str, timeout: float | None, cluster: bool) -> None:
     try:
         result = _flush_with_progress(client, timeout, cluster)
     except FlushIncomplete as exc:
-        why = f"not published after {timeout:g}s" if exc.timed_out else "never published as they are (parked: change or delete them)"
+        why = (f"not published after {timeout:g}s" if exc.timed_out
+               else "never published as they are (parked, or a change the store could not take: change or delete them)")
         click.echo(f"ckptfs: error: {why}: {len(exc.left)} left under {printable(where)}", err=True)
         for f in exc.left:
-            tail = f" ({f['tries']} tries, last error: {printable(f['error'])})" if f["error"] else ""
+            if not f["error"]:
+                tail = ""
+            elif f["tries"]:
+                tail = f" ({f['tries']} tries, last error: {printable(f['error'])})"
+            else:  # a completion marker held back: why
+                tail = f" ({printable(f['error'])})"
             click.echo(f"  {printable(f['path'])}: {f['state']}, {format_size(f['size'])}{tail}", err=True)
         sys.exit(EXIT_INCOMPLETE)
     except CkptfsError as exc:

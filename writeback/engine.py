@@ -180,7 +180,7 @@ class Engine:
         self.residency = Residency(self)
         self.streams = Streams(self)
         self.counters: Counters = self.residency.counters
-        self.skipped: list[Op] = []  # namespace changes the store could never take (reported at unmount)
+        self.skipped: dict[int, Op] = {}  # by seq: namespace changes the store could never take (flush and unmount report them)
         self.touched: set[int] = set()  # inodes whose generation changed state or left the in-flight set (for status)
         self._seq = 0
         self._send, self._recv = trio.open_memory_channel[FileGen](math.inf)
@@ -484,7 +484,7 @@ class Engine:
         out += [op for op in self.queue
                 if (not isinstance(op, FileGen) or (leads and op.state is published)) and not op.done.is_set()]
         out += [op for _, op in self.publisher.deferred]
-        return out + self.skipped
+        return out + list(self.skipped.values())
 
     def failing(self, unpublished: list[Op] | None = None) -> list[Op]:
         """Unpublished ops (`unpublished()`, if the caller has it) whose
@@ -534,15 +534,16 @@ class Engine:
             if op.state is State.DROPPED:
                 return False
             return not self.publisher.settled(op) or (not self.publisher.follows and not op.done.is_set())
-        return not op.done.is_set()
+        return not op.done.is_set() or op.seq in self.skipped  # skipped: never applied
 
     def stuck(self, op: Op) -> bool:
-        """Cannot complete until a parked file is resolved (by a user)."""
+        """Cannot complete until a parked file is resolved (by a user), or
+        never: a namespace change the store could not take (skipped)."""
         if op.resealed is not None and self.waiting(op.resealed):
             return self.stuck(op.resealed)
         if isinstance(op, FileGen):
-            return op.state is State.PARKED or self.publisher.held_back(op)
-        return isinstance(op, Remove) and self.publisher.blocked_by_parked()
+            return op.state is State.PARKED or bool(self.publisher.held_back(op))
+        return op.seq in self.skipped or (isinstance(op, Remove) and self.publisher.blocked_by_parked())
 
     async def wait_published(self, ino: int, generation: int) -> None:
         """Until `generation` of `ino` (or a newer one) is published; raises
@@ -944,7 +945,7 @@ class Engine:
         elif permanent(exc) and op.tries >= self.retry.park_after:
             log.error("%s of %s cannot be applied to the store (%s): skipped; the store differs from the mount there",
                       kind(op), op.path, op.error)
-            self.skipped.append(op)
+            self.skipped[op.seq] = op
             self.notify()
             return True
         # WARNING per try at first, one ERROR when it counts as failed, then a

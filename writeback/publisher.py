@@ -46,7 +46,7 @@ from . import exchange, manifest, storeio
 from .backend import META
 from .calls import StoreTimeout
 from .heldback import HeldBack
-from .journal import Attrs, Exchange, FileGen, Link, Mkdir, Named, Op, Remove, Rename, Symlink
+from .journal import Attrs, Exchange, FileGen, Link, Mkdir, Named, Op, Remove, Rename, Symlink, kind
 from .manifest import Digest, Record
 from .replica import Dir, File, Node, Replica, Shown
 from .replica import Link as RLink
@@ -752,19 +752,23 @@ class Publisher:
             d.made = True
             d = d.parent
 
-    def _marker_blocked(self, path: str) -> bool:
-        """Whether the completion marker at `path` waits for something no
-        step of write-back resolves: a file in its directory tree is parked,
-        or a rename, exchange or hard link there could never be applied to
-        the store (skipped: what it vouches for is not where the mount has it)."""
+    def _marker_blocked(self, path: str) -> str:
+        """Why the completion marker at `path` waits for something no step
+        of write-back resolves ("" if it does not): a file in its directory
+        tree is parked, or a rename, exchange or hard link there could never
+        be applied to the store (skipped: what it vouches for is not where
+        the mount has it)."""
         if not (self.parked or self.e.skipped) or not self._is_marker(path):
-            return False
+            return ""
         base = path.rsplit("/", 1)[0] if "/" in path else ""
         for gen in self.parked:
             for p in self.e.ns.paths_of(gen.ino):
                 if not base or p.startswith(base + "/"):
-                    return True
-        return any(isinstance(op, (Rename, Exchange, Link)) and (not base or _overlap((base,), _paths(op))) for op in self.e.skipped)
+                    return f"held back: {p}, in its directory tree, failed for good (parked)"
+        for op in self.e.skipped.values():
+            if isinstance(op, (Rename, Exchange, Link)) and (not base or _overlap((base,), _paths(op))):
+                return f"held back: the {kind(op)} of {op.path}, in its directory tree, could not be applied to the store"
+        return ""
 
     def _vouches_for_held(self, path: str, gen: FileGen) -> bool:
         """Whether a completion marker at `path` would vouch for a file sealed
@@ -807,9 +811,12 @@ class Publisher:
                 finally:
                     self.current = None
 
-    def held_back(self, gen: FileGen) -> bool:
-        """A completion marker whose turn came while a file it may vouch for is parked."""
-        return gen.seq <= self.position and any(self._marker_blocked(p) for p in self.e.ns.paths_of(gen.ino))
+    def held_back(self, gen: FileGen) -> str:
+        """Why a completion marker whose turn came waits for a parked file or
+        a skipped change it may vouch for ("" if it does not)."""
+        if gen.seq > self.position:
+            return ""
+        return next((why for p in self.e.ns.paths_of(gen.ino) if (why := self._marker_blocked(p))), "")
 
     # -- namespace ops ----------------------------------------------------------
     async def _apply(self, op: Op) -> None:

@@ -187,7 +187,9 @@ def test_a_name_the_store_cannot_take_is_parked_and_does_not_block_the_rest(tmp_
         assert "never published as they are (parked" in r.stderr and "model.pt" in r.stderr
         with pytest.raises(FlushIncomplete) as got:
             Client(mount.mountpoint).flush()
-        assert not got.value.timed_out and [f["path"] for f in got.value.left] == ["deep/model.pt"]
+        # the directory the store could not make (a symlink there), and the file in it
+        assert not got.value.timed_out and [(f["path"], f["state"]) for f in got.value.left] == [("deep", "mkdir not applied"),
+                                                                                               ("deep/model.pt", "parked")]
         r = umount(mount)
         assert r.returncode != 0 and "model.pt" in r.stderr
         assert list(elsewhere.iterdir()) == []
@@ -225,6 +227,8 @@ def test_a_marker_of_the_users_own_waits_for_a_parked_file_in_its_directory(tmp_
         assert not (store / "ck" / "done").exists()
         r = run_cli("status", str(mount.mountpoint), "--files", "--json")
         assert {f["path"]: f["state"] for f in json.loads(r.stdout)["files"]}["ck/done"] != "published"
+        r = run_cli("flush", str(mount.mountpoint), timeout=60)  # stuck, and says why
+        assert r.returncode == 1 and "ck/done: staged, 2 B (held back: ck/sub/shard, in its directory tree, failed for good" in r.stderr, r.stderr
         mount.path("ck", "sub", "shard").unlink()
         wait_until(lambda: (store / "ck" / "done").exists(), timeout=60, what="done, once the parked file is deleted")
         assert "also completion markers: done" in mount.log_text()

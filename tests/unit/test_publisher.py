@@ -21,7 +21,7 @@ from ckptfs.writeback import manifest
 from ckptfs.writeback.backend import DAEMONS, STAGING, Backend, LocalBackend, open_store
 from ckptfs.writeback.calls import Deadlines
 from ckptfs.writeback.engine import Retry
-from ckptfs.writeback.journal import FileGen, Remove
+from ckptfs.writeback.journal import FileGen, Remove, Rename
 from ckptfs.writeback.publisher import MARKERS
 from ckptfs.writeback.state import State
 from ckptfs.writeback.verify import verify
@@ -432,7 +432,10 @@ async def test_a_marker_is_held_back_where_a_directory_rename_could_not_be_appli
     files = rig.files()
     assert files.get("after") == b"after"
     assert "5/commit_success.txt" not in files, sorted(files)
-    assert any(op.ino == marker.inode.ino for op in rig.engine.unpublished() if isinstance(op, FileGen))
+    [held] = [op for op in rig.engine.unpublished() if isinstance(op, FileGen) and op.ino == marker.inode.ino]
+    assert rig.engine.stuck(held) and "the rename of 5.orbax-checkpoint-tmp-1" in rig.engine.publisher.held_back(held)
+    [skipped] = [op for op in rig.engine.unpublished() if isinstance(op, Rename)]  # reported by every flush after, and at unmount
+    assert rig.engine.stuck(skipped) and rig.engine.waiting(skipped)
     assert list(elsewhere.iterdir()) == []
 
 
