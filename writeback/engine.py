@@ -547,13 +547,16 @@ class Engine:
 
     async def wait_published(self, ino: int, generation: int) -> None:
         """Until `generation` of `ino` (or a newer one) is published; raises
-        OSError(EIO) if it is parked (failed for good) or deleted."""
+        OSError(EIO) if it is parked (failed for good), a completion marker
+        held back by what is (`Publisher.held_back`), or deleted."""
         while self.published_gen.get(ino, 0) < generation:
             gen = self.pending.get(ino)
             if gen is None:
                 raise OSError(errno.EIO, "the file can no longer be published (deleted?)")
             if gen.state is State.PARKED:
                 raise OSError(errno.EIO, f"publishing failed: {gen.error}")
+            if why := self.publisher.held_back(gen):
+                raise OSError(errno.EIO, f"not published: {why}")
             await self.wait_change()
 
     async def published_for_load(self, ino: int) -> None:

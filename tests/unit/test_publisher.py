@@ -346,13 +346,17 @@ async def test_a_name_the_store_cannot_take_is_parked_and_blocks_nothing_it_does
         rig.mkdir(parent)
     h = rig.write(f"{long_dir}/big", b"B" * 100)
     rig.write("after", b"later file")
-    rig.write(f"{long_dir.split('/')[0]}/commit_success.txt", b"ok")
+    marker = rig.write(f"{long_dir.split('/')[0]}/commit_success.txt", b"ok")
 
     async def body():
         with pytest.raises(OSError) as exc:
             with trio.fail_after(10):
                 await rig.engine.wait_published(h.inode.ino, h.inode.generation)
         assert exc.value.errno == errno.EIO
+        with pytest.raises(OSError) as exc:  # the marker's fsync=durable: held back, so EIO too (it waited for ever)
+            with trio.fail_after(10):
+                await rig.engine.wait_published(marker.inode.ino, marker.inode.generation)
+        assert exc.value.errno == errno.EIO and "held back: top/bad/big" in exc.value.strerror
 
     async with trio.open_nursery() as n:
         await n.start(rig.engine.run)
