@@ -1255,14 +1255,16 @@ class Publisher:
 
     def blocked_by_parked(self) -> bool:
         """What waits for the first unsettled generation waits for a parked
-        one: it, or the one that superseded it before its turn."""
+        one: it, or the one that superseded it before its turn; or for a
+        completion marker held back by one (or by a change the store could
+        not take: `held_back`)."""
         self.trim_settled()
         if not self.e.unsettled:
             return False
         gen = next(iter(self.e.unsettled.values()))
         while gen.state is State.DROPPED and gen.superseded_by is not None:
             gen = gen.superseded_by
-        return gen.state is State.PARKED
+        return gen.state is State.PARKED or bool(self.held_back(gen))
 
     def hold_back(self, node: Node | None, op: Remove) -> None:
         """`op` waits (`deferred`); removals are held back in journal order."""

@@ -425,6 +425,8 @@ async def test_a_marker_is_held_back_where_a_directory_rename_could_not_be_appli
     elsewhere.mkdir()
     (tmp_path / "store" / "5").mkdir(parents=True)
     (tmp_path / "store" / "5" / "sub").symlink_to(elsewhere)
+    rig.write("4.pt", b"old checkpoint")
+    await run_until_flushed(rig)
     rig.mkdir("5.orbax-checkpoint-tmp-1")
     rig.mkdir("5.orbax-checkpoint-tmp-1/sub")
     rig.write("5.orbax-checkpoint-tmp-1/sub/x", b"x" * 100)
@@ -432,10 +434,13 @@ async def test_a_marker_is_held_back_where_a_directory_rename_could_not_be_appli
     rig.rename("5.orbax-checkpoint-tmp-1", "5")
     marker = rig.write("5/commit_success.txt", b"ok")
     rig.write("after", b"after")
+    rig.unlink("4.pt")  # rotation: waits behind the held marker (C3), so a flush must say it is stuck, not wait for ever
     await run_until_flushed(rig)
     files = rig.files()
-    assert files.get("after") == b"after"
+    assert files.get("after") == b"after" and files.get("4.pt") == b"old checkpoint"
     assert "5/commit_success.txt" not in files, sorted(files)
+    [removal] = [op for op in rig.engine.unpublished() if isinstance(op, Remove)]
+    assert rig.engine.stuck(removal)
     [held] = [op for op in rig.engine.unpublished() if isinstance(op, FileGen) and op.ino == marker.inode.ino]
     assert rig.engine.stuck(held) and "the rename of 5.orbax-checkpoint-tmp-1" in rig.engine.publisher.held_back(held)
     [skipped] = [op for op in rig.engine.unpublished() if isinstance(op, Rename)]  # reported by every flush after, and at unmount
