@@ -459,8 +459,9 @@ class Engine:
         """`digest=False`: without a published file's digest (a lookup in the replica)."""
         gen = self.pending.get(ino)
         published = self.published_gen.get(ino, 0)
-        if gen is not None:
-            return Durability(gen.state, gen.generation, published, gen.digest, gen.tries, gen.error, gen.sealed_at)
+        if gen is not None:  # a completion marker held back says why (`Publisher.held_back`)
+            return Durability(gen.state, gen.generation, published, gen.digest, gen.tries, gen.error or self.publisher.held_back(gen),
+                              gen.sealed_at)
         if published:
             shown = self.publisher_shown(ino) if digest else None
             return Durability(State.PUBLISHED, published, published, shown[1].digest if shown else None, 0, "", 0.0)

@@ -226,7 +226,8 @@ def test_a_marker_of_the_users_own_waits_for_a_parked_file_in_its_directory(tmp_
         time.sleep(1)  # write-back passed it long ago
         assert not (store / "ck" / "done").exists()
         r = run_cli("status", str(mount.mountpoint), "--files", "--json")
-        assert {f["path"]: f["state"] for f in json.loads(r.stdout)["files"]}["ck/done"] != "published"
+        row = {f["path"]: f for f in json.loads(r.stdout)["files"]}["ck/done"]
+        assert row["state"] != "published" and row["error"].startswith("held back: ck/sub/shard"), row
         r = run_cli("flush", str(mount.mountpoint), timeout=60)  # stuck, and says why
         assert r.returncode == 1 and "ck/done: staged, 2 B (held back: ck/sub/shard, in its directory tree, failed for good" in r.stderr, r.stderr
         mount.path("ck", "sub", "shard").unlink()
