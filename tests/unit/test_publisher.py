@@ -13,6 +13,7 @@ import os
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import trio
@@ -328,17 +329,25 @@ async def test_queued_renames_and_removals_count_as_unpublished(tmp_path):
     assert [type(op).__name__ for op in left] == ["Rename"]
 
 
+def _symlink_in_the_store(tmp_path, at: str) -> tuple[Rig, Path]:
+    """A rig whose (local) store has a symlink at `at`, to the directory it
+    returns, which ckptfs must never write into: what goes under `at` is
+    parked after two tries, or skipped if it is a directory's move."""
+    rig = Rig(tmp_path / "store", retry=Retry(first_s=0.01, max_s=0.05, park_after=2, parked_s=3600))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "store" / at).parent.mkdir(parents=True)
+    (tmp_path / "store" / at).symlink_to(elsewhere)
+    return rig, elsewhere
+
+
 async def test_a_name_the_store_cannot_take_is_parked_and_blocks_nothing_it_does_not_order(tmp_path):
     """A symlink planted in the (local) store where a directory of the mount
     goes: the store never follows it, so the file in that directory can
     never be published there. It is parked after a few tries; files sealed
     after it are published; a completion marker in its tree is held back; its
     fsync=durable waiter gets EIO; nothing is written where the symlink points."""
-    rig = Rig(tmp_path / "store", retry=Retry(first_s=0.01, max_s=0.05, park_after=2, parked_s=3600))
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    (tmp_path / "store" / "top").mkdir(parents=True)
-    (tmp_path / "store" / "top" / "bad").symlink_to(elsewhere)
+    rig, elsewhere = _symlink_in_the_store(tmp_path, "top/bad")
     long_dir = "top/bad"
     parent = ""
     for part in long_dir.split("/"):
@@ -379,11 +388,7 @@ async def test_a_marker_held_back_by_a_parked_file_is_published_once_that_file_i
     deletes it or moves it out of the marker's tree, the marker must be
     published; it stayed held back for good, with nothing left to wake it
     (found by a test of `--marker` on a real mount)."""
-    rig = Rig(tmp_path / "store", retry=Retry(first_s=0.01, max_s=0.05, park_after=2, parked_s=3600))
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    (tmp_path / "store" / "ck").mkdir(parents=True)
-    (tmp_path / "store" / "ck" / "bad").symlink_to(elsewhere)
+    rig, elsewhere = _symlink_in_the_store(tmp_path, "ck/bad")
     rig.mkdir("ck")
     rig.mkdir("ck/bad")
     h = rig.write("ck/bad/shard", b"S" * 100)
@@ -420,11 +425,7 @@ async def test_a_marker_is_held_back_where_a_directory_rename_could_not_be_appli
     name. The marker vouches for `5/manifest`, which the store does not have
     there: it must not be published (it was, alone), while files elsewhere
     go on, and a flush says it is stuck."""
-    rig = Rig(tmp_path / "store", retry=Retry(first_s=0.01, max_s=0.05, park_after=2, parked_s=3600))
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    (tmp_path / "store" / "5").mkdir(parents=True)
-    (tmp_path / "store" / "5" / "sub").symlink_to(elsewhere)
+    rig, elsewhere = _symlink_in_the_store(tmp_path, "5/sub")
     rig.write("4.pt", b"old checkpoint")
     await run_until_flushed(rig)
     rig.mkdir("5.orbax-checkpoint-tmp-1")
@@ -1182,11 +1183,7 @@ async def test_a_removal_behind_a_parked_file_that_replaced_an_earlier_generatio
     any parked file; a flush used to take them for still under way and
     waited for ever (in a cluster: `flush --cluster` ran out its timeout
     behind a file lost with its node, rewritten just before)."""
-    rig = Rig(tmp_path / "store", retry=Retry(first_s=0.01, max_s=0.05, park_after=2, parked_s=3600))
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    (tmp_path / "store" / "top").mkdir(parents=True)
-    (tmp_path / "store" / "top" / "bad").symlink_to(elsewhere)
+    rig, _ = _symlink_in_the_store(tmp_path, "top/bad")
     rig.write("gone", b"published, then removed")
     rig.mkdir("top")
     rig.mkdir("top/bad")
