@@ -892,6 +892,7 @@ class Publisher:
             return
         if isinstance(node, Dir):
             await self._rename_dir(op, node)
+            await self._retry_moved(op.dst)
             return
         backend = self.e.backend
         if isinstance(node, File):
@@ -917,6 +918,7 @@ class Publisher:
         self.replica.bind(op.dst, node)
         if isinstance(node, File):
             await self._materialize(op.dst, node)
+            await self._retry_moved(op.dst)
 
     @staticmethod
     def _size(node: File) -> int:
@@ -1399,20 +1401,34 @@ class Publisher:
             if gen.lost:
                 continue  # lost with its node, for good (even if that node comes back: it was told)
             log.info("retrying parked %s", gen.path)
-            self.parked.discard(gen)
-            gen.move(State.FAILED)
-            if gen.staged is None:
-                self.e.upload_again(gen)
-                continue
-            self.current = gen
-            try:
-                for path, node in self.replica.nodes_of(gen.ino):
-                    if isinstance(node, File) and node.held is gen:
-                        await self._materialize(path, node)
-            except GiveUp:
-                pass  # parked again
-            finally:
-                self.current = None
+            await self._retry(gen)
+
+    async def _retry(self, gen: FileGen) -> None:
+        """Try a parked generation again, where the replica holds it."""
+        self.parked.discard(gen)
+        gen.move(State.FAILED)
+        if gen.staged is None:
+            self.e.upload_again(gen)
+            return
+        outer, self.current = self.current, gen  # its failures count on it, not on the op being applied
+        try:
+            for path, node in self.replica.nodes_of(gen.ino):
+                if isinstance(node, File) and node.held is gen:
+                    await self._materialize(path, node)
+        except GiveUp:
+            pass  # parked again
+        finally:
+            self.current = outer
+
+    async def _retry_moved(self, dst: str) -> None:
+        """Parked files a rename moved (to `dst` or under it) are tried again
+        now, not at the next retry of parked files: the user may have moved
+        one out of the way of what the store cannot take."""
+        moved = [g for g in self.parked if g.state is State.PARKED and not g.lost
+                 and any(p == dst or p.startswith(dst + "/") for p, n in self.replica.nodes_of(g.ino) if isinstance(n, File) and n.held is g)]
+        for gen in moved:
+            log.info("retrying parked %s: moved to %s", gen.path, dst)
+            await self._retry(gen)
 
     async def forget_parked(self) -> None:
         """At a clean exit, the records of files the store never showed:
