@@ -111,7 +111,7 @@ def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
     tree = InodeTree(MemoryPool(config.memory_limit, config.reuse_ram), uid=os.getuid(), gid=os.getgid(), spill_dir=spill_dir,
                      check_path=None if backend.any_name else _logged_refusals(backend.check_path))
     engine = Engine(backend, tree, workers=config.upload_workers, deadlines=Deadlines(call_s=config.store_timeout),
-                    markers=MARKERS + tuple(m for m in config.markers if m not in MARKERS))
+                    markers=tuple(dict.fromkeys(MARKERS + config.markers)))  # the built-in ones and the user's, once each
     tree.journal = engine
     node = None
     if config.cluster is not None:

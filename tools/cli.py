@@ -214,8 +214,7 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, reuse_ram: str, fo
                              storage_options=options, spill_dir=os.path.abspath(spill_dir) if spill_dir else None,
                              metrics_port=metrics_port, metrics_host=metrics_host, cluster=cluster,
                              cluster_password_file=os.path.abspath(cluster_password_file) if cluster_password_file else None,
-                             node=node, cluster_snapshot_every=cluster_snapshot_every, oom_score_adj=oom_score_adj,
-                             markers=tuple(dict.fromkeys(markers)))
+                             node=node, cluster_snapshot_every=cluster_snapshot_every, oom_score_adj=oom_score_adj, markers=markers)
         _setup_logging(config)
         from ckptfs.daemon.mount import serve
 
