@@ -203,6 +203,10 @@ class SharedNamespace:
         if self.engine is not None:
             self.engine.grew(ino, data)
 
+    def freed(self, ino: int) -> None:  # this node's tree let go of it (its handles, its kernel's references): not a shared change
+        if self.engine is not None:
+            self.engine.freed(ino)
+
     def changed_attrs(self, ino: int) -> None:
         if self._applying:
             if self.engine is not None:

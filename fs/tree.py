@@ -61,6 +61,7 @@ class Journal(Protocol):
     def made_dir(self, path: str, ino: int) -> None: ...
     def made_symlink(self, path: str, ino: int, target: str) -> None: ...
     def changed_attrs(self, ino: int) -> None: ...  # mode, owner or mtime set (not by a write): see `meta_of`
+    def freed(self, ino: int) -> None: ...  # gone for good: no name, no open handle, no reference the kernel holds
 
 
 def _err(code: int, what: str = "") -> OSError:
@@ -1106,6 +1107,8 @@ class InodeTree:
             inode.data.clear()
         del self.inodes[inode.ino]
         self.touched.add(inode.ino)
+        if self.journal is not None:
+            self.journal.freed(inode.ino)
 
 
 def _walk(tree: InodeTree, path: str, start: Inode) -> Iterator[tuple[str, Inode]]:

@@ -120,6 +120,7 @@ class Retry:
 
 DIR_SYNC_TRIES = 5  # tries in a row without progress before a flush leaves directory records to later
 REMIND_S = 60.0  # a change still failing is logged again at most this often
+THROUGHPUT_S = 30.0  # the upload rate status shows is over this long
 IMAGE_EVERY = 1000  # record changes between saves of the manifest image (at least; see `_keep_image`)
 IMAGE_CHECK_S = 5.0
 IMAGE_RETRY_MAX_S = 300.0
@@ -454,6 +455,19 @@ class Engine:
             gen.dropped_by = seq
             self._drop(gen, "deleted before it was published")
 
+    def freed(self, ino: int) -> None:
+        """`ino` left the mount for good (no name, no open handle, no
+        reference the kernel holds): what the engine kept to answer for it
+        goes, so a mount that saves and rotates for weeks does not grow with
+        every file it ever published. A generation of it still publishing
+        (see `_drop`) is forgotten as it settles. (In a cluster its newest
+        published generation stays: a node taking over rebuilds its replica
+        of the store from what was published, of gone inodes too, whose
+        removals it may have to apply; see `take_over`.)"""
+        self.residency.freed(ino)
+        if self.link is None:
+            self.published_gen.pop(ino, None)
+
     # -- queries (status, control, metrics) -----------------------------------
     def durability(self, ino: int, digest: bool = True) -> Durability | None:
         """`digest=False`: without a published file's digest (a lookup in the replica)."""
@@ -615,10 +629,14 @@ class Engine:
 
     def throughput(self) -> float:
         """Bytes per second published over the last 30 s."""
-        now = time.monotonic()
-        while self._recent and self._recent[0][0] < now - 30.0:
+        self._forget_before(time.monotonic() - THROUGHPUT_S)
+        return sum(n for _, n in self._recent) / THROUGHPUT_S
+
+    def _forget_before(self, t: float) -> None:
+        """Publications before `t` no longer count (also as they happen: a
+        mount nobody asks for its rate keeps no more than the last 30 s)."""
+        while self._recent and self._recent[0][0] < t:
             self._recent.popleft()
-        return sum(n for _, n in self._recent) / 30.0
 
     @property
     def verify_failures(self) -> dict[str, str]:
@@ -994,9 +1012,13 @@ class Engine:
             self.link.released(gen)
         self._release(gen)
         self.residency.published(gen.ino)
+        if self.ns.meta_of(gen.ino) is None:  # freed while it published
+            self.freed(gen.ino)
         self.counters.uploaded_bytes += gen.size
         self.counters.published_files += 1
-        self._recent.append((time.monotonic(), gen.size))
+        now = time.monotonic()
+        self._recent.append((now, gen.size))
+        self._forget_before(now - THROUGHPUT_S)
         since = time.time() - gen.sealed_at
         line = (f"published {path} ({gen.size} bytes, generation {gen.generation}, {since:.3f}s since seal, "
                 f"{gen.size / max(since, 1e-6) / 1e6:.1f} MB/s)")

@@ -77,23 +77,30 @@ class Replica:
         self._by_ino: dict[int, set[Node]] = {}
 
     def nodes_of(self, ino: int) -> list[tuple[str, Node]]:
-        """The attached nodes bound to `ino`, with their paths, by path."""
+        """The attached nodes bound to `ino`, with their paths, by path. (A
+        node leaves the index when it is detached; one under a directory
+        detached with it leaves it here, once asked for.)"""
         out = []
         for node in list(self._by_ino.get(ino, ())):
             path = self.path_of(node)
             if path is None:
-                self._by_ino[ino].discard(node)
+                self._unindex(node)
             else:
                 out.append((path, node))
-        if not self._by_ino.get(ino, True):
-            del self._by_ino[ino]
         return sorted(out, key=lambda pn: pn[0])
 
     def rebind_ino(self, node: Node, ino: int) -> None:
         """The mount now binds `node`'s name to another inode."""
-        self._by_ino.get(node.ino, set()).discard(node)
+        self._unindex(node)
         node.ino = ino
         self._by_ino.setdefault(ino, set()).add(node)
+
+    def _unindex(self, node: Node) -> None:
+        nodes = self._by_ino.get(node.ino)
+        if nodes is not None:
+            nodes.discard(node)
+            if not nodes:
+                del self._by_ino[node.ino]
 
     def lookup(self, path: str) -> Node | None:
         node: Node = self.root
@@ -141,6 +148,7 @@ class Replica:
         old = d.children.get(name)
         if old is not None:
             old.parent = None
+            self._unindex(old)
         node.name, node.parent = name, d
         d.children[name] = node
         if node.ino:
@@ -163,9 +171,13 @@ class Replica:
                 self.merge_moved(mine, node)
 
     def detach(self, node: Node) -> None:
+        """Take `node` out of the tree (`bind` puts it back, a move), and out
+        of the index by inode: what the store no longer shows is not kept
+        for every file a long mount ever published."""
         if node.parent is not None and node.parent.children.get(node.name) is node:
             del node.parent.children[node.name]
         node.parent = None
+        self._unindex(node)
 
     def walk(self, node: Node, prefix: str = "") -> Iterator[tuple[str, Node]]:
         """Every node under `node` (itself excluded), with its path relative

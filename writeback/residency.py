@@ -194,6 +194,12 @@ class Residency:
         self._unfound.discard(ino)
         self._rechecked.discard(ino)
 
+    def freed(self, ino: int) -> None:
+        """`ino` left the mount for good (`Engine.freed`)."""
+        self.forget(ino)
+        self._failures.pop(ino, None)
+        self.served_in_place.pop(ino, None)
+
     def expect(self, inos: list[int], records: list[Record | None]) -> None:
         """Each inode's first load is verified against its record (None: it has none): a restart, a directory at a time."""
         self._expected.update((ino, rec) for ino, rec in zip(inos, records, strict=True) if rec is not None)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import trio
 from ckptfs.fs.tree import RENAME_EXCHANGE, ROOT
+from ckptfs.writeback import engine as engine_module
 from ckptfs.writeback import manifest
 from ckptfs.writeback.backend import DAEMONS, STAGING, Backend, LocalBackend, open_store
 from ckptfs.writeback.calls import Deadlines
@@ -327,6 +328,69 @@ async def test_queued_renames_and_removals_count_as_unpublished(tmp_path):
         left = await rig.engine.drain(0.5)
         n.cancel_scope.cancel()
     assert [type(op).__name__ for op in left] == ["Rename"]
+
+
+class _StalledGroups:
+    """Wraps a backend: group commits wait until `go` is set."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.go = inner, threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def publish_group(self, *args, **kwargs):
+        self.go.wait(30)
+        return self.inner.publish_group(*args, **kwargs)
+
+
+async def test_a_file_gone_from_the_mount_leaves_nothing_of_it_in_the_engine(tmp_path, monkeypatch):
+    """A mount that saves and rotates for weeks must not grow with every
+    file it ever published: once a file is gone from the mount for good (no
+    name, no handle, no reference from the kernel), the engine keeps nothing
+    of it: its published generation, its place in the eviction order, its
+    nodes in the replica of the store. Nor of files deleted while their
+    publication was under way (it completes; they are forgotten then). And
+    the upload rate remembers the last 30 s of publications (here 0.1 s)
+    whether or not anyone asks for it."""
+    monkeypatch.setattr(engine_module, "THROUGHPUT_S", 0.1)
+    rig = Rig(tmp_path / "store")
+    stalled = rig.engine.backend = _StalledGroups(rig.backend)
+    e = rig.engine
+
+    gens = []
+
+    def kept() -> tuple[int, int, int]:
+        return len(e.published_gen), len(e.residency.lru), len(e.publisher.replica._by_ino)
+
+    async def body():
+        stalled.go.set()
+        for rnd in range(3):  # a checkpoint saved, then rotated away
+            rig.mkdir("ck")
+            for i in range(20):
+                rig.write(f"ck/f{i}", b"x" * 100)
+            await e.flush()
+            assert kept()[0] == 20
+            for i in range(20):
+                rig.unlink(f"ck/f{i}")
+            rig.store.rmdir(ROOT, b"ck")
+            await e.flush()
+            assert kept() == (0, 0, 0), f"round {rnd}"
+        await trio.sleep(0.2)  # what was published so far is older than the upload rate's window
+        stalled.go.clear()
+        gens.extend(e.pending[rig.write(name, b"y" * 100).inode.ino] for name in ("late1", "late2"))
+        with trio.fail_after(10):
+            while not all(g.publishing for g in gens):
+                await trio.sleep(0.01)
+        rig.unlink("late1")
+        rig.unlink("late2")
+        stalled.go.set()
+
+    await run_until_flushed(rig, body)
+    assert all(g.state is State.PUBLISHED for g in gens), "a publication under way completes"
+    assert set(rig.files()) == set()
+    assert kept() == (0, 0, 0)
+    assert len(e._recent) == 2  # the two late files
 
 
 def _symlink_in_the_store(tmp_path, at: str) -> tuple[Rig, Path]:

@@ -326,6 +326,9 @@ class Recorder:
     def changed_attrs(self, ino):
         self.events.append(("attrs", ino))
 
+    def freed(self, ino):
+        pass
+
 
 def test_journal_events_carry_paths_at_event_time():
     rec = Recorder()
