@@ -1106,6 +1106,7 @@ class InodeTree:
         if inode.data is not None:
             inode.data.clear()
         del self.inodes[inode.ino]
+        self._listings.pop(inode.ino, None)  # a directory's names, kept while a listing of it may resume
         self.touched.add(inode.ino)
         if self.journal is not None:
             self.journal.freed(inode.ino)

@@ -219,6 +219,21 @@ def test_readdir_offsets_survive_concurrent_changes(s):
     assert len(listed) == len(set(listed))
 
 
+def test_a_directory_gone_for_good_leaves_no_listing_behind(s):
+    """A listing is kept so that a readdir can resume it (LISTINGS_KEPT
+    directories at most); `rm -r` lists every directory it removes, and a
+    listing of 100,000 names held some 13 MB after its directory was gone."""
+    d = s.mkdir(ROOT, b"d", 0o755, 0, 0)
+    for i in range(100):
+        new_file(s, b"f%d" % i, parent=d.ino)
+    assert len(list(s.readdir(d.ino, 0))) == 100
+    for i in range(100):
+        s.unlink(d.ino, b"f%d" % i)
+    s.rmdir(ROOT, b"d")
+    assert d.ino not in s.inodes
+    assert s._listings == {}
+
+
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["create", "unlink", "recreate"]), st.integers(0, 29)), max_size=40),
        st.integers(1, 7), st.integers(0, 10_000))
