@@ -8,6 +8,9 @@ every POSIX call (ENOENT)."""
 
 from __future__ import annotations
 
+import os
+import re
+
 import click
 
 UNSET = "empty (an unset shell variable?)"
@@ -22,9 +25,16 @@ class GivenPath(click.Path):
         return super().convert(value, param, ctx)
 
 
+# `s3:/bucket`, `s3:bucket`: a URL with its `//` cut short, which a plain path would take for a directory `s3:` here
+_SHORT_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):/?([^/].*)")
+
+
 class StoreURL(click.ParamType):
     """A store URL or a local directory, not empty, and a local URL naming a
-    directory (`file://` alone names none)."""
+    directory (`file://` alone names none). A URL with a slash or two
+    missing (`s3:/bucket`) is refused, not taken for a new directory `s3:`
+    in the current one, where the checkpoints would go unnoticed; one that
+    is there already is a directory the user means."""
 
     name = "url"
 
@@ -36,6 +46,12 @@ class StoreURL(click.ParamType):
         protocol, rest = split_protocol(value)
         if protocol in ("file", "local") and not rest:
             self.fail(f"{value!r} names no directory: write {protocol}:///ABSOLUTE/PATH or a plain path", param, ctx)
+        if protocol is None and (short := _SHORT_URL.fullmatch(value)) and not os.path.lexists(value.split("/")[0]):
+            scheme, rest = short.groups()
+            # file:/x meant the absolute path /x; s3:/bucket, the bucket
+            meant = f"{scheme}:///{rest}" if scheme in ("file", "local") and value[len(scheme) + 1] == "/" else f"{scheme}://{rest}"
+            self.fail(f"{value!r} looks like a URL with a slash missing: write {meant} (or ./{value} for a new local "
+                      f"directory of that name)", param, ctx)
         return value
 
 

@@ -155,6 +155,39 @@ def test_an_empty_path_or_store_is_refused_not_taken_for_the_current_directory(t
             _cleanup_background(where)
 
 
+SHORT_URLS = [("s3:/bucket", "s3://bucket"), ("s3:bucket/ckpt", "s3://bucket/ckpt"), ("gs:/b", "gs://b"), ("file:/x/y", "file:///x/y")]
+
+
+@pytest.mark.parametrize("command", ["mount", "verify"])
+@pytest.mark.parametrize(("url", "meant"), SHORT_URLS, ids=[u for u, _ in SHORT_URLS])
+def test_a_store_url_with_a_slash_missing_is_refused_not_made_a_directory_here(tmp_path, command, url, meant):
+    """`--store s3:/bucket` (one slash) was a plain path: the mount made a
+    directory `s3:` in the current one and put every checkpoint there,
+    with nothing said. A local directory of that name that is there
+    already is still one (`./s3:/bucket` makes a new one)."""
+    cwd, mp = tmp_path / "cwd", tmp_path / "mnt"
+    cwd.mkdir()
+    mp.mkdir()
+    argv = ["mount", str(mp), "--store", url] if command == "mount" else ["verify", url]
+    try:
+        r = run_cli(*argv, cwd=cwd, timeout=60)
+        assert_one_line(r, 2, f"slash missing: write {meant} ")
+        assert os.listdir(cwd) == [] and not is_mounted(mp)
+        (cwd / url).mkdir(parents=True)  # there already: the user's own directory
+        (cwd / url / META).mkdir()
+        if command == "verify":
+            r = run_cli(*argv, cwd=cwd, timeout=60)
+            assert r.returncode == 0 and "0 ok" in r.stdout, r.stderr
+        else:
+            r = run_cli(*argv, cwd=cwd, timeout=60)
+            assert r.returncode == 0 and is_mounted(mp), r.stderr
+            (mp / "f").write_bytes(b"x")
+            assert run_cli("umount", str(mp), timeout=120).returncode == 0
+            assert (cwd / url / "f").read_bytes() == b"x"
+    finally:
+        _cleanup_background(mp)
+
+
 def test_a_spill_directory_that_cannot_hold_files_is_refused_at_mount(tmp_path):
     """--spill-dir on a read-only file system (a container's /var/tmp is
     often one) was accepted: the first save larger than the RAM budget then
