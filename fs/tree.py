@@ -223,6 +223,13 @@ class InodeTree:
                 out.append(f"{prefix}/{os.fsdecode(name)}" if prefix else os.fsdecode(name))
         return out
 
+    def open_unnamed(self, ino: int) -> bool:
+        """Whether `ino` is a file with no name left that is open still (or
+        mmapped): readable until its last release, while the store's copy
+        of it goes with its last name."""
+        inode = self.inodes.get(ino)
+        return inode is not None and not inode.links and inode.opens > 0
+
     def directories(self) -> list[tuple[str, int]]:
         """Every directory under the root, each after the one holding it: (path, inode)."""
         out: list[tuple[str, int]] = []

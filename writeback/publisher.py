@@ -706,15 +706,30 @@ class Publisher:
             elif n.held is not None and n.held.state is State.PUBLISHED:
                 await self._materialize(path, n)
         kept = any(n.shows_own and n.shown.generation >= going.generation for _, n in others)
-        if not kept and self.e.link is None and node.ino not in self.e.pending and self.e.ns.paths_of(node.ino):
+        if kept or self.e.link is not None or node.ino in self.e.pending:
+            return
+        ns = self.e.ns
+        if ns.paths_of(node.ino):
             # A name the mount has moved on from, its turn to come: the bytes
             # come back to RAM while the store still has them, and go again as
             # a new generation under the names the file has when its turn comes.
             await self.e.load(node.ino)
-            if self.e.ns.reseal(node.ino):
+            if ns.reseal(node.ino):
                 if self.current is not None:
                     self.current.resealed = self.e.pending.get(node.ino)
                 log.info("%s: sealed again from the store's last copy, which goes now, for its other names", self.replica.path_of(node))
+        elif ns.open_unnamed(node.ino) and not ns.resident(node.ino):
+            # Deleted or replaced in the mount while open (a reader of the
+            # checkpoint a rotation deletes, an mmap of a replaced file): it
+            # stays readable until its last close, and the store's copy, about
+            # to go, is its only one. Into RAM (or the spill directory) first;
+            # a load that fails for good (retried already) leaves the reader
+            # its error, not the store a removal that never happens.
+            try:
+                await self.e.load(node.ino)
+            except OSError as exc:
+                log.warning("%s: deleted in the mount while open, and not in RAM: cannot keep it for its reader (%s)",
+                            self.replica.path_of(node), exc)
 
     def _shown_source(self, gen: FileGen, exclude: Node) -> str | None:
         """Where the store shows `gen` under another name (a hard link's);

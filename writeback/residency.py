@@ -234,8 +234,13 @@ class Residency:
         bytes freed; 0 if it is not (all) published."""
         if ino not in self.lru:
             return 0
+        if not self.e.ns.paths_of(ino):
+            # Deleted or replaced in the mount, open still: the store's copy
+            # goes (or went) with its last name, and RAM holds its only one.
+            del self.lru[ino]
+            return 0
         got = self.e.ns.evict(ino, self.e.published_gen.get(ino, 0))
-        if not self.e.ns.resident(ino) or not self.e.ns.paths_of(ino):
+        if not self.e.ns.resident(ino):
             del self.lru[ino]
         if got:
             self.counters.evictions += 1

@@ -172,6 +172,59 @@ def test_unlink_open_file_keeps_data(mnt: Path):
         assert f.read() == payload
 
 
+def _read_rest_uncached(f) -> bytes:
+    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # the reads reach the daemon
+    return f.read()
+
+
+@pytest.mark.parametrize("how", ["unlink", "replace"])
+@pytest.mark.parametrize("size", [6_000_000, 24 << 20], ids=["loaded-into-ram", "read-in-place"])
+def test_a_file_deleted_while_open_and_in_the_store_only_stays_readable(mnt: Path, how, size):
+    """A reader holds a published file open while it is evicted (RAM ran
+    short, `ckptfs evict`, or never loaded since a restart) and deleted or
+    replaced in the mount (a rotation deleting the checkpoint a process
+    still reads): the store's copy, its only one, was deleted with its last
+    name, and the reads after failed with EIO ("its data is in neither RAM
+    nor the store"). It comes back to RAM before the store's copy goes."""
+    p = mnt / "ckpt.bin"
+    payload = os.urandom(size)
+    p.write_bytes(payload)
+    assert run_cli("flush", str(mnt)).returncode == 0
+    with open(p, "rb") as f:
+        head = f.read(10)
+        r = run_cli("evict", str(p))
+        assert r.returncode == 0 and "evicted 1 files" in r.stdout, r.stdout + r.stderr
+        if how == "unlink":
+            p.unlink()
+        else:
+            (mnt / "new").write_bytes(b"new")
+            os.replace(mnt / "new", p)
+        assert run_cli("flush", str(mnt)).returncode == 0  # the store's copy is gone now
+        assert head + _read_rest_uncached(f) == payload
+
+
+def test_a_file_deleted_while_open_is_not_evicted_to_make_room(tmp_path):
+    """A file deleted while open, in RAM: its store copy goes with its name,
+    so RAM must keep it; making room for other files evicted it, and its
+    reader got EIO."""
+    m = start_mount(tmp_path, memory_limit="24M")
+    try:
+        p = m.path("old.bin")
+        payload = os.urandom(5 << 20)
+        p.write_bytes(payload)
+        assert run_cli("flush", str(m.mountpoint)).returncode == 0
+        with open(p, "rb") as f:
+            head = f.read(10)
+            p.unlink()
+            assert run_cli("flush", str(m.mountpoint)).returncode == 0
+            for i in range(6):  # three times the budget: published files are evicted for room
+                m.path(f"new{i}.bin").write_bytes(os.urandom(12 << 20))
+            assert run_cli("flush", str(m.mountpoint)).returncode == 0
+            assert head + _read_rest_uncached(f) == payload
+    finally:
+        stop_mount(m)
+
+
 def test_replace_mmapped_file(mnt: Path):
     p = mnt / "weights"
     payload = os.urandom(2 << 20)
