@@ -223,12 +223,14 @@ class InodeTree:
                 out.append(f"{prefix}/{os.fsdecode(name)}" if prefix else os.fsdecode(name))
         return out
 
-    def open_unnamed(self, ino: int) -> bool:
-        """Whether `ino` is a file with no name left that is open still (or
-        mmapped): readable until its last release, while the store's copy
-        of it goes with its last name."""
+    def held_unnamed(self, ino: int) -> bool:
+        """Whether `ino` is a file with no name left that a process may still
+        read: open (or mmapped), or looked up by the kernel for an open that
+        waits for the file's load. Readable until its last release, while
+        the store's copy of it goes with its last name. (The kernel forgets
+        an inode with no name as soon as it holds it no more.)"""
         inode = self.inodes.get(ino)
-        return inode is not None and not inode.links and inode.opens > 0
+        return inode is not None and inode.data is not None and not inode.links and (inode.opens > 0 or inode.refs > 0)
 
     def directories(self) -> list[tuple[str, int]]:
         """Every directory under the root, each after the one holding it: (path, inode)."""

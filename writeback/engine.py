@@ -90,7 +90,7 @@ class Namespace(Restorer, Protocol):
     """The engine's view of the mount (implemented by fs.tree.InodeTree)."""
 
     def paths_of(self, ino: int) -> list[str]: ...
-    def open_unnamed(self, ino: int) -> bool: ...  # no name left, open still: readable until its last close
+    def held_unnamed(self, ino: int) -> bool: ...  # no name left, open (or being opened): readable until its last close
     def directories(self) -> list[tuple[str, int]]: ...  # (path, inode) of each, parents first
     def symlinks(self) -> list[tuple[str, int, str]]: ...  # (path, inode, target) of each name
     def meta_of(self, ino: int) -> tuple[int, int, int, int] | None: ...  # (mode, uid, gid, mtime_ns)

@@ -718,18 +718,19 @@ class Publisher:
                 if self.current is not None:
                     self.current.resealed = self.e.pending.get(node.ino)
                 log.info("%s: sealed again from the store's last copy, which goes now, for its other names", self.replica.path_of(node))
-        elif ns.open_unnamed(node.ino) and not ns.resident(node.ino):
-            # Deleted or replaced in the mount while open (a reader of the
-            # checkpoint a rotation deletes, an mmap of a replaced file): it
-            # stays readable until its last close, and the store's copy, about
-            # to go, is its only one. Into RAM (or the spill directory) first;
+        elif ns.held_unnamed(node.ino) and not ns.resident(node.ino):
+            # Deleted or replaced in the mount while open or being opened (a
+            # reader of the checkpoint a rotation deletes, an mmap of a
+            # replaced file): it stays readable until its last close, and the
+            # store's copy, about to go, is its only one. Into RAM (or the spill directory) first;
             # a load that fails for good (retried already) leaves the reader
             # its error, not the store a removal that never happens.
             try:
                 await self.e.load(node.ino)
             except OSError as exc:
-                log.warning("%s: deleted in the mount while open, and not in RAM: cannot keep it for its reader (%s)",
-                            self.replica.path_of(node), exc)
+                if ns.held_unnamed(node.ino):  # (else released meanwhile: nothing to keep)
+                    log.warning("%s: deleted in the mount while open, and not in RAM: cannot keep it for its reader (%s)",
+                                self.replica.path_of(node), exc)
 
     def _shown_source(self, gen: FileGen, exclude: Node) -> str | None:
         """Where the store shows `gen` under another name (a hard link's);

@@ -290,6 +290,41 @@ async def test_hard_links_reach_the_store_and_survive_the_loss_of_one_name(tmp_p
     assert verify(rig.backend).clean
 
 
+@pytest.mark.parametrize("held", ["open", "being-opened"])
+@pytest.mark.parametrize("how", ["unlink", "replace"])
+async def test_a_held_file_whose_only_copy_is_the_stores_is_loaded_before_that_copy_goes(tmp_path, held, how):
+    """A published file evicted from RAM (or not loaded since a restart) is
+    deleted or replaced in the mount while a process has it open, or is
+    opening it (the kernel looked it up; the open waits for the load): it
+    stays readable until its last close, and the store's copy is its only
+    one. The publisher deleted that copy with the name, and the reads after
+    failed with EIO. It loads the file first, and eviction passes it over."""
+    rig = Rig(tmp_path / "store")
+    h = rig.write("ckpt", b"x" * 5000)
+    await run_until_flushed(rig)
+    inode = h.inode
+    assert rig.engine.evict(1 << 40) and not inode.data.resident
+    if held == "open":
+        reader = rig.store.open(inode.ino, os.O_RDONLY)
+    else:
+        rig.store.ref(inode)  # the kernel's lookup; its open comes once the load is done
+    if how == "unlink":
+        rig.unlink("ckpt")
+    else:
+        rig.write("new", b"y")
+        rig.rename("new", "ckpt")
+    await run_until_flushed(rig)
+    assert rig.files() == ({} if how == "unlink" else {"ckpt": b"y"})  # the store's copy is gone
+    assert inode.data.resident and bytes(inode.data.read(0, 5000)) == b"x" * 5000
+    rig.engine.evict(1 << 40)
+    assert inode.data.resident  # no name: RAM holds its only copy
+    if held == "open":
+        rig.store.release(reader.fh)
+    else:
+        rig.store.forget(inode.ino, 1)
+    assert inode.ino not in rig.store.inodes
+
+
 async def test_truncate_to_zero_of_an_evicted_file_is_published(tmp_path):
     rig = Rig(tmp_path / "store")
     h = rig.write("f", b"x" * 5000)
