@@ -722,9 +722,10 @@ class Publisher:
             # Deleted or replaced in the mount while open or being opened (a
             # reader of the checkpoint a rotation deletes, an mmap of a
             # replaced file): it stays readable until its last close, and the
-            # store's copy, about to go, is its only one. Into RAM (or the spill directory) first;
-            # a load that fails for good (retried already) leaves the reader
-            # its error, not the store a removal that never happens.
+            # store's copy, about to go, is its only one. Into RAM (or the
+            # spill directory) first; a load that fails for good (retried
+            # already) leaves the reader its error, not the store a removal
+            # that never happens.
             try:
                 await self.e.load(node.ino)
             except OSError as exc:
