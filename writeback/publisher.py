@@ -718,7 +718,7 @@ class Publisher:
                 if self.current is not None:
                     self.current.resealed = self.e.pending.get(node.ino)
                 log.info("%s: sealed again from the store's last copy, which goes now, for its other names", self.replica.path_of(node))
-        elif ns.held_unnamed(node.ino) and not ns.resident(node.ino):
+        elif self._held_in_store_only(node.ino):
             # Deleted or replaced in the mount while open or being opened (a
             # reader of the checkpoint a rotation deletes, an mmap of a
             # replaced file): it stays readable until its last close, and the
@@ -732,6 +732,12 @@ class Publisher:
                 if ns.held_unnamed(node.ino):  # (else released meanwhile: nothing to keep)
                     log.warning("%s: deleted in the mount while open, and not in RAM: cannot keep it for its reader (%s)",
                                 self.replica.path_of(node), exc)
+
+    def _held_in_store_only(self, ino: int) -> bool:
+        """A file with no name left in the mount that a process may still
+        read (`held_unnamed`), whose only copy is the store's: it must come
+        back to RAM before that copy goes (`_keep_copies`)."""
+        return self.e.link is None and self.e.ns.held_unnamed(ino) and not self.e.ns.resident(ino)
 
     def _shown_source(self, gen: FileGen, exclude: Node) -> str | None:
         """Where the store shows `gen` under another name (a hard link's);
@@ -1349,7 +1355,7 @@ class Publisher:
         """Removals of published files at the head of the queue (the rmtree
         of an old checkpoint) with nothing else to do (no earlier generation
         to wait for, no other name of the file, nothing waiting to show
-        there): applied with a few store calls for all of them
+        there, no process reading it from the store): applied with a few store calls for all of them
         (`storeio.delete_many`), not three each, which held everything after
         a rotation of thousands of files for seconds. False if there are
         fewer than two, or the call failed: they then go one at a time."""
@@ -1361,7 +1367,8 @@ class Publisher:
                 break
             node = self.replica.lookup(op.name)
             if not (isinstance(node, File) and node.ino == op.ino and node.shown is not None and node.shown.ino == node.ino
-                    and node.held is None and len(self.replica.nodes_of(node.ino)) == 1 and not self.e.ns.paths_of(node.ino)):
+                    and node.held is None and len(self.replica.nodes_of(node.ino)) == 1 and not self.e.ns.paths_of(node.ino)
+                    and not self._held_in_store_only(node.ino)):  # (one still read: kept first, `_remove`)
                 break
             group.append((op, node))
         if len(group) < 2:

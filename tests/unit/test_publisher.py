@@ -291,16 +291,20 @@ async def test_hard_links_reach_the_store_and_survive_the_loss_of_one_name(tmp_p
 
 
 @pytest.mark.parametrize("held", ["open", "being-opened"])
-@pytest.mark.parametrize("how", ["unlink", "replace"])
+@pytest.mark.parametrize("how", ["unlink", "replace", "rmtree"])
 async def test_a_held_file_whose_only_copy_is_the_stores_is_loaded_before_that_copy_goes(tmp_path, held, how):
     """A published file evicted from RAM (or not loaded since a restart) is
     deleted or replaced in the mount while a process has it open, or is
     opening it (the kernel looked it up; the open waits for the load): it
     stays readable until its last close, and the store's copy is its only
     one. The publisher deleted that copy with the name, and the reads after
-    failed with EIO. It loads the file first, and eviction passes it over."""
+    failed with EIO. It loads the file first, and eviction passes it over.
+    (rmtree: removals of many files are applied together, and went past it.)"""
     rig = Rig(tmp_path / "store")
-    h = rig.write("ckpt", b"x" * 5000)
+    if how == "rmtree":
+        rig.mkdir("old")
+    h = rig.write("old/ckpt" if how == "rmtree" else "ckpt", b"x" * 5000)
+    others = [rig.write(f"old/{i}", b"o") for i in range(3)] if how == "rmtree" else []
     await run_until_flushed(rig)
     inode = h.inode
     assert rig.engine.evict(1 << 40) and not inode.data.resident
@@ -310,11 +314,15 @@ async def test_a_held_file_whose_only_copy_is_the_stores_is_loaded_before_that_c
         rig.store.ref(inode)  # the kernel's lookup; its open comes once the load is done
     if how == "unlink":
         rig.unlink("ckpt")
-    else:
+    elif how == "replace":
         rig.write("new", b"y")
         rig.rename("new", "ckpt")
+    else:
+        for path in ["old/ckpt", *(f"old/{i}" for i in range(len(others)))]:
+            rig.unlink(path)
+        rig.store.rmdir(ROOT, b"old")
     await run_until_flushed(rig)
-    assert rig.files() == ({} if how == "unlink" else {"ckpt": b"y"})  # the store's copy is gone
+    assert rig.files() == ({"ckpt": b"y"} if how == "replace" else {})  # the store's copy is gone
     assert inode.data.resident and bytes(inode.data.read(0, 5000)) == b"x" * 5000
     rig.engine.evict(1 << 40)
     assert inode.data.resident  # no name: RAM holds its only copy
