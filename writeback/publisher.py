@@ -1355,10 +1355,11 @@ class Publisher:
         """Removals of published files at the head of the queue (the rmtree
         of an old checkpoint) with nothing else to do (no earlier generation
         to wait for, no other name of the file, nothing waiting to show
-        there, no process reading it from the store): applied with a few store calls for all of them
-        (`storeio.delete_many`), not three each, which held everything after
-        a rotation of thousands of files for seconds. False if there are
-        fewer than two, or the call failed: they then go one at a time."""
+        there, no process reading it from the store): applied with a few
+        store calls for all of them (`storeio.delete_many`), not three each,
+        which held everything after a rotation of thousands of files for
+        seconds. False if there are fewer than two, or the call failed: they
+        then go one at a time."""
         if self.deferred or self.e.queue[0].seq <= self.single_until:
             return False
         group: list[tuple[Remove, File]] = []
