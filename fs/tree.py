@@ -862,6 +862,14 @@ class InodeTree:
             return False
         return inode.data.borrowed.covers(off, end)
 
+    def borrowed_fd(self, ino: int) -> int:
+        """The descriptor of the store file every byte of an evicted file is
+        served from, verified (-1: none such). It keeps those bytes when the
+        store's name for them goes."""
+        inode = self.inodes.get(ino)
+        borrowed = None if inode is None or inode.data is None else inode.data.borrowed
+        return borrowed.fd if borrowed is not None and borrowed.covers(0, None) else -1
+
     def unborrow(self, ino: int) -> None:
         inode = self.inodes.get(ino)
         if inode is not None and inode.data is not None:

@@ -234,6 +234,16 @@ class _FileSource(Source):
             self.fd = -1
 
 
+def source_of(fd: int) -> Source:
+    """A local store file opened already (the caller hands its descriptor
+    over): read as `open_source`'s are."""
+    try:
+        return _FileSource(fd, os.fstat(fd).st_size)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 class _ObjectSource(Source):
     """An object (or any fsspec file): one ranged request per read."""
 

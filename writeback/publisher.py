@@ -736,8 +736,11 @@ class Publisher:
     def _held_in_store_only(self, ino: int) -> bool:
         """A file with no name left in the mount that a process may still
         read (`held_unnamed`), whose only copy is the store's: it must come
-        back to RAM before that copy goes (`_keep_copies`)."""
-        return self.e.link is None and self.e.ns.held_unnamed(ino) and not self.e.ns.resident(ino)
+        back to RAM before that copy goes (`_keep_copies`). Not one read in
+        place from a local store (`kept_in_place`): its descriptor keeps
+        the bytes when the name goes."""
+        return (self.e.link is None and self.e.ns.held_unnamed(ino) and not self.e.ns.resident(ino)
+                and not self.e.residency.kept_in_place(ino))
 
     def _shown_source(self, gen: FileGen, exclude: Node) -> str | None:
         """Where the store shows `gen` under another name (a hard link's);

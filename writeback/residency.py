@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 
 from . import manifest, storeio
+from .backend import source_of
 from .journal import Exchange, FileGen, Op, Remove, Rename
 from .manifest import BLOCK, Digest, Record, hasher
 from .state import State
@@ -90,6 +91,7 @@ class _Load:
         self.disturbed = False  # the publisher changed its path in the store meanwhile (`Residency.disturb`)
         self.from_index = False  # verified against the manifest index's record, not yet against the store's (`Residency._stale`)
         self.finished = False  # the load's task is over: counted, logged, evictable again
+        self.source_fd = -1  # the store file to read, opened already (a borrow's descriptor, `kept_in_place`); -1: open `path`
         self.changed = trio.Event()
         self.ranged = all(d.size <= BLOCK or len(d.blocks) == -(-d.size // BLOCK) for d in wanted)
         self._taken = bytearray(max(1, -(-target.size // BLOCK)))  # per block: 1 once handed to the worker
@@ -137,6 +139,11 @@ class _Load:
         return i
 
 
+def _close(fd: int) -> None:
+    if fd >= 0:
+        os.close(fd)
+
+
 def _narrow(wanted: list[Digest], i: int, got: str, path: str) -> list[Digest]:
     """The digests that block `i` hashing to `got` still allows."""
     left = [d for d in wanted if d.block(i) in (None, got)]
@@ -172,6 +179,7 @@ class Residency:
         self._loads: dict[int, _Load] = {}  # loads in progress
         self._failures: dict[int, int] = {}  # loads of a file that failed in a row, for a passing reason
         self.served_in_place: collections.OrderedDict[int, None] = collections.OrderedDict()  # least recently read first
+        self._borrowed_against: dict[int, list[Digest]] = {}  # files served in place: what their load verified them against
         # The expected records came from the manifest index. The index is
         # only a cache of the records: one made stale by a write straight
         # to the store racing this mount's start must cost a lookup, not a
@@ -193,6 +201,7 @@ class Residency:
         self._unverifiable.pop(ino, None)
         self._unfound.discard(ino)
         self._rechecked.discard(ino)
+        self._borrowed_against.pop(ino, None)
 
     def freed(self, ino: int) -> None:
         """`ino` left the mount for good (`Engine.freed`)."""
@@ -358,11 +367,25 @@ class Residency:
         served.move_to_end(ino)
         if len(served) <= IN_PLACE_MAX:
             return
-        for oldest in [i for i in served if i not in self._loads][: len(served) - IN_PLACE_MAX]:
+        # (A file with no name left keeps its borrow: its store file may be gone, see `kept_in_place`.)
+        for oldest in [i for i in served if i not in self._loads and self.e.ns.paths_of(i)][: len(served) - IN_PLACE_MAX]:
             del served[oldest]
             self.e.ns.unborrow(oldest)
 
+    def kept_in_place(self, ino: int) -> bool:
+        """Whether every byte of a file is served, verified, from a descriptor
+        of its file in a local store, which a load into RAM reads too: the
+        store's name for those bytes may go (deleted or replaced in the
+        mount while a process reads the file), the descriptor keeps them."""
+        return ino in self._borrowed_against and self.e.ns.borrowed_fd(ino) >= 0
+
     async def _start(self, ino: int, in_place: bool = False) -> _Load | None:
+        if not in_place and self.kept_in_place(ino):
+            # Into RAM from the store file it is served from: the same bytes, verified again
+            paths = self.e.ns.paths_of(ino)
+            fd = os.dup(self.e.ns.borrowed_fd(ino))  # (the borrow may end while room is made)
+            return await self._begin(ino, paths[0] if paths else f"inode {ino} (deleted in the mount)",
+                                     self._borrowed_against[ino], os.fstat(fd).st_size, fd)
         found = self.e.publisher_shown(ino)
         if found is None:
             # A fault of ckptfs itself (the file's bytes are gone from RAM, and the publisher's replica of
@@ -403,34 +426,51 @@ class Residency:
             wanted = []
             log.warning("loading %s with no checksum to verify it against (not written by ckptfs)", path)
         size = shown.digest.size if shown.digest is not None else 0
-        target: LoadTarget | None
-        if in_place and self.e.backend.reads_in_place and size >= IN_PLACE_FROM:
-            if ino in self._loads:  # another caller started it while this one read its record
-                return self._loads[ino]
-            target = self.e.ns.begin_borrow(ino)
-        else:
-            spill = self.e.ns.free_bytes() < size and not await self.make_room(size, patience_s=ROOM_PATIENCE_S)
-            if spill:
-                await self._spill_room(size)
-            if ino in self._loads:  # another caller started it while this one made room
-                return self._loads[ino]
-            try:
-                target = self.e.ns.begin_load(ino, spill)
-            except OSError as exc:
-                if exc.errno != errno.ENOSPC or spill:
-                    raise
-                target = self.e.ns.begin_load(ino, True)  # the budget went to others meanwhile
-        if target is None:
-            return None
+        return await self._begin(ino, path, wanted, size, in_place=in_place, from_index=from_index)
+
+    async def _begin(self, ino: int, path: str, wanted: list[Digest], size: int, source_fd: int = -1, in_place: bool = False,
+                     from_index: bool = False) -> _Load | None:
+        """Start loading `ino` from `path` in the store (or from `source_fd`, a
+        descriptor of its store file, the load's from here on), verified
+        against `wanted`: read in place, into RAM, or into the spill
+        directory."""
+        try:
+            target = await self._target(ino, path, size, in_place)
+        except BaseException:
+            _close(source_fd)
+            raise
+        if target is None or isinstance(target, _Load):  # nothing to load, or another caller's load
+            _close(source_fd)
+            return target
         if target.spilled:
             log.info("loading %s (%d bytes) into the spill directory: the RAM budget cannot hold it", path, target.size)
         load = self._loads[ino] = _Load(ino, path, target, wanted)
         load.from_index = from_index
+        load.source_fd = source_fd
         if self.e._nursery is not None:
             self.e._nursery.start_soon(self._run, load)
         else:
             await self._run(load)
         return load
+
+    async def _target(self, ino: int, path: str, size: int, in_place: bool) -> LoadTarget | _Load | None:
+        """Where a load of `ino` puts its bytes (None: it is resident or being
+        loaded already); or the load another caller started meanwhile."""
+        if in_place and self.e.backend.reads_in_place and size >= IN_PLACE_FROM:
+            if ino in self._loads:  # another caller started it while this one read its record
+                return self._loads[ino]
+            return self.e.ns.begin_borrow(ino)
+        spill = self.e.ns.free_bytes() < size and not await self.make_room(size, patience_s=ROOM_PATIENCE_S)
+        if spill:
+            await self._spill_room(size)
+        if ino in self._loads:  # another caller started it while this one made room
+            return self._loads[ino]
+        try:
+            return self.e.ns.begin_load(ino, spill)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC or spill:
+                raise
+            return self.e.ns.begin_load(ino, True)  # the budget went to others meanwhile
 
     async def _run(self, load: _Load) -> None:
         try:
@@ -468,6 +508,7 @@ class Residency:
                 raise
         else:
             if load.target.in_place:
+                self._borrowed_against[load.ino] = load.wanted
                 if self.e._nursery is not None:
                     self.e._nursery.start_soon(self._let_go, load.target)
             else:
@@ -478,6 +519,8 @@ class Residency:
                      ", verified" if load.wanted else "",
                      ", into the spill directory" if load.target.spilled else ", served in place" if load.target.in_place else "")
         finally:
+            _close(load.source_fd)  # (if the worker never took it)
+            load.source_fd = -1
             if not load.again:
                 self._failures.pop(load.ino, None)
             del self._loads[load.ino]
@@ -502,7 +545,7 @@ class Residency:
                                          + " or ".join(str(d) for d in load.wanted))
         whole = None if load.ranged else hasher()
         try:
-            with self.e.backend.open_source(load.path) as source:
+            with self._open(load) as source:
                 if source.size != size:
                     raise storeio.IntegrityError(f"the store has {source.size} bytes, the file {size}")
                 if target.in_place:  # reads are served from this very file: the one verified
@@ -538,6 +581,18 @@ class Residency:
         if whole is not None and wanted and not any(d.xxh3 == whole.hexdigest() for d in wanted):
             raise storeio.IntegrityError(f"checksum mismatch: the store has {size} bytes with xxh3 {whole.hexdigest()}, "
                                          f"the manifest says {' or '.join(str(d) for d in load.wanted)}")
+
+    def _open(self, load: _Load) -> Source:
+        """Worker thread: the store file a load reads."""
+        if load.source_fd < 0:
+            return self.e.backend.open_source(load.path)
+        fd = trio.from_thread.run_sync(self._take_source_fd, load)
+        return source_of(fd)
+
+    @staticmethod
+    def _take_source_fd(load: _Load) -> int:
+        fd, load.source_fd = load.source_fd, -1
+        return fd
 
     def _hold(self, load: _Load, source: Source, lo: int, n: int) -> None:
         """Worker thread, before a block of a file read in place: have the

@@ -203,6 +203,47 @@ def test_a_file_deleted_while_open_and_in_the_store_only_stays_readable(mnt: Pat
         assert head + _read_rest_uncached(f) == payload
 
 
+@pytest.mark.parametrize("how", ["unlink", "replace"])
+def test_a_file_read_in_place_and_deleted_while_open_is_not_copied_back(fresh_mount, how):
+    """A large evicted file in a local store is read in place (from the
+    store's file), then deleted or replaced in the mount while a process
+    holds it open: the descriptor of the store file keeps its bytes when
+    the store's name goes, so write-back goes on without copying the file
+    into RAM first (it used to, and waited for the copy). The reads go on,
+    and a write through the file reopened (`/proc/self/fd`) loads it from
+    that descriptor."""
+    from tests.integration.test_admin import status_json
+    from tests.storeutil import wait_until
+
+    mnt = fresh_mount.mountpoint
+    p = mnt / "ckpt.bin"
+    payload = bytearray(os.urandom(24 << 20))
+    p.write_bytes(payload)
+    assert run_cli("flush", str(mnt)).returncode == 0
+    assert run_cli("evict", str(p)).returncode == 0
+    with open(p, "rb") as f:
+        assert _read_rest_uncached(f) == payload  # read in place
+        # (its load is counted once over, just after its last block is served)
+        wait_until(lambda: status_json(mnt)["totals"]["counters"]["loads"] == 1, 10, "the reader's load counted")
+        if how == "unlink":
+            p.unlink()
+        else:
+            (mnt / "new").write_bytes(b"new")
+            os.replace(mnt / "new", p)
+        assert run_cli("flush", str(mnt)).returncode == 0  # the store's copy is gone now
+        assert status_json(mnt)["totals"]["counters"]["loads"] == 1  # and nothing was copied back
+        f.seek(0)
+        assert _read_rest_uncached(f) == payload
+        with open(f"/proc/self/fd/{f.fileno()}", "r+b") as w:
+            w.seek(5 << 20)
+            w.write(b"written after the delete")
+        payload[5 << 20 : (5 << 20) + 24] = b"written after the delete"
+        f.seek(0)
+        assert _read_rest_uncached(f) == payload
+    assert run_cli("flush", str(mnt)).returncode == 0
+    assert sorted(x.name for x in fresh_mount.store.iterdir() if x.name != ".ckptfs") == ([] if how == "unlink" else ["ckpt.bin"])
+
+
 def test_a_file_deleted_while_open_is_not_evicted_to_make_room(tmp_path):
     """A file deleted while open, in RAM: its store copy goes with its name,
     so RAM must keep it; making room for other files evicted it, and its

@@ -19,7 +19,7 @@ import pytest
 import trio
 from ckptfs.fs.tree import RENAME_EXCHANGE, ROOT
 from ckptfs.writeback import engine as engine_module
-from ckptfs.writeback import manifest
+from ckptfs.writeback import manifest, residency
 from ckptfs.writeback.backend import DAEMONS, STAGING, Backend, LocalBackend, open_store
 from ckptfs.writeback.calls import Deadlines
 from ckptfs.writeback.engine import Retry
@@ -28,7 +28,7 @@ from ckptfs.writeback.publisher import MARKERS
 from ckptfs.writeback.state import State
 from ckptfs.writeback.verify import verify
 
-from tests.unit.test_engine import FaultyBackend, Rig, run_until_flushed
+from tests.unit.test_engine import FaultyBackend, Rig, _loads_over, _store_fds, run_until_flushed
 
 
 class Checked:
@@ -331,6 +331,61 @@ async def test_a_held_file_whose_only_copy_is_the_stores_is_loaded_before_that_c
     else:
         rig.store.forget(inode.ino, 1)
     assert inode.ino not in rig.store.inodes
+
+
+@pytest.mark.parametrize("how", ["unlink", "replace"])
+async def test_a_held_file_read_in_place_keeps_its_store_file_when_its_name_goes(tmp_path, monkeypatch, how):
+    """A large file in a local store read in place (served from a descriptor
+    of its store file) is deleted or replaced in the mount while a process
+    holds it open. That descriptor keeps the bytes when the store's name
+    goes: the publisher used to copy the whole file into RAM or the spill
+    directory first, and write-back waited for the copy (a 10 GB
+    checkpoint mmapped by a reader while a rotation deletes it). Now
+    nothing is loaded; the reads go on, the file keeps its descriptor past
+    the limit of files served in place, and a writer's load into RAM reads
+    that descriptor, verified."""
+    monkeypatch.setattr(residency, "IN_PLACE_MAX", 1)
+    rig = Rig(tmp_path / "store")
+    size = residency.IN_PLACE_FROM + 1000
+    data = {name: os.urandom(size) for name in ("ckpt", "other1", "other2")}
+    for name, d in data.items():
+        rig.write(name, d)
+    await run_until_flushed(rig)
+    inode = rig.store.inode_at("ckpt")
+    assert rig.engine.evict(1 << 40) and not inode.data.resident
+    reader = rig.store.open(inode.ino, os.O_RDWR)
+
+    async def body():
+        with trio.fail_after(20):
+            await rig.engine.load(inode.ino, 0, size)
+        await _loads_over(rig)
+        if how == "unlink":
+            rig.unlink("ckpt")
+        else:
+            rig.write("new", b"y")
+            rig.rename("new", "ckpt")
+
+    async def after():
+        assert rig.files() == {"other1": data["other1"], "other2": data["other2"], **({"ckpt": b"y"} if how == "replace" else {})}
+        assert rig.engine.counters.loads == 1 and not inode.data.resident  # the store's copy went, nothing was loaded
+        for name in ("other1", "other2"):  # served in place too, past IN_PLACE_MAX: the held file keeps its descriptor
+            other = rig.store.inode_at(name)
+            with trio.fail_after(20):
+                await rig.engine.load(other.ino, 0, size)
+            await _loads_over(rig)
+        assert rig.store.inode_at("other1").data.borrowed is None and inode.data.borrowed is not None
+        with trio.fail_after(20):
+            await rig.engine.load(inode.ino, 0, size)
+        assert bytes(inode.data.read(0, size)) == data["ckpt"]
+        with trio.fail_after(20):
+            await rig.engine.load(inode.ino)  # a writer's: into RAM, from the descriptor
+        assert inode.data.resident and bytes(inode.data.read(0, size)) == data["ckpt"]
+        assert inode.data.borrowed is None and rig.engine.counters.loads == 4
+
+    await run_until_flushed(rig, body, after)
+    rig.store.release(reader.fh)
+    assert inode.ino not in rig.store.inodes
+    assert not any(_store_fds(p) for p in (tmp_path / "store").iterdir())
 
 
 async def test_truncate_to_zero_of_an_evicted_file_is_published(tmp_path):
