@@ -356,13 +356,13 @@ class FileData:
         self._spill = _SpillFile(new)
         return self._spill
 
-    def evict(self) -> None:
+    def evict(self, keep_borrow: bool = False) -> None:
         """Drop the bytes from RAM, or the spill file (the caller knows they
-        are in the store)."""
-        size = self.size
-        self.clear()
-        self.size = size
+        are in the store); `keep_borrow`: a borrow serving reads goes on."""
+        self._free()
         self.resident = False
+        if not keep_borrow:
+            self.unborrow()
 
 
     # -- reads ---------------------------------------------------------------
@@ -496,16 +496,19 @@ class FileData:
     def clear(self) -> None:
         """Free every chunk (the file was truncated to zero or deleted). An
         evicted file is resident again, and empty: nothing needs loading."""
+        self._free()
+        self.size = 0
+        self.resident = True
+        self.unborrow()
+
+    def _free(self) -> None:
         for idx in list(self._chunks):
             self._drop(idx)
         if self._spill is not None:
             self._spill.unref()  # snapshots keep their own reference
             self._spill = None
         self.stream, self.handed, self.frontier = None, 0, 0
-        self.size = 0
-        self.resident = True
         self.loading = None  # a load in progress is fenced out
-        self.unborrow()
 
     def unborrow(self) -> None:
         """End the borrow, if any (a borrow's load under way is fenced out)."""
@@ -648,7 +651,7 @@ class Loading:
         self._pending.clear()  # unmapped as they go (fresh chunks, never the pool's)
         if self._data.loading is self:  # dropped before the end: evicted again, nothing half-loaded stays
             self._data.loading = None
-            self._data.evict()
+            self._data.evict(keep_borrow=True)  # (reads served in place go on: the file may have no other copy)
 
 
 class Borrowing:

@@ -92,6 +92,7 @@ class _Load:
         self.from_index = False  # verified against the manifest index's record, not yet against the store's (`Residency._stale`)
         self.finished = False  # the load's task is over: counted, logged, evictable again
         self.source_fd = -1  # the store file to read, opened already (a borrow's descriptor, `kept_in_place`); -1: open `path`
+        self.in_hand = False  # read from such a descriptor: `path` names no store file
         self.changed = trio.Event()
         self.ranged = all(d.size <= BLOCK or len(d.blocks) == -(-d.size // BLOCK) for d in wanted)
         self._taken = bytearray(max(1, -(-target.size // BLOCK)))  # per block: 1 once handed to the worker
@@ -446,7 +447,7 @@ class Residency:
             log.info("loading %s (%d bytes) into the spill directory: the RAM budget cannot hold it", path, target.size)
         load = self._loads[ino] = _Load(ino, path, target, wanted)
         load.from_index = from_index
-        load.source_fd = source_fd
+        load.source_fd, load.in_hand = source_fd, source_fd >= 0
         if self.e._nursery is not None:
             self.e._nursery.start_soon(self._run, load)
         else:
@@ -479,10 +480,13 @@ class Residency:
                 raise storeio.Cancelled()
         except BaseException as exc:
             load.target.release()
+            if load.in_hand and isinstance(exc, storeio.IntegrityError):
+                # The store file it was served from does not verify now: that borrow ends
+                self.e.ns.unborrow(load.ino)
             if isinstance(exc, storeio.Cancelled):  # truncated, replaced or deleted meanwhile: nothing to load
                 log.info("stopped loading %s: the file changed meanwhile", load.path)
                 load.error = OSError(errno.EIO, "the file changed while it was loading")
-            elif isinstance(exc, FileNotFoundError | storeio.IntegrityError) and await self._moved(load):
+            elif isinstance(exc, FileNotFoundError | storeio.IntegrityError) and not load.in_hand and await self._moved(load):
                 log.info("%s moved in the store while it loaded: loading it from its new name", load.path)
                 load.again = True
             elif isinstance(exc, FileNotFoundError | storeio.IntegrityError) and load.from_index and await self._stale(load):
@@ -587,6 +591,8 @@ class Residency:
         if load.source_fd < 0:
             return self.e.backend.open_source(load.path)
         fd = trio.from_thread.run_sync(self._take_source_fd, load)
+        if fd < 0:  # the load was given up meanwhile (past its deadline)
+            raise storeio.Cancelled()
         return source_of(fd)
 
     @staticmethod

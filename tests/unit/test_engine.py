@@ -1051,6 +1051,73 @@ async def test_a_file_served_in_place_whose_store_file_changes_is_verified_again
         n.cancel_scope.cancel()
 
 
+@pytest.mark.parametrize("named", [True, False], ids=["named", "deleted-while-open"])
+async def test_a_load_into_ram_from_the_store_file_served_in_place_is_verified_again(tmp_path, named):
+    """A load into RAM (a writer's) of a file served whole in place reads
+    the descriptor the reads came from, and verifies again: a store file
+    rotten in place under it (size and mtime as before, so the borrow did
+    not notice) fails the load with EIO, ends the borrow, and goes no
+    round through the publisher's paths (a named file's mount path is not
+    its store path after a rename, which read as "moved": a load again
+    from the same descriptor, for ever)."""
+    rig, data, node = await _published_and_evicted(tmp_path, 2 * manifest.BLOCK + 1000)
+    reader = rig.store.open(node.ino, os.O_RDONLY)
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        await _read_all(rig, node, len(data))
+        n.cancel_scope.cancel()
+    # The engine stopped: the rename waits for its turn (the store has the file at "big"), the load runs here
+    rig.rename("big", "moved")
+    store_file = tmp_path / "store" / "big"
+    st = store_file.stat()
+    with open(store_file, "r+b") as f:
+        f.seek(manifest.BLOCK + 10)
+        f.write(bytes([data[manifest.BLOCK + 10] ^ 1]))
+    os.utime(store_file, ns=(st.st_atime_ns, st.st_mtime_ns))
+    if not named:
+        rig.unlink("moved")
+    assert node.data.borrowed is not None
+    with trio.fail_after(20), pytest.raises(OSError) as exc:
+        await rig.engine.load(node.ino)
+    assert exc.value.errno == errno.EIO and "block 1" in str(exc.value)
+    assert node.data.borrowed is None and not node.data.resident
+    rig.store.release(reader.fh)
+
+
+async def test_a_held_file_served_in_place_keeps_its_borrow_through_a_failed_load_into_ram(tmp_path, monkeypatch):
+    """A file deleted while a process reads it in place has no copy but the
+    store file it is served from. A load into RAM (a writer's) that fails
+    for a passing reason ended that borrow with it (a failed load evicts
+    what it half-loaded), and the next try found the file nowhere: EIO.
+    The borrow goes on, and the next try reads it again."""
+    from ckptfs.writeback import residency
+
+    rig, data, node = await _published_and_evicted(tmp_path, 2 * manifest.BLOCK + 1000)
+    reader = rig.store.open(node.ino, os.O_RDONLY)
+
+    async def body():
+        await _read_all(rig, node, len(data))
+        rig.unlink("big")
+
+    await run_until_flushed(rig, body)
+    assert rig.files() == {} and node.data.borrowed is not None
+    failed: list[int] = []
+    source_of = residency.source_of
+
+    def flaky(fd: int):
+        if not failed:
+            failed.append(fd)
+            os.close(fd)
+            raise OSError(errno.EIO, "a passing failure")
+        return source_of(fd)
+
+    monkeypatch.setattr(residency, "source_of", flaky)
+    with trio.fail_after(20):
+        await rig.engine.load(node.ino)
+    assert failed and node.data.resident and node.data.read(0, len(data)) == data
+    rig.store.release(reader.fh)
+
+
 async def test_a_read_in_place_that_would_wait_for_the_disk_is_handed_off_the_event_loop(tmp_path):
     """Served in place, a read whose bytes left the page cache would wait for
     the store's disk on the event loop (on a network file system, seconds
