@@ -561,7 +561,7 @@ class Loading:
                 raise
             data._spill, data._spill_dir = _SpillFile(fd), spill_dir
         else:
-            self._reserved = sum(_capacity(min(CHUNK, self.size - i * CHUNK)) for i in range(len(self._shown)))
+            self._reserved = ram_for(self.size)
             data._pool.reserve(self._reserved)  # ENOSPC: the caller spills instead
         data.loading = self
 
@@ -941,6 +941,12 @@ def _pwrite_all(fd: int, view: memoryview, off: int) -> None:
     while view:
         n = os.pwrite(fd, view, off)
         view, off = view[n:], off + n
+
+
+def ram_for(size: int) -> int:
+    """What a file of `size` bytes takes of the RAM budget, all of it in RAM
+    (a load reserves that much up front): the capacity of each chunk."""
+    return sum(_capacity(min(CHUNK, size - i * CHUNK)) for i in range(-(-size // CHUNK)))
 
 
 def _capacity(needed: int) -> int:

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .memory import Borrowing, FileData, Loading, MemoryPool, Snapshot, SpillCopy
+from .memory import Borrowing, FileData, Loading, MemoryPool, Snapshot, SpillCopy, ram_for
 
 log = logging.getLogger(__name__)
 
@@ -831,6 +831,10 @@ class InodeTree:
 
     def free_bytes(self) -> int:
         return self.pool.available
+
+    @staticmethod
+    def ram_for(size: int) -> int:
+        return ram_for(size)
 
     def begin_load(self, ino: int, spill: bool) -> Loading | None:
         """Start bringing an evicted file's bytes back: into RAM (the budget

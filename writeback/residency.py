@@ -461,7 +461,8 @@ class Residency:
             if ino in self._loads:  # another caller started it while this one read its record
                 return self._loads[ino]
             return self.e.ns.begin_borrow(ino)
-        spill = self.e.ns.free_bytes() < size and not await self.make_room(size, patience_s=ROOM_PATIENCE_S)
+        need = self.e.ns.ram_for(size)  # (whole chunks: a file of 5 MiB takes 8)
+        spill = self.e.ns.free_bytes() < need and not await self.make_room(need, patience_s=ROOM_PATIENCE_S)
         if spill:
             await self._spill_room(size)
         if ino in self._loads:  # another caller started it while this one made room
@@ -471,7 +472,10 @@ class Residency:
         except OSError as exc:
             if exc.errno != errno.ENOSPC or spill:
                 raise
-            return self.e.ns.begin_load(ino, True)  # the budget went to others meanwhile
+        await self._spill_room(size)  # the budget went to others meanwhile
+        if ino in self._loads:
+            return self._loads[ino]
+        return self.e.ns.begin_load(ino, True)
 
     async def _run(self, load: _Load) -> None:
         try:
