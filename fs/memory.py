@@ -81,7 +81,7 @@ class MemoryPool:
         return self._free.pop() if self._free else None
 
     def give_chunk(self, chunk: mmap.mmap) -> None:
-        if self.kept + CHUNK <= self.reuse and self.used + self.kept + CHUNK <= self.limit:
+        if len(chunk) == CHUNK and self.kept + CHUNK <= self.reuse and self.used + self.kept + CHUNK <= self.limit:
             self._free.append(chunk)
         else:
             _unmap(chunk)
@@ -575,8 +575,8 @@ class Loading:
         chunk = self._pending.get(idx)
         if chunk is None:
             length = min(CHUNK, self.size - idx * CHUNK)
-            cap = _capacity(length)
-            buf = mmap.mmap(-1, CHUNK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE) if cap == CHUNK else bytearray(cap)
+            cap = _fitted(length)
+            buf = mmap.mmap(-1, cap, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE) if cap > SMALL_MAX else bytearray(cap)
             chunk = self._pending[idx] = _Chunk(buf, length)  # fresh memory: what no piece writes reads as zeros
         return chunk
 
@@ -944,9 +944,18 @@ def _pwrite_all(fd: int, view: memoryview, off: int) -> None:
 
 
 def ram_for(size: int) -> int:
-    """What a file of `size` bytes takes of the RAM budget, all of it in RAM
-    (a load reserves that much up front): the capacity of each chunk."""
-    return sum(_capacity(min(CHUNK, size - i * CHUNK)) for i in range(-(-size // CHUNK)))
+    """What a file of `size` bytes takes of the RAM budget loaded whole (a
+    load reserves that much up front): the capacity of each chunk."""
+    return sum(_fitted(min(CHUNK, size - i * CHUNK)) for i in range(-(-size // CHUNK)))
+
+
+def _fitted(length: int) -> int:
+    """The capacity of a chunk whose length is known and final (a load's):
+    a chunk of its own size, in pages, up to half a CHUNK (a file of 5 MiB
+    takes 5 MiB, not 8); a CHUNK beyond, to be recycled."""
+    if length <= SMALL_MAX:
+        return _small_capacity(length)
+    return CHUNK if length > CHUNK // 2 else -(-length // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
 def _capacity(needed: int) -> int:

@@ -461,7 +461,7 @@ class Residency:
             if ino in self._loads:  # another caller started it while this one read its record
                 return self._loads[ino]
             return self.e.ns.begin_borrow(ino)
-        need = self.e.ns.ram_for(size)  # (whole chunks: a file of 5 MiB takes 8)
+        need = self.e.ns.ram_for(size)  # (whole chunks: a file of 7 MiB takes 8)
         spill = self.e.ns.free_bytes() < need and not await self.make_room(need, patience_s=ROOM_PATIENCE_S)
         if spill:
             await self._spill_room(size)

@@ -448,15 +448,15 @@ async def test_ram_eviction_leaves_spilled_files_and_spill_room_evicts_them(tmp_
 
 
 async def test_a_load_makes_room_for_the_whole_chunks_it_takes(tmp_path):
-    """A load into RAM reserves whole chunks (a file of 5 MiB takes 8): it
+    """A load into RAM reserves whole chunks (a file of 7 MiB takes 8): it
     made room for the file's size only, found the budget short by the
     rest, and went to the spill directory with RAM full of published files
     it could have evicted (and, the spill directory full, a read failed
     with ENOSPC). It evicts for what it takes."""
     rig = Rig(tmp_path / "store")
-    rig.store.pool.limit = 14 << 20
+    rig.store.pool.limit = 15 << 20
     rig.store.spill_dir = str(tmp_path)
-    size = (5 << 20) + 28
+    size = 7 << 20
     assert rig.store.ram_for(size) == 8 << 20
     for name in ("x", "y"):
         rig.write(name, os.urandom(size))
@@ -464,7 +464,7 @@ async def test_a_load_makes_room_for_the_whole_chunks_it_takes(tmp_path):
         rig.engine.evict(1 << 40)
     x, y = rig.store.inode_at("x"), rig.store.inode_at("y")
     await rig.engine.load(x.ino)
-    assert x.data.resident and rig.store.free_bytes() == 6 << 20  # more than y's size, less than it takes
+    assert x.data.resident and rig.store.free_bytes() == 7 << 20  # y's size, less than it takes
     await rig.engine.load(y.ino)
     assert y.data.resident and not y.data.spilled and not x.data.resident
 

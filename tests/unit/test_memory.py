@@ -209,6 +209,36 @@ def test_a_load_serves_what_it_shows_and_keeps_holes_free():
     assert pool.used == f.allocated == CHUNK + 64  # the two holes' chunks given back
 
 
+@pytest.mark.parametrize("tail", [28, memory.SMALL_MAX + 1, (1 << 20) + 28, CHUNK // 2, CHUNK // 2 + 1, CHUNK - 1])
+def test_a_load_takes_for_the_last_chunk_what_it_holds(tail):
+    """A loaded file's last chunk has the length it will keep: it takes that
+    much of the budget (in pages), not a whole CHUNK (a file of 5 MiB took
+    8). Past half a CHUNK it is a CHUNK still, to be recycled. A write past
+    its end later grows it as any chunk grows, the budget exact."""
+    size = CHUNK + tail
+    data = os.urandom(size)
+    pool, f = _evicted((0, data))
+    load = Loading(f, None)
+    if tail <= memory.SMALL_MAX:
+        last = 64
+    elif tail <= CHUNK // 2:
+        last = -(-tail // mmap.PAGESIZE) * mmap.PAGESIZE
+    else:
+        last = CHUNK
+    assert memory.ram_for(size) == pool.used == CHUNK + last
+    for off in range(0, size, 1 << 20):
+        load.place(off, data[off : off + (1 << 20)])
+    assert load.show(0, size) and f.resident and pool.used == f.allocated == CHUNK + last
+    assert f.read(0, size + 10) == data
+    more = os.urandom(min(4000, CHUNK - tail))  # (within the chunk)
+    f.write(size, more)
+    assert f.read(0, size + 4010) == data + more
+    grown = last if tail + len(more) <= last else memory._capacity(tail + len(more))
+    assert pool.used == f.allocated == CHUNK + grown
+    f.clear()
+    assert pool.used == 0 and all(len(c) == CHUNK for c in pool._free)
+
+
 def test_a_load_places_and_shows_in_any_order_and_reads_land_in_place():
     _, f = _evicted((0, b"a" * (3 * CHUNK)))
     load = Loading(f, None)
