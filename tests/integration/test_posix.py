@@ -177,6 +177,17 @@ def _read_rest_uncached(f) -> bytes:
     return f.read()
 
 
+def _delete_or_replace(mnt: Path, p: Path, how: str) -> None:
+    """`p` deleted (`unlink`) or replaced by another file (`replace`), and
+    the store's copy of it gone after a flush."""
+    if how == "unlink":
+        p.unlink()
+    else:
+        (mnt / "new").write_bytes(b"new")
+        os.replace(mnt / "new", p)
+    assert run_cli("flush", str(mnt)).returncode == 0
+
+
 @pytest.mark.parametrize("how", ["unlink", "replace"])
 @pytest.mark.parametrize("size", [6_000_000, 24 << 20], ids=["loaded-into-ram", "read-in-place"])
 def test_a_file_deleted_while_open_and_in_the_store_only_stays_readable(mnt: Path, how, size):
@@ -194,12 +205,7 @@ def test_a_file_deleted_while_open_and_in_the_store_only_stays_readable(mnt: Pat
         head = f.read(10)
         r = run_cli("evict", str(p))
         assert r.returncode == 0 and "evicted 1 files" in r.stdout, r.stdout + r.stderr
-        if how == "unlink":
-            p.unlink()
-        else:
-            (mnt / "new").write_bytes(b"new")
-            os.replace(mnt / "new", p)
-        assert run_cli("flush", str(mnt)).returncode == 0  # the store's copy is gone now
+        _delete_or_replace(mnt, p, how)
         assert head + _read_rest_uncached(f) == payload
 
 
@@ -225,12 +231,7 @@ def test_a_file_read_in_place_and_deleted_while_open_is_not_copied_back(fresh_mo
         assert _read_rest_uncached(f) == payload  # read in place
         # (its load is counted once over, just after its last block is served)
         wait_until(lambda: status_json(mnt)["totals"]["counters"]["loads"] == 1, 10, "the reader's load counted")
-        if how == "unlink":
-            p.unlink()
-        else:
-            (mnt / "new").write_bytes(b"new")
-            os.replace(mnt / "new", p)
-        assert run_cli("flush", str(mnt)).returncode == 0  # the store's copy is gone now
+        _delete_or_replace(mnt, p, how)
         assert status_json(mnt)["totals"]["counters"]["loads"] == 1  # and nothing was copied back
         f.seek(0)
         assert _read_rest_uncached(f) == payload
