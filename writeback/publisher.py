@@ -705,11 +705,10 @@ class Publisher:
                 await self._show_copy(path, n)
             elif n.held is not None and n.held.state is State.PUBLISHED:
                 await self._materialize(path, n)
-        kept = any(n.shows_own and n.shown.generation >= going.generation for _, n in others)
-        if kept or self.e.link is not None or node.ino in self.e.pending:
+        if any(n.shows_own and n.shown.generation >= going.generation for _, n in others):
             return
         ns = self.e.ns
-        if ns.paths_of(node.ino):
+        if self.e.link is None and node.ino not in self.e.pending and ns.paths_of(node.ino):
             # A name the mount has moved on from, its turn to come: the bytes
             # come back to RAM while the store still has them, and go again as
             # a new generation under the names the file has when its turn comes.
@@ -738,9 +737,14 @@ class Publisher:
         read (`held_unnamed`), whose only copy is the store's: it must come
         back to RAM before that copy goes (`_keep_copies`). Not one read in
         place from a local store (`kept_in_place`): its descriptor keeps
-        the bytes when the name goes."""
-        return (self.e.link is None and self.e.ns.held_unnamed(ino) and not self.e.ns.resident(ino)
-                and not self.e.residency.kept_in_place(ino))
+        the bytes when the name goes. In cluster mode only this node's
+        readers count (what the others hold open is not known here), and
+        not of a file whose newest generation another node still holds
+        (its load would wait for this very publisher)."""
+        if not self.e.ns.held_unnamed(ino) or self.e.ns.resident(ino) or self.e.residency.kept_in_place(ino):
+            return False
+        gen = self.e.pending.get(ino)
+        return self.e.link is None or gen is None or gen.owner is None
 
     def _shown_source(self, gen: FileGen, exclude: Node) -> str | None:
         """Where the store shows `gen` under another name (a hard link's);

@@ -120,6 +120,30 @@ def test_names_and_files_are_shared_and_each_node_reads_the_others_files(tmp_pat
             assert m.unexpected_log_errors() == []
 
 
+def test_a_file_deleted_on_another_node_while_the_publishing_node_reads_it_stays_readable(tmp_path, redis_db):
+    """A process on the publishing node reads a file whose bytes there are
+    only in the store (written on another node; loaded, then evicted), and
+    the file is deleted on the other node: its reads got EIO once the
+    store's copy went. It stays readable until its last close, as on one
+    node (a reader on any other node is not known to the publishing node:
+    the README says so)."""
+    with nodes(tmp_path, redis_db) as (a, b):
+        payload = os.urandom(6_000_000)
+        b.path("ckpt.bin").write_bytes(payload)
+        assert run_cli("flush", str(b.mountpoint), "--cluster").returncode == 0
+        with open(a.path("ckpt.bin"), "rb") as f:
+            head = f.read(10)
+            r = run_cli("evict", str(a.path("ckpt.bin")))
+            assert r.returncode == 0 and "evicted 1 files" in r.stdout, r.stdout + r.stderr
+            os.unlink(b.path("ckpt.bin"))
+            assert run_cli("flush", str(b.mountpoint), "--cluster").returncode == 0  # the store's copy is gone now
+            assert "ckpt.bin" not in store_files(tmp_path / "store")
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # the reads reach the daemon
+            assert head + f.read() == payload
+        for m in (a, b):
+            assert m.unexpected_log_errors() == []
+
+
 def test_a_name_made_on_two_nodes_at_once_is_made_once(tmp_path, redis_db):
     with nodes(tmp_path, redis_db, "abc") as mounts:
         results: dict[str, object] = {}
