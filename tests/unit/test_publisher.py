@@ -429,9 +429,7 @@ async def test_queued_renames_and_removals_count_as_unpublished(tmp_path):
 
 
 class _StalledGroups:
-    """Wraps a backend: publications, of groups and of single files, wait
-    until `go` is set (two files written together may be staged apart,
-    and the first published alone)."""
+    """Wraps a backend: group commits wait until `go` is set."""
 
     def __init__(self, inner) -> None:
         self.inner, self.go = inner, threading.Event()
@@ -442,10 +440,6 @@ class _StalledGroups:
     def publish_group(self, *args, **kwargs):
         self.go.wait(30)
         return self.inner.publish_group(*args, **kwargs)
-
-    def publish(self, *args, **kwargs):
-        self.go.wait(30)
-        return self.inner.publish(*args, **kwargs)
 
 
 async def test_a_file_gone_from_the_mount_leaves_nothing_of_it_in_the_engine(tmp_path, monkeypatch):
