@@ -457,6 +457,39 @@ class FileData:
             self._pool.reserve(need)
             self.allocated += need
 
+    def fit(self) -> None:
+        """Let the last chunk take what a load would give it (`_fitted`), not
+        a whole CHUNK: a writer's chunks are CHUNKs, as it does not know the
+        final size, and at a seal the size is likely final (a file of 300 KiB
+        written took 4 MiB of the budget). A large chunk is shrunk where it
+        is (mremap: no copy), a small one copied (at most SMALL_MAX bytes);
+        nothing changes while a snapshot or a view shares the chunk. A later
+        write past its end grows it again, as any chunk grows."""
+        if self._spill is not None or not self.resident or not self.size:
+            return
+        idx = (self.size - 1) // CHUNK
+        chunk = self._chunks.get(idx)
+        if chunk is None or chunk.refs > 1 or not isinstance(chunk.buf, mmap.mmap):
+            return
+        old = len(chunk.buf)
+        cap = _fitted(max(chunk.hw, 1))
+        if cap >= old:
+            return
+        if cap <= SMALL_MAX:
+            buf = bytearray(cap)
+            buf[: chunk.hw] = memoryview(chunk.buf)[: chunk.hw]
+            big, chunk.buf = chunk.buf, buf
+        else:
+            try:
+                chunk.buf.resize(cap)
+            except BufferError:  # a view of it lives on (a reply being sent)
+                return
+            big = None
+        self._pool.unreserve(old - cap)
+        self.allocated -= old - cap
+        if big is not None:
+            self._pool.give_chunk(big)
+
     def _chunk_for_write(self, idx: int, hi: int) -> _Chunk:
         """The chunk `idx`, grown to hold `hi` bytes (already reserved)."""
         chunk = self._chunks.get(idx)

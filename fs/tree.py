@@ -718,6 +718,7 @@ class InodeTree:
     def _seal(self, inode: Inode) -> bool:
         if inode.data is None or inode.version == inode.sealed_version or not inode.data.resident:
             return False
+        inode.data.fit()  # its size is likely final now
         inode.generation += 1
         inode.sealed_version = inode.version
         self.touched.add(inode.ino)

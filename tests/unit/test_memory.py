@@ -125,6 +125,7 @@ ops = st.lists(
     st.one_of(
         st.tuples(st.just("w"), st.integers(0, 3 * CHUNK), st.integers(1, CHUNK + 10), st.integers(0, 255)),
         st.tuples(st.just("t"), st.integers(0, 3 * CHUNK)),
+        st.tuples(st.just("f")),
     ),
     max_size=12,
 )
@@ -144,11 +145,13 @@ def test_matches_a_bytearray_model(sequence):
             if off > len(model):
                 model.extend(bytes(off - len(model)))
             model[off : off + n] = data
-        else:
+        elif op[0] == "t":
             size = op[1]
             f.truncate(size)
             model = model[:size] + bytearray(max(0, size - len(model)))
-        assert f.size == len(model)
+        else:
+            f.fit()
+        assert f.size == len(model) and pool.used == f.allocated
     assert f.read(0, len(model) + 10) == bytes(model)
     f.clear()
     assert pool.used == 0
@@ -237,6 +240,58 @@ def test_a_load_takes_for_the_last_chunk_what_it_holds(tail):
     assert pool.used == f.allocated == CHUNK + grown
     f.clear()
     assert pool.used == 0 and all(len(c) == CHUNK for c in pool._free)
+
+
+@pytest.mark.parametrize("tail", [28, memory.SMALL_MAX + 1, (1 << 20) + 28, CHUNK // 2, CHUNK // 2 + 1, CHUNK - 1])
+def test_a_written_file_s_last_chunk_takes_what_it_holds_once_sealed(tail):
+    """A writer's last chunk is a whole CHUNK; `fit` (at a seal) gives it the
+    length a load would (a file of 300 KiB written took 4 MiB of the budget
+    for as long as it stayed in RAM). The bytes stay; a write past the end
+    grows it again, the budget exact."""
+    pool = MemoryPool(1 << 30)
+    f = FileData(pool)
+    size = CHUNK + tail
+    data = os.urandom(size)
+    for off in range(0, size, 1 << 20):  # a writer's pieces
+        f.write(off, data[off : off + (1 << 20)])
+    if tail > memory.SMALL_MAX:
+        assert pool.used == f.allocated == 2 * CHUNK
+    f.fit()
+    assert pool.used == f.allocated == memory.ram_for(size)
+    assert f.read(0, size + 10) == data
+    more = os.urandom(CHUNK - tail + 100)  # past the chunk's end, into the next
+    f.write(size, more)
+    assert f.read(0, size + len(more)) == data + more
+    assert pool.used == f.allocated == 2 * CHUNK + memory._capacity(100)
+    f.clear()
+    assert pool.used == 0 and all(len(c) == CHUNK for c in pool._free)
+
+
+def test_fit_after_a_truncate_copies_a_small_tail_out_of_its_chunk():
+    pool = MemoryPool(1 << 30)
+    f = FileData(pool)
+    f.write(0, b"t" * (3 << 20))
+    f.truncate(100 << 10)
+    assert pool.used == CHUNK
+    f.fit()
+    assert pool.used == f.allocated == 128 << 10 and pool.kept == CHUNK  # the CHUNK kept for reuse
+    assert f.read(0, 1 << 20) == b"t" * (100 << 10)
+
+
+def test_fit_leaves_a_chunk_that_a_snapshot_or_a_view_shares():
+    pool = MemoryPool(1 << 30)
+    f = FileData(pool)
+    f.write(0, b"s" * (300 << 10))
+    snap = f.snapshot()
+    f.fit()  # the snapshot's chunk: not touched
+    assert pool.used == CHUNK and b"".join(bytes(p) for p in snap.pieces()) == b"s" * (300 << 10)
+    snap.release()
+    view = f.read(0, 10)  # a view of the chunk, as a read's reply is
+    f.fit()
+    assert pool.used == CHUNK and bytes(view) == b"s" * 10
+    del view
+    f.fit()
+    assert pool.used == f.allocated == 300 << 10 and f.read(0, 300 << 10) == b"s" * (300 << 10)
 
 
 def test_a_load_places_and_shows_in_any_order_and_reads_land_in_place():

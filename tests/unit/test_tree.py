@@ -205,6 +205,17 @@ def test_seal_bumps_generation_only_on_last_writer(s):
     assert s.release(c.fh) is None and f.generation == 2  # nothing changed: no new generation
 
 
+def test_a_sealed_file_takes_of_the_budget_what_its_bytes_take(s):
+    """A file of 300 KiB written in pieces held a whole 4 MiB chunk of the
+    budget for as long as it stayed in RAM; sealed, it takes its pages."""
+    h = s.create(ROOT, b"f", 0o644, W | os.O_CREAT, 0, 0)
+    for off in range(0, 300 << 10, 100 << 10):
+        s.write(h.fh, off, b"w" * (100 << 10))
+    assert s.pool.used == 4 << 20  # (a writer does not know the final size)
+    s.release(h.fh)
+    assert s.pool.used == 300 << 10 and h.inode.data.read(0, 1 << 20) == b"w" * (300 << 10)
+
+
 def test_readdir_offsets_survive_concurrent_changes(s):
     for i in range(10):
         new_file(s, b"f%d" % i)
