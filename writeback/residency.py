@@ -384,9 +384,10 @@ class Residency:
         if not in_place and self.kept_in_place(ino):
             # Into RAM from the store file it is served from: the same bytes, verified again
             paths = self.e.ns.paths_of(ino)
+            size = os.fstat(self.e.ns.borrowed_fd(ino)).st_size
             fd = os.dup(self.e.ns.borrowed_fd(ino))  # (the borrow may end while room is made)
             return await self._begin(ino, paths[0] if paths else f"inode {ino} (deleted in the mount)",
-                                     self._borrowed_against[ino], os.fstat(fd).st_size, fd)
+                                     self._borrowed_against[ino], size, fd)
         found = self.e.publisher_shown(ino)
         if found is None:
             # A fault of ckptfs itself (the file's bytes are gone from RAM, and the publisher's replica of
