@@ -29,7 +29,7 @@ from ckptfs.writeback.publisher import MARKERS
 from ckptfs import runtime
 from ckptfs.config import DEFAULT_SPILL_DIR, MountConfig
 
-from . import status, tasks
+from . import fuseloop, status, tasks
 from .control import ControlServer
 from .metrics import Metrics
 
@@ -236,7 +236,8 @@ async def _main(config: MountConfig, tree: InodeTree, engine: Engine, control: C
         engine.calls.crash_at = _crash_point()
         if n:
             log.info("the store holds %d files: shown now, loaded on first use", n)
-        signals = _Signals()
+        turns = fuseloop.install()  # a cheaper wait for each request, where this pyfuse3 allows it
+        signals = _Signals(turns.stop if turns is not None else pyfuse3.terminate)
         # The receiver puts back what was there before it when the run ends,
         # while this daemon still unmounts, leaves its cluster and writes its
         # report: ignored then, not a silent death halfway (a SIGTERM sent
@@ -290,7 +291,8 @@ class _Signals:
 
     SAME_REQUEST_S = 2.0
 
-    def __init__(self) -> None:
+    def __init__(self, terminate: Callable[[], None]) -> None:
+        self.terminate = terminate  # ends the FUSE loop
         self.abort_scope = trio.CancelScope()
         self.count = 0
         self.first_at = 0.0
@@ -309,7 +311,7 @@ class _Signals:
                     self.first_at = trio.current_time()
                     log.info("received %s: unmounting, then draining write-back", signal.Signals(signum).name)
                     if self.serving:
-                        pyfuse3.terminate()
+                        self.terminate()
                 else:
                     log.warning("received %s again: not waiting for write-back any longer", signal.Signals(signum).name)
                     self.abort_scope.cancel()

@@ -1,0 +1,129 @@
+"""A cheaper wait for the next FUSE request in pyfuse3's loop.
+
+pyfuse3 (3.3 to 3.5) serves requests with worker tasks that take turns at
+/dev/fuse: one at a time waits until the device is readable, reads one
+request and handles it, while the next takes the turn. Each wait goes
+through trio's epoll: the descriptor registered, a pass of the scheduler,
+the registration removed. When requests come back to back (a create is six
+of them: LOOKUP, CREATE, the directory's GETATTR, WRITE, FLUSH, RELEASE) the
+next one is almost always queued already, and a poll with no timeout tells
+so in one system call: the epoll round trip is left for when the device is
+idle. Measured side by side (RESULTS-smallfiles.md): creates of small files
+12-22 % faster, `stat`s and reads of small files 25-30 %; large writes the
+same.
+
+`Turns.wait` takes the place of pyfuse3's own wait (`install`), which its
+loop looks up by name at every request. The turn goes to the task that
+waited last, so that a steady stream of requests is served by the same few
+tasks (the fastest order, measured) and the others' receive buffers (1 MiB
+each, allocated by the first request a task reads) stay untouched:
+pyfuse3's count of waiting tasks, which retires idle ones, is not ours to
+keep, so its tasks grow to `max_tasks` and stay, and a task new to the
+device goes last, to be used only when all the others are busy.
+With a pyfuse3 whose loop is not the one this was written against, nothing
+is replaced: it runs as shipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import weakref
+
+import pyfuse3
+import trio
+
+log = logging.getLogger(__name__)
+
+_SUPPORTED = ((3, 3), (3, 5))  # the pyfuse3 versions (major, minor) whose loop this was written against
+
+
+class Turns:
+    """Which task reads the next request from the FUSE device `fd`: one at a
+    time; the others park, and the one that parked last goes next."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._poll = select.poll()
+        self._poll.register(fd, select.POLLIN)
+        self._taken = False
+        self._parked: list[trio.Event] = []  # the last goes next
+        self._seen: weakref.WeakSet[trio.lowlevel.Task] = weakref.WeakSet()  # the tasks that waited before
+        self.stopped = False
+
+    async def wait(self) -> bool:
+        """Wait for the turn, then until a request can be read: True, or
+        False once the loop is to end (`stop`)."""
+        await self._take()
+        try:
+            if not self.stopped and not self._poll.poll(0):
+                await trio.lowlevel.wait_readable(self.fd)
+        except trio.ClosedResourceError:  # pyfuse3.terminate() while waiting
+            self.stopped = True
+        finally:
+            self._give()  # the next task runs only once this one has read its request (no checkpoint between)
+        return not self.stopped
+
+    def stop(self) -> None:
+        """End the loop: the task waiting on the device and every task that
+        takes the turn from now on are told to stop (pyfuse3's terminate
+        wakes only the task waiting on the device)."""
+        self.stopped = True
+        pyfuse3.terminate()
+
+    async def _take(self) -> None:
+        task = trio.lowlevel.current_task()
+        new = task not in self._seen
+        self._seen.add(task)
+        if not self._taken:
+            self._taken = True
+            await trio.lowlevel.checkpoint()  # a stream of requests must not starve the other tasks
+            return
+        handed = trio.Event()
+        if new:  # it goes last: it is there for when all the others are busy
+            self._parked.insert(0, handed)
+        else:
+            self._parked.append(handed)
+        try:
+            await handed.wait()
+        except BaseException:
+            if handed.is_set():
+                self._give()  # handed the turn as it was cancelled: pass it on
+            else:
+                self._parked.remove(handed)
+            raise
+
+    def _give(self) -> None:
+        if self._parked:
+            self._parked.pop().set()
+        else:
+            self._taken = False
+
+
+def install() -> Turns | None:
+    """After `pyfuse3.init`: replace pyfuse3's wait for the next request with
+    `Turns.wait`, where pyfuse3's loop is the one this was written against
+    and its session's device is found. Returns the turns (stop the loop with
+    their `stop`), or None if pyfuse3 is left as it is."""
+    try:
+        version = tuple(int(p) for p in pyfuse3.__version__.split(".")[:2])
+    except (AttributeError, ValueError):
+        return None
+    if not _SUPPORTED[0] <= version <= _SUPPORTED[1] or not callable(getattr(pyfuse3, "_wait_fuse_readable", None)):
+        log.info("pyfuse3 %s: its own wait for requests is used", pyfuse3.__version__)
+        return None
+    devices = [int(fd) for fd in os.listdir("/proc/self/fd") if _is_fuse_device(int(fd))]
+    if len(devices) != 1:  # (one session per daemon)
+        log.info("the FUSE device is open %d times in this process: pyfuse3's own wait for requests is used", len(devices))
+        return None
+    turns = Turns(devices[0])
+    pyfuse3._wait_fuse_readable = turns.wait
+    return turns
+
+
+def _is_fuse_device(fd: int) -> bool:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}") == "/dev/fuse"
+    except OSError:  # (the listing's own descriptor, closed since)
+        return False

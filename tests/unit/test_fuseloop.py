@@ -1,0 +1,148 @@
+"""The turns of pyfuse3's worker tasks at the FUSE device (`daemon.fuseloop`),
+with a pipe standing in for the device."""
+
+import os
+
+import pytest
+import trio
+from ckptfs.daemon import fuseloop
+from ckptfs.daemon.fuseloop import Turns
+
+
+@pytest.fixture
+def pipe():
+    r, w = os.pipe()
+    yield r, w
+    os.close(r)
+    os.close(w)
+
+
+async def _reader(turns: Turns, r: int, order: list, name: str) -> None:
+    """What a worker of pyfuse3's loop does: wait, then read one request
+    with no checkpoint in between."""
+    if await turns.wait():
+        order.append((name, os.read(r, 1)))
+    else:
+        order.append((name, None))
+
+
+async def test_a_request_queued_already_is_read_without_waiting_on_the_device(pipe, monkeypatch):
+    r, w = pipe
+    turns = Turns(r)
+    waits = []
+
+    async def counted(fd):
+        waits.append(fd)
+        await real(fd)
+
+    real = trio.lowlevel.wait_readable
+    monkeypatch.setattr(trio.lowlevel, "wait_readable", counted)
+    os.write(w, b"ab")
+    order = []
+    with trio.fail_after(5):
+        await _reader(turns, r, order, "x")
+        await _reader(turns, r, order, "x")
+        assert order == [("x", b"a"), ("x", b"b")] and waits == []
+        async with trio.open_nursery() as nursery:  # an idle device: waited on
+            nursery.start_soon(_reader, turns, r, order, "y")
+            await trio.testing.wait_all_tasks_blocked()
+            assert waits == [r] and len(order) == 2
+            os.write(w, b"c")
+    assert order[-1] == ("y", b"c")
+
+
+async def _worker(turns: Turns, r: int, order: list, name: str, busy: dict) -> None:
+    """A worker of pyfuse3's loop: wait, read a request, handle it (for as
+    long as `busy[name]` is an event not set), again."""
+    while await turns.wait():
+        order.append((name, os.read(r, 1)))
+        if name in busy:
+            await busy[name].wait()
+
+
+async def test_the_task_that_waited_last_goes_next_and_a_new_one_only_when_the_others_are_busy(pipe):
+    r, w = pipe
+    turns = Turns(r)
+    order, busy = [], {}
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            for name in "abc":
+                nursery.start_soon(_worker, turns, r, order, name, busy)
+                await trio.testing.wait_all_tasks_blocked()  # "a" on the device, then "b" and "c", new, parked in order
+            for k in range(4):
+                os.write(w, b"%d" % k)
+                await trio.testing.wait_all_tasks_blocked()
+            busy["a"] = busy["b"] = trio.Event()  # "a" and "b" take a while with their next requests
+            for k in range(4, 7):
+                os.write(w, b"%d" % k)
+                await trio.testing.wait_all_tasks_blocked()
+            busy["a"].set()
+            turns.stopped = True
+            nursery.cancel_scope.cancel()
+    assert [name for name, _ in order] == ["a", "b", "a", "b", "a", "b", "c"]
+    assert [req for _, req in order] == [b"%d" % k for k in range(7)]
+
+
+async def test_stop_ends_the_task_on_the_device_and_every_one_that_takes_the_turn(pipe, monkeypatch):
+    r, w = pipe
+    turns = Turns(r)
+    monkeypatch.setattr(fuseloop.pyfuse3, "terminate", lambda: trio.lowlevel.notify_closing(r))  # (no FUSE session here)
+    order = []
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            for name in "abc":
+                nursery.start_soon(_reader, turns, r, order, name)
+                await trio.testing.wait_all_tasks_blocked()
+            turns.stop()
+    assert sorted(order) == [("a", None), ("b", None), ("c", None)]
+    os.write(w, b"late")  # a request after the stop is not read
+    await _reader(turns, r, order, "d")
+    assert order[-1] == ("d", None)
+
+
+async def test_a_task_cancelled_while_parked_or_on_the_device_does_not_keep_the_turn(pipe):
+    r, w = pipe
+    turns = Turns(r)
+    order, scopes = [], {}
+
+    async def cancellable(name):
+        with trio.CancelScope() as scopes[name]:
+            await _worker(turns, r, order, name, {})
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            for name in "abc":
+                nursery.start_soon(cancellable, name)
+                await trio.testing.wait_all_tasks_blocked()  # "a" on the device; "b" parked to go next, then "c"
+            scopes["b"].cancel()  # parked: it leaves its place
+            await trio.testing.wait_all_tasks_blocked()
+            os.write(w, b"1")  # "a" reads it and hands the turn to "c"
+            await trio.testing.wait_all_tasks_blocked()
+            os.write(w, b"2")
+            await trio.testing.wait_all_tasks_blocked()  # "c" read it and handed the turn to "a"
+            scopes["a"].cancel()  # on the device: it passes the turn on to "c"
+            await trio.testing.wait_all_tasks_blocked()
+            os.write(w, b"3")
+            await trio.testing.wait_all_tasks_blocked()
+            turns.stopped = True
+            nursery.cancel_scope.cancel()
+    assert order == [("a", b"1"), ("c", b"2"), ("c", b"3")]
+
+
+async def test_a_task_that_takes_the_turn_after_a_stop_with_no_task_waiting_is_told_to_stop(pipe, monkeypatch):
+    """pyfuse3's terminate wakes only a task waiting on the device: with all
+    of them busy with requests then, the next to take the turn would wait
+    on the device for ever."""
+    r, _w = pipe
+    turns = Turns(r)
+    monkeypatch.setattr(fuseloop.pyfuse3, "terminate", lambda: trio.lowlevel.notify_closing(r))
+    turns.stop()
+    order = []
+    with trio.fail_after(5):
+        await _reader(turns, r, order, "a")
+    assert order == [("a", None)]
+
+
+def test_install_leaves_pyfuse3_alone_without_a_session(monkeypatch):
+    monkeypatch.setattr(fuseloop.pyfuse3, "_wait_fuse_readable", fuseloop.pyfuse3._wait_fuse_readable)
+    assert fuseloop.install() is None  # (no FUSE device open in this process)
