@@ -464,7 +464,7 @@ class FileData:
         written took 4 MiB of the budget). A large chunk is shrunk where it
         is (mremap: no copy), a small one copied (at most SMALL_MAX bytes);
         nothing changes while a snapshot or a view shares the chunk. A later
-        write past its end grows it again, as any chunk grows."""
+        write past its end grows it again (a large one with no copy)."""
         if self._spill is not None or not self.resident or not self.size:
             return
         idx = (self.size - 1) // CHUNK
@@ -496,6 +496,11 @@ class FileData:
         if chunk is not None and chunk.refs == 1 and hi <= len(chunk.buf):
             return chunk
         cap = _capacity(max(hi, chunk.hw if chunk is not None else 0))
+        if chunk is not None and chunk.refs == 1 and isinstance(chunk.buf, mmap.mmap):
+            # a chunk fitted to its length (`fit`, or a load's last): grown where it is or moved, never copied
+            with contextlib.suppress(BufferError):  # (while a view of it lives on: copied)
+                chunk.buf.resize(cap)
+                return chunk
         buf: mmap.mmap | bytearray = self._pool.take_chunk() if cap == CHUNK else bytearray(cap)
         if chunk is None:
             chunk = self._chunks[idx] = _Chunk(buf)

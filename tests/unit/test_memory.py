@@ -259,8 +259,11 @@ def test_a_written_file_s_last_chunk_takes_what_it_holds_once_sealed(tail):
     f.fit()
     assert pool.used == f.allocated == memory.ram_for(size)
     assert f.read(0, size + 10) == data
+    fitted = f._chunks[1].buf
     more = os.urandom(CHUNK - tail + 100)  # past the chunk's end, into the next
     f.write(size, more)
+    if memory.SMALL_MAX < len(fitted) < CHUNK:  # grown where it is (mremap), not copied into a new chunk
+        assert f._chunks[1].buf is fitted and len(fitted) == CHUNK
     assert f.read(0, size + len(more)) == data + more
     assert pool.used == f.allocated == 2 * CHUNK + memory._capacity(100)
     f.clear()
