@@ -124,6 +124,7 @@ def install() -> Turns | None:
         return None
     turns = Turns(devices[0])
     pyfuse3._wait_fuse_readable = turns.wait
+    log.info("FUSE requests already queued are read without waiting on the event loop (pyfuse3 %s)", pyfuse3.__version__)
     return turns
 
 

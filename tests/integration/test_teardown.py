@@ -38,6 +38,44 @@ def test_sigterm_after_an_external_unmount_drains_and_exits_cleanly(tmp_path):
         stop_mount(m)
 
 
+def test_sigterm_while_requests_stream_in_ends_every_worker_of_the_fuse_loop(tmp_path):
+    """The daemon's own wait for FUSE requests (daemon/fuseloop.py) is in
+    use, and a SIGTERM while threads keep the mount busy ends pyfuse3's loop
+    (every worker task: those parked for their turn, the one on the device,
+    the ones handling a request), then drains and exits 0."""
+    import threading
+
+    m = start_mount(tmp_path)
+    stop = threading.Event()
+    errors = []
+
+    def busy(k: int) -> None:
+        i = 0
+        while not stop.is_set():
+            try:
+                m.path(f"f{k}.{i % 50}").write_bytes(b"y" * 100)
+                os.stat(m.path(f"f{k}.{i % 50}"))
+            except OSError as exc:  # (the mount goes away under it)
+                errors.append(exc.errno)
+                return
+            i += 1
+
+    threads = [threading.Thread(target=busy, args=(k,)) for k in range(8)]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        assert "read without waiting on the event loop" in m.log_text()
+        m.proc.send_signal(signal.SIGTERM)
+        assert m.proc.wait(timeout=60) == 0
+    finally:
+        stop.set()
+        stop_mount(m)  # first: a thread in a request of a hung mount returns only once it is gone
+        for t in threads:
+            t.join(timeout=30)
+    assert (m.store / "f0.0").read_bytes() == b"y" * 100
+
+
 async def test_a_mount_unmounted_before_it_was_live_is_not_a_crash(tmp_path):
     """The daemon checks that its mount answers (a `stat` in a child) before
     it tunes it and reports it live; an unmount just then (`fusermount3 -u`
