@@ -43,7 +43,7 @@ from ckptfs.writeback.backend import Staged
 from ckptfs.writeback.following import Following
 from ckptfs.writeback.heldback import HeldBack
 from ckptfs.writeback.journal import LOST, FileGen
-from ckptfs.writeback.manifest import Digest
+from ckptfs.writeback.manifest import Digest, digest_of_row, digest_row
 from ckptfs.writeback.state import State
 
 from .log import READ_BATCH, SharedLog
@@ -107,12 +107,12 @@ class Events:
         assert gen.staged is not None and gen.digest is not None
         s, d = gen.staged, gen.digest
         self._post({"e": "staged", "ino": gen.ino, "gen": gen.generation,
-                    "staged": [s.size, s.token, s.parts, s.at], "digest": [d.size, d.xxh3, list(d.blocks)]})
+                    "staged": [s.size, s.token, s.parts, s.at], "digest": digest_row(d)})
 
     def published(self, gen: FileGen, path: str) -> None:
         d = gen.digest
         self._post({"e": "published", "ino": gen.ino, "gen": gen.generation, "path": path,
-                    "digest": [d.size, d.xxh3, list(d.blocks)] if d is not None else None})
+                    "digest": digest_row(d)})
 
     def restage(self, gen: FileGen) -> None:
         self._post({"e": "restage", "ino": gen.ino, "gen": gen.generation, "to": gen.owner})
@@ -408,7 +408,7 @@ def _id(eid: str) -> tuple[int, int]:
 
 
 def _digest(raw) -> Digest | None:
-    return None if raw is None else Digest(raw[0], raw[1], tuple(raw[2]))
+    return None if raw is None else digest_of_row(raw)
 
 
 def _event_of(progress: Progress) -> dict:

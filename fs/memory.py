@@ -26,7 +26,7 @@ from ckptfs.holes import ZEROS, is_hole, read_sparse, zeros
 
 log = logging.getLogger(__name__)
 
-HELD_BLOCKS = 3  # a file read in place holds at most this many verified blocks in RAM, for its reader (`Borrowing`)
+HELD_BYTES = 192 << 20  # a file read in place holds at most this much of its verified blocks in RAM, for its reader (`Borrowing`)
 HELD_IDLE_S = 0.2  # a held block that no read came for this long is let go
 HELD_MAX_S = 1.0  # a load waits for its reader this long at most per block (a slower reader's blocks go through the page cache)
 CHUNK = 4 << 20  # big enough to keep mmap counts low (vm.max_map_count)
@@ -706,7 +706,7 @@ class Borrowing:
 
     Where a block is verified, reads of it are served: the last few blocks
     verified are *held* (`hold`: read into chunks of the RAM budget, up to
-    HELD_BLOCKS at a time) and reads of a held block are answered from those
+    HELD_BYTES at a time) and reads of a held block are answered from those
     chunks without a copy; other blocks go through one scratch chunk (`view`)
     and their reads come from the store file's page cache. A held block is
     let go once reads went past it (its pages in the store file's page cache
@@ -756,16 +756,16 @@ class Borrowing:
         """Owning thread, before the worker reads the block `off`..`off + n`:
         True if it goes into chunks of its own (then held once shown); False
         if through the scratch chunk (RAM is short, or the borrow ended);
-        None: wait a moment and ask again (HELD_BLOCKS are held, and their
+        None: wait a moment and ask again (HELD_BYTES are held, and their
         reader is still at them). `pressed`: a reader waits for bytes not
         served yet, and the oldest held block goes now."""
         self._put_back(self._filling)  # a block that failed its check is never shown
         self._filling = None
         if self.cancelled or self._unshown == len(self._shown):
             # The first block a reader waits for goes through the scratch chunk: 4 MiB
-            # of fresh memory before its first byte is served, not a block's 64 MiB.
+            # of fresh memory before its first byte is served, not a whole block's.
             return False
-        if len(self._held) >= HELD_BLOCKS:
+        while self._held and sum(held.end - held.start for held in self._held) + n > HELD_BYTES:
             oldest, now = self._held[0], time.monotonic()
             if not (pressed or now - self._read_at > HELD_IDLE_S or now - oldest.since > HELD_MAX_S):
                 return None

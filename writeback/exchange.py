@@ -132,15 +132,11 @@ def _hidden(path: str) -> bool:
 
 
 def _digest(d: dict | None) -> Digest | None:
-    if d is None:
-        return None
-    if not (isinstance(d["size"], int) and isinstance(d["xxh3"], str) and all(isinstance(b, str) for b in d.get("blocks", ()))):
-        raise ValueError(f"not a digest: {d!r}")
-    return Digest(d["size"], d["xxh3"], tuple(d.get("blocks", ())))
+    return None if d is None else manifest.digest_of_dict(d)
 
 
 def digest_arg(d: Digest | None) -> dict | None:
-    return None if d is None else {"size": d.size, "xxh3": d.xxh3, "blocks": list(d.blocks)}
+    return None if d is None else manifest.digest_dict(d)
 
 
 def begin(backend: Backend, plan: Plan) -> None:

@@ -29,23 +29,30 @@ PREFIX = f"{META}/files"
 VERSION = 1
 
 
-BLOCK = 64 << 20  # a load verifies and serves a file block by block (C6)
+BLOCK = 16 << 20  # a load verifies and serves a file block by block (C6); the block of every digest made now
+OLD_BLOCK = 64 << 20  # the block of digests made before 2026-11-29 (their records say no "block_size")
+_BLOCKS = (BLOCK, OLD_BLOCK)
 
 
 class Digest(NamedTuple):  # a tuple, as Record
-    """A file's size and xxh3-128, and for files of more than one BLOCK the
-    xxh3-128 of each BLOCK in order, so that a load can serve each block as
-    soon as it is verified. Two digests are equal when size and hash are."""
+    """A file's size and xxh3-128, and for files of more than one block the
+    xxh3-128 of each block (`block_size` bytes) in order, so that a load can
+    serve each block as soon as it is verified. Two digests are equal when
+    size and hash are."""
 
     size: int
     xxh3: str  # xxh3-128, hex
     blocks: tuple[str, ...] = ()
+    block_size: int = BLOCK
 
-    def block(self, i: int) -> str | None:
-        """The hash block `i` must have; None if only the whole file's is known."""
-        if self.blocks:
-            return self.blocks[i] if i < len(self.blocks) else None
-        return self.xxh3 if i == 0 and self.size <= BLOCK else None
+    def block(self, i: int, unit: int) -> str | None:
+        """The hash the `i`-th `unit` bytes of the file must have; None if
+        this digest cannot tell (its blocks are of another size)."""
+        if self.size <= unit:
+            return self.xxh3 if i == 0 else None  # the whole file
+        if unit != self.block_size or len(self.blocks) != -(-self.size // unit):
+            return None
+        return self.blocks[i] if i < len(self.blocks) else None
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Digest) and self.size == other.size and self.xxh3 == other.xxh3
@@ -105,7 +112,7 @@ class Record(NamedTuple):
         d = {name: getattr(self, name) for name in _FIELDS}  # what asdict gives, without its deep copies
         for k in ("current", "previous"):
             if d[k] is not None:
-                d[k] = {"size": d[k].size, "xxh3": d[k].xxh3, "blocks": d[k].blocks}
+                d[k] = digest_dict(d[k])
         return json.dumps({"version": VERSION, **d}, sort_keys=True).encode()
 
     @classmethod
@@ -117,11 +124,12 @@ class Record(NamedTuple):
         d = {k: v for k, v in d.items() if k in _FIELDS}  # "version", and fields of later versions, are ignored
         for k in ("current", "previous"):
             if d.get(k) is not None:
-                d[k] = Digest(d[k]["size"], d[k]["xxh3"], tuple(d[k].get("blocks", ())))
+                d[k] = digest_of_dict(d[k])
         return checked(cls(**d))
 
 
 _FIELDS = frozenset(Record._fields)
+_tuple = tuple.__new__  # a Record or Digest of a row in field order, without NamedTuple's __new__ (a restart makes one per file)
 UNREADABLE = (ValueError, TypeError, KeyError, AttributeError)  # what decoding a record that is not one raises
 KINDS = frozenset({"file", "symlink", "dir"})
 _NS = 1 << 63  # times are signed 64-bit nanoseconds
@@ -151,7 +159,42 @@ def _digest_ok(d: Digest | None) -> bool:
     if d is None:
         return True
     size, blocks = d.size, d.blocks
-    return type(size) is int and 0 <= size < _NS and type(d.xxh3) is str and (not blocks or all(type(b) is str for b in blocks))
+    return (type(size) is int and 0 <= size < _NS and type(d.xxh3) is str and type(d.block_size) is int and d.block_size in _BLOCKS
+            and (not blocks or all(type(b) is str for b in blocks)))
+
+
+def digest_dict(d: Digest) -> dict:
+    """A digest as its record holds it. Blocks of OLD_BLOCK as a daemon of
+    before wrote them; others under keys such a daemon does not know (it
+    verifies those files whole, instead of failing them)."""
+    if d.block_size == OLD_BLOCK:
+        return {"size": d.size, "xxh3": d.xxh3, "blocks": d.blocks}
+    return {"size": d.size, "xxh3": d.xxh3, "block_size": d.block_size, "block_xxh3": d.blocks}
+
+
+def digest_of_dict(d: dict) -> Digest:
+    """`_digest_dict`'s inverse (ValueError, TypeError or KeyError if `d` is no digest)."""
+    if "block_size" in d:
+        digest = Digest(d["size"], d["xxh3"], tuple(d["block_xxh3"]), d["block_size"])
+    else:
+        digest = Digest(d["size"], d["xxh3"], tuple(d.get("blocks", ())), OLD_BLOCK)
+    if not _digest_ok(digest):
+        raise ValueError(f"a digest ckptfs never writes: {d!r:.200}")
+    return digest
+
+
+def digest_row(d: Digest | None) -> list | None:
+    """A digest as a row of the index or an event: [size, xxh3, blocks, block_size]."""
+    return None if d is None else [d.size, d.xxh3, list(d.blocks), d.block_size]
+
+
+def digest_of_row(row: list) -> Digest:
+    """`digest_row`'s inverse; a row of three is an index's of before, of OLD_BLOCK (ValueError if `row` is no digest)."""
+    size, xxh3, blocks, block_size = row if len(row) != 3 else (*row, OLD_BLOCK)
+    d = _tuple(Digest, (size, xxh3, tuple(blocks), block_size))
+    if not _digest_ok(d):
+        raise ValueError(f"a digest ckptfs never writes: {row!r:.200}")
+    return d
 
 
 _RECORD_OBJECT = re.compile(re.escape(PREFIX) + r"/[0-9a-f]{2}/[0-9a-f]{32}\.json")  # what `record_path` makes
@@ -440,33 +483,18 @@ def decoded(raw: bytes) -> Record | None:
 
 
 def _row(rec: Record) -> list:
-    return [rec.path, rec.kind, _digest_row(rec.current), _digest_row(rec.previous), rec.mode, rec.mtime_ns, rec.target,
+    return [rec.path, rec.kind, digest_row(rec.current), digest_row(rec.previous), rec.mode, rec.mtime_ns, rec.target,
             rec.written_ns, rec.source, rec.uid, rec.gid]
-
-
-def _digest_row(d: Digest | None) -> list | None:
-    return None if d is None else [d.size, d.xxh3, list(d.blocks)]
-
-
-_tuple = tuple.__new__  # a Record or Digest of a row in field order, without NamedTuple's __new__ (a restart makes one per file)
 
 
 def _of_row(row: list) -> Record:
     path, kind, cur, prev, mode, mtime_ns, target, written_ns, source, uid, gid = row  # the fields of Record, in order
     _check(path, kind, mode, mtime_ns, written_ns, target, source, uid, gid)
     if cur is not None:
-        row[2] = _of_digest_row(cur)
+        row[2] = digest_of_row(cur)
     if prev is not None:
-        row[3] = _of_digest_row(prev)
+        row[3] = digest_of_row(prev)
     return _tuple(Record, row)
-
-
-def _of_digest_row(row: list) -> Digest:
-    size, xxh3, blocks = row
-    d = _tuple(Digest, (size, xxh3, tuple(blocks)))
-    if not _digest_ok(d):
-        raise ValueError(f"an index row with a digest ckptfs never writes: {row!r:.200}")
-    return d
 
 
 def mark_outside(backend: Backend) -> None:
@@ -501,7 +529,7 @@ class Hashing:
 
     def digest(self) -> Digest:
         blocks = self.blocks + ([self._block.hexdigest()] if self.size % BLOCK else [])
-        return Digest(self.size, self._whole.hexdigest(), tuple(blocks) if len(blocks) > 1 else ())
+        return Digest(self.size, self._whole.hexdigest(), tuple(blocks) if len(blocks) > 1 else (), BLOCK)
 
 
 def digest_of(pieces) -> Digest:

@@ -47,6 +47,7 @@ IN_PLACE_FROM = 8 << 20  # a reader of a file this large in a local store is ser
 HOLD_WAIT_S = 0.005  # a load served in place that keeps pace with its reader looks again this often
 IN_PLACE_MAX = 128  # files served in place at once (each holds a descriptor); past that, the least recently read one ends
 PREFETCH_BATCH = 1000  # files a prefetch passes between two turns of the event loop
+AHEAD = 64 << 20  # while a block is checked and served, the disk reads this much past it (local stores)
 
 
 class LoadTarget(Protocol):
@@ -82,7 +83,9 @@ class _Load:
     anything else; an mmap reader faults pages anywhere), and reading then
     goes on from there, wrapping round. That needs every block verifiable
     on its own (`ranged`): a record that only knows the whole file's hash is
-    read in order and served at the end."""
+    read in order and served at the end. A block is the digests' (`unit`;
+    if the two a file may match differ, the larger, and the other is checked
+    whole)."""
 
     def __init__(self, ino: int, path: str, target: LoadTarget, wanted: list[Digest]) -> None:
         self.ino, self.path, self.target, self.wanted = ino, path, target, wanted
@@ -94,8 +97,11 @@ class _Load:
         self.source_fd = -1  # the store file to read, opened already (a borrow's descriptor, `kept_in_place`); -1: open `path`
         self.in_hand = False  # read from such a descriptor: `path` names no store file
         self.changed = trio.Event()
-        self.ranged = all(d.size <= BLOCK or len(d.blocks) == -(-d.size // BLOCK) for d in wanted)
-        self._taken = bytearray(max(1, -(-target.size // BLOCK)))  # per block: 1 once handed to the worker
+        matching = [d for d in wanted if d.size == target.size]
+        self.unit = max((d.block_size for d in matching), default=BLOCK)
+        self.ranged = all(d.size <= self.unit or (d.block_size == self.unit and len(d.blocks) == -(-d.size // self.unit))
+                          for d in matching)
+        self._taken = bytearray(max(1, -(-target.size // self.unit)))  # per block: 1 once handed to the worker
         self._asked: collections.deque[int] = collections.deque()  # blocks readers wait for, first asked first
         self._next = 0  # where reading on goes
         self.waiting = 0  # callers waiting for it now
@@ -115,14 +121,14 @@ class _Load:
             return
         end = min(end, self.target.size)
         if end > off:
-            self._asked.extend(i for i in range(off // BLOCK, (end - 1) // BLOCK + 1) if not self._taken[i])
+            self._asked.extend(i for i in range(off // self.unit, (end - 1) // self.unit + 1) if not self._taken[i])
 
     def next(self, done: int | None, verified: bool) -> int | None:
         """Owning thread, called by the worker after each block: serve block
         `done` if it is verified; the block to read next (None: none left)."""
         if done is not None and verified:
-            lo = done * BLOCK
-            if not self.target.show(lo, min(lo + BLOCK, self.target.size)):
+            lo = done * self.unit
+            if not self.target.show(lo, min(lo + self.unit, self.target.size)):
                 raise storeio.Cancelled()
             self.wake()
         while self._asked:
@@ -145,11 +151,11 @@ def _close(fd: int) -> None:
         os.close(fd)
 
 
-def _narrow(wanted: list[Digest], i: int, got: str, path: str) -> list[Digest]:
-    """The digests that block `i` hashing to `got` still allows."""
-    left = [d for d in wanted if d.block(i) in (None, got)]
+def _narrow(wanted: list[Digest], i: int, unit: int, got: str, path: str) -> list[Digest]:
+    """The digests that block `i` (of `unit` bytes) hashing to `got` still allows."""
+    left = [d for d in wanted if d.block(i, unit) in (None, got)]
     if wanted and not left:
-        raise storeio.IntegrityError(f"checksum mismatch in block {i} ({i * BLOCK}-{(i + 1) * BLOCK} bytes) of {path}")
+        raise storeio.IntegrityError(f"checksum mismatch in block {i} ({i * unit}-{(i + 1) * unit} bytes) of {path}")
     return left
 
 
@@ -547,7 +553,7 @@ class Residency:
         """Worker thread: read the file from the store block by block, in the
         order `load.next` gives, place its bytes, and serve each block once
         its hash matches the record's."""
-        target, size = load.target, load.target.size
+        target, size, unit = load.target, load.target.size, load.unit
         wanted = [d for d in load.wanted if d.size == size]
         if load.wanted and not wanted:
             raise storeio.IntegrityError(f"checksum mismatch: the file has {size} bytes, the manifest says "
@@ -566,11 +572,11 @@ class Residency:
                         raise
                 i = trio.from_thread.run_sync(load.next, None, False)
                 while i is not None:
-                    pos = lo = i * BLOCK
+                    pos = lo = i * unit
                     block = hasher()
                     if target.in_place and load.ranged:  # (a block that cannot be checked alone is served at the end)
-                        self._hold(load, source, lo, min(BLOCK, size - lo))
-                    for piece in source.read(lo, min(BLOCK, size - lo), target.view):
+                        self._hold(load, source, lo, min(unit, size - lo))
+                    for piece in source.read(lo, min(unit, size - lo), target.view):
                         if target.cancelled:
                             raise storeio.Cancelled()
                         target.place(pos, piece)
@@ -579,11 +585,11 @@ class Residency:
                             whole.update(piece)
                         pos += len(piece)
                     piece = None  # no view of the file's memory outlives its block
-                    source.ahead(lo + BLOCK, BLOCK)  # the disk reads on while this block is checked and served
-                    wanted = _narrow(wanted, i, block.hexdigest(), load.path)
+                    source.ahead(lo + unit, max(unit, AHEAD))  # the disk reads on while this block is checked and served
+                    wanted = _narrow(wanted, i, unit, block.hexdigest(), load.path)
                     # a block is served once every digest still allowed vouches for it; in
                     # order, the last block only once the whole file is checked (in _run)
-                    verified = all(d.block(i) is not None for d in wanted) and (load.ranged or pos < size)
+                    verified = all(d.block(i, unit) is not None for d in wanted) and (load.ranged or pos < size)
                     i = trio.from_thread.run_sync(load.next, i, verified)
         finally:
             target.close()

@@ -834,6 +834,104 @@ async def test_a_corrupt_block_is_never_served(tmp_path):
         n.cancel_scope.cancel()
 
 
+async def test_the_first_byte_of_a_file_waits_for_its_first_16_mib_alone(tmp_path):
+    """A digest made now hashes blocks of 16 MiB (they were 64 MiB): a
+    reader of a file's first bytes after a restart waits for one such
+    block read and verified, not for the 64 MiB around it."""
+    import threading
+
+    rig, data = _evicted_big_file(tmp_path, 40 << 20)
+    await run_until_flushed(rig)
+    digest = manifest.read(rig.backend, "big").current
+    assert digest.block_size == 16 << 20 and len(digest.blocks) == 3
+    node = rig.store.inode_at("big")
+    rig.engine.evict(1 << 40)
+    go = threading.Event()
+    order = _gate_loads(rig.backend, lambda off: off < 16 << 20 or go.wait(30))  # the store stalls past 16 MiB
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        with trio.fail_after(20):
+            await rig.engine.load(node.ino, 0, 4096)
+        assert node.data.read(0, 4096) == data[:4096] and order[0] == 0  # (block 1 may wait at the gate)
+        go.set()
+        with trio.fail_after(20):
+            await rig.engine.load(node.ino)
+        assert node.data.read(0, len(data)) == data
+        n.cancel_scope.cancel()
+
+
+def _old_digest(data: bytes) -> manifest.Digest:
+    """`data`'s digest as a daemon of before 2026-11-29 made it: blocks of 64 MiB."""
+    import xxhash
+
+    step = manifest.OLD_BLOCK
+    blocks = [xxhash.xxh3_128(data[i : i + step]).hexdigest() for i in range(0, len(data), step)]
+    return manifest.Digest(len(data), xxhash.xxh3_128(data).hexdigest(), tuple(blocks) if len(blocks) > 1 else (), step)
+
+
+async def test_a_file_published_with_blocks_of_64_mib_loads_block_by_block_against_them(tmp_path):
+    """A store written before blocks of 16 MiB: its records' block hashes
+    are of 64 MiB. A load verifies and serves such a file 64 MiB at a time,
+    the block a reader waits for first, and a rotten block is never served."""
+    import threading
+
+    rig, data = _evicted_big_file(tmp_path, manifest.OLD_BLOCK + (20 << 20))
+    await run_until_flushed(rig)
+    node = rig.store.inode_at("big")
+    rig.engine.evict(1 << 40)
+    rec = manifest.read(rig.backend, "big")
+    old = _old_digest(data)
+    assert old == rec.current and len(old.blocks) == 2
+    rig.engine.residency.expect([node.ino], [rec._replace(current=old)])
+    go = threading.Event()
+    order = _gate_loads(rig.backend, lambda off: off == manifest.OLD_BLOCK or go.wait(30))  # only the last block comes
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        with trio.fail_after(20):
+            await rig.engine.load(node.ino, len(data) - 100, len(data))
+        assert node.data.read(len(data) - 100, 100) == data[-100:]
+        go.set()
+        with trio.fail_after(20):
+            await rig.engine.load(node.ino)
+        assert [i * manifest.BLOCK for i in order] == [manifest.OLD_BLOCK, 0]  # two reads, of 64 MiB and the rest
+        assert node.data.read(0, len(data)) == data
+        rig.engine.evict(1 << 40)
+        with open(tmp_path / "store" / "big", "r+b") as f:  # rot past 16 MiB, within the first 64 MiB
+            f.seek(20 << 20)
+            f.write(bytes([data[20 << 20] ^ 1]))
+        rig.engine.residency.expect([node.ino], [rec._replace(current=old)])
+        with trio.fail_after(20), pytest.raises(OSError):
+            await rig.engine.load(node.ino, 0, 4096)  # its block is all of the first 64 MiB
+        with trio.fail_after(20):
+            await rig.engine.load(node.ino, len(data) - 100, len(data))
+        assert node.data.read(len(data) - 100, 100) == data[-100:]  # the sound block is served
+        n.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("holds", ["current", "previous"])
+async def test_a_file_whose_two_digests_have_blocks_of_two_sizes_loads_whichever_the_store_holds(tmp_path, holds):
+    """Republished across the change of block size, a file's record may
+    name a current digest with blocks of 16 MiB and a previous one with
+    blocks of 64 MiB, of the same size: the store may hold either. The load
+    verifies against both (the one with the smaller blocks checked whole)."""
+    rig, data = _evicted_big_file(tmp_path, manifest.OLD_BLOCK + (1 << 20))
+    await run_until_flushed(rig)
+    node = rig.store.inode_at("big")
+    rig.engine.evict(1 << 40)
+    other = os.urandom(len(data))
+    rec = manifest.read(rig.backend, "big")
+    rig.engine.residency.expect([node.ino], [rec._replace(previous=_old_digest(other))])
+    if holds == "previous":
+        (tmp_path / "store" / "big").write_bytes(other)
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        with trio.fail_after(20):
+            await rig.engine.load(node.ino, 0, 4096)
+            await rig.engine.load(node.ino)
+        assert node.data.read(0, len(data)) == (data if holds == "current" else other)
+        n.cancel_scope.cancel()
+
+
 def _store_fds(path) -> int:
     """How many of this process's descriptors are open on `path`."""
     n = 0
@@ -947,11 +1045,12 @@ async def test_a_reader_in_place_is_answered_from_the_blocks_just_verified(tmp_p
     verified, held in RAM for the reader (views, not copies out of the store
     file's page cache); the load keeps pace with its reader, so every read
     past the first block finds its block held, and never more than
-    HELD_BLOCKS are."""
+    HELD_BYTES are."""
     import mmap
 
     monkeypatch.setattr(memory, "HELD_IDLE_S", 3600.0)  # a slow machine's pause between two reads lets no block go
     monkeypatch.setattr(memory, "HELD_MAX_S", 3600.0)
+    monkeypatch.setattr(memory, "HELD_BYTES", 3 * manifest.BLOCK)  # fewer than the blocks the reader goes through
     rig, data, node = await _published_and_evicted(tmp_path, 5 * manifest.BLOCK + 1000)
     most = 0
     async with trio.open_nursery() as n:
@@ -966,7 +1065,7 @@ async def test_a_reader_in_place_is_answered_from_the_blocks_just_verified(tmp_p
             del piece
             most = max(most, rig.store.pool.used)
         await _loads_over(rig)
-        assert 0 < most <= memory.HELD_BLOCKS * manifest.BLOCK
+        assert 0 < most <= memory.HELD_BYTES
         assert rig.store.pool.used == memory.CHUNK  # the last block alone: the reads went past the others
         n.cancel_scope.cancel()
 
@@ -977,12 +1076,13 @@ async def test_a_load_in_place_keeping_pace_goes_on_at_once_for_a_reader_that_wa
     say): then the oldest held block goes."""
     monkeypatch.setattr(memory, "HELD_IDLE_S", 3600.0)  # nothing goes for lack of reads, or for time
     monkeypatch.setattr(memory, "HELD_MAX_S", 3600.0)
+    monkeypatch.setattr(memory, "HELD_BYTES", 3 * manifest.BLOCK)
     rig, data, node = await _published_and_evicted(tmp_path, 5 * manifest.BLOCK + 1000)
     async with trio.open_nursery() as n:
         await n.start(rig.engine.run)
         with trio.fail_after(20):
             await rig.engine.load(node.ino, manifest.BLOCK, manifest.BLOCK + 4096)
-            while rig.store.pool.used < memory.HELD_BLOCKS * manifest.BLOCK:  # blocks 2-4 held (1, the first verified, is not)
+            while rig.store.pool.used < memory.HELD_BYTES:  # blocks 2-4 held (1, the first verified, is not)
                 await trio.sleep(0.01)
             await rig.engine.load(node.ino, len(data) - 100, len(data))
         assert bytes(node.data.read(len(data) - 100, 100)) == data[-100:]

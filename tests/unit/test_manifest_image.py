@@ -436,14 +436,44 @@ def test_digests_are_equal_by_size_and_hash_whatever_blocks_they_name():
     assert rec == rec._replace(current=without) and rec != rec._replace(mode=0o600)
 
 
+def test_a_digest_of_before_reads_as_blocks_of_64_mib_and_is_written_back_as_it_was():
+    """Digests made now hash blocks of 16 MiB, and their records say so
+    under keys a daemon of before does not know (it verifies such a file
+    whole rather than against blocks it takes for 64 MiB ones). A record or
+    an index row of before (no block size) is of 64 MiB blocks, and a
+    digest of 64 MiB blocks is written again as a daemon of before wrote it.
+    A block size ckptfs never wrote makes the record unreadable."""
+    now = manifest.digest_of([b"x" * (manifest.BLOCK + 1)])
+    assert now.block_size == manifest.BLOCK == 16 << 20 and len(now.blocks) == 2
+    new = json.loads(manifest.Record("a", "file", now).encode())
+    assert "blocks" not in new["current"] and new["current"]["block_size"] == manifest.BLOCK
+    assert manifest.Record.decode(manifest.Record("a", "file", now).encode()).current.blocks == now.blocks
+
+    before = {"version": 1, "path": "a", "kind": "file", "mode": 420, "mtime_ns": None, "target": "", "written_ns": 0,
+              "source": "", "uid": None, "gid": None, "previous": None,
+              "current": {"size": 70 << 20, "xxh3": "ab" * 16, "blocks": ["cd" * 16, "ef" * 16]}}
+    rec = manifest.Record.decode(json.dumps(before).encode())
+    assert rec.current.block_size == manifest.OLD_BLOCK and rec.current.block(1, manifest.OLD_BLOCK) == "ef" * 16
+    assert rec.current.block(1, manifest.BLOCK) is None  # it cannot tell a block of 16 MiB
+    assert json.loads(rec.encode()) == before
+    row = manifest._row(rec)
+    assert row[2] == [70 << 20, "ab" * 16, ["cd" * 16, "ef" * 16], manifest.OLD_BLOCK]
+    assert manifest._of_row(manifest._row(rec)) == rec and manifest._of_row(manifest._row(rec)).current.block_size == manifest.OLD_BLOCK
+    assert manifest.digest_of_row(row[2][:3]).block_size == manifest.OLD_BLOCK  # an index of before
+    for bad in (0, 1, 4096, "16777216", 16777216.0, None):
+        with pytest.raises(manifest.UNREADABLE):
+            manifest.Record.decode(json.dumps({**before, "current": {**new["current"], "block_size": bad}}).encode())
+
+
 @pytest.mark.parametrize("row", [
     ["a", "file", None, None, 420, None, "", 0, "", None],  # a field short
     ["a", "file", None, None, 420, None, "", 0, "", None, None, None],  # one too many
     ["a", "file", [5, "ab"], None, 420, None, "", 0, "", None, None],  # a digest a field short
+    ["a", "file", [5, "ab", [], 1 << 24, 1], None, 420, None, "", 0, "", None, None],
     ["a", "file", [5, "ab", [], 1], None, 420, None, "", 0, "", None, None],
     {"path": "a", "kind": "file"},
     "abcdefghijk",
-], ids=["short", "long", "short digest", "long digest", "an object", "a string"])
+], ids=["short", "long", "short digest", "long digest", "a block size never written", "an object", "a string"])
 def test_an_index_row_of_another_shape_makes_the_index_unreadable(row):
     """A row is decoded by position (`_of_row`): one of another length or
     kind than ckptfs writes is no record, and the index is not trusted (a

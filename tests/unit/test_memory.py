@@ -335,13 +335,14 @@ def _borrowed(tmp_path, content: bytes, pool: MemoryPool | None = None) -> tuple
 def test_reads_of_a_block_held_for_its_reader_are_views_of_ram(tmp_path, monkeypatch):
     """A block verified for reads in place is held in chunks of the RAM
     budget: reads of it are answered from them without a copy, at most
-    HELD_BLOCKS are held, and one goes once reads went past it (its store
+    HELD_BYTES are held, and one goes once reads went past it (its store
     pages with it) or when a reader waits for another block; till then the
     load waits (`hold` says None) instead of running ahead of its reader.
     The first block a load verifies is not held (its reader waits for it:
     no fresh RAM to fault in first)."""
     monkeypatch.setattr(memory, "HELD_IDLE_S", 3600.0)  # no block goes for lack of reads here
     monkeypatch.setattr(memory, "HELD_MAX_S", 3600.0)  # nor for a slow machine's sake
+    monkeypatch.setattr(memory, "HELD_BYTES", 3 * CHUNK)  # three blocks of a chunk each
     content = os.urandom(6 * CHUNK)
     pool, f, b = _borrowed(tmp_path, content)
     blocks = [(i * CHUNK, (i + 1) * CHUNK) for i in range(6)]
@@ -351,7 +352,7 @@ def test_reads_of_a_block_held_for_its_reader_are_views_of_ram(tmp_path, monkeyp
     for block in blocks[1:4]:
         assert b.hold(*_span(block), False) is True
         _load_block(b, *block)
-    assert pool.used == 3 * CHUNK == memory.HELD_BLOCKS * CHUNK
+    assert pool.used == 3 * CHUNK == memory.HELD_BYTES
     assert b.hold(*_span(blocks[4]), False) is None  # the reader is still at the first block held
     piece = f.read(2 * CHUNK + 5, 100)
     assert isinstance(piece, memoryview) and isinstance(piece.obj, mmap.mmap) and piece == content[2 * CHUNK + 5 : 2 * CHUNK + 105]
@@ -373,6 +374,7 @@ def test_a_load_in_place_waits_for_a_slow_reader_a_bounded_time_per_block(tmp_pa
     load's deadline: after HELD_MAX_S a block held that long goes."""
     monkeypatch.setattr(memory, "HELD_IDLE_S", 3600.0)
     monkeypatch.setattr(memory, "HELD_MAX_S", 3600.0)
+    monkeypatch.setattr(memory, "HELD_BYTES", 3 * CHUNK)  # three blocks of a chunk each
     pool, f, b = _borrowed(tmp_path, os.urandom(5 * CHUNK))
     _load_block(b, 0, CHUNK)
     for lo in range(CHUNK, 4 * CHUNK, CHUNK):
