@@ -140,6 +140,16 @@ class _Load:
             i = self._taken.find(0)
         return None if i < 0 else self._take(i)
 
+    def step(self, done: int | None, verified: bool, holding: bool) -> tuple[int | None, bool | None]:
+        """Owning thread: `next`, and for a load that holds blocks for a
+        reader in place (`holding`), the target's `hold` answer for the
+        block it gives: one hop to the event loop for both, per block."""
+        i = self.next(done, verified)
+        if i is None or not holding:
+            return i, False
+        lo = i * self.unit
+        return i, self.target.hold(lo, min(self.unit, self.target.size - lo), self.pressed)
+
     def _take(self, i: int) -> int:
         self._taken[i] = 1
         self._next = i + 1
@@ -570,12 +580,13 @@ class Residency:
                     except BaseException:  # the daemon stops: adopted by nobody
                         os.close(fd)
                         raise
-                i = trio.from_thread.run_sync(load.next, None, False)
+                holding = target.in_place and load.ranged  # (a block that cannot be checked alone is served at the end)
+                i, held = trio.from_thread.run_sync(load.step, None, False, holding)
                 while i is not None:
                     pos = lo = i * unit
                     block = hasher()
-                    if target.in_place and load.ranged:  # (a block that cannot be checked alone is served at the end)
-                        self._hold(load, source, lo, min(unit, size - lo))
+                    if holding:
+                        self._hold(load, source, lo, min(unit, size - lo), held)
                     for piece in source.read(lo, min(unit, size - lo), target.view):
                         if target.cancelled:
                             raise storeio.Cancelled()
@@ -590,7 +601,7 @@ class Residency:
                     # a block is served once every digest still allowed vouches for it; in
                     # order, the last block only once the whole file is checked (in _run)
                     verified = all(d.block(i, unit) is not None for d in wanted) and (load.ranged or pos < size)
-                    i = trio.from_thread.run_sync(load.next, i, verified)
+                    i, held = trio.from_thread.run_sync(load.step, i, verified, holding)
         finally:
             target.close()
         if whole is not None and wanted and not any(d.xxh3 == whole.hexdigest() for d in wanted):
@@ -611,14 +622,16 @@ class Residency:
         fd, load.source_fd = load.source_fd, -1
         return fd
 
-    def _hold(self, load: _Load, source: Source, lo: int, n: int) -> None:
-        """Worker thread, before a block of a file read in place: have the
-        block held for its reader if it can be (waiting, while the reader is
-        still at the blocks held before it), and let the store file's pages
-        the reader went past go."""
+    def _hold(self, load: _Load, source: Source, lo: int, n: int, held: bool | None) -> None:
+        """Worker thread, before a block of a file read in place (`held`:
+        the target's first `hold` answer for it): have the block held for
+        its reader if it can be (waiting, while the reader is still at the
+        blocks held before it), and let the store file's pages the reader
+        went past go."""
         target = load.target
-        while trio.from_thread.run_sync(lambda: target.hold(lo, n, load.pressed)) is None:  # `pressed` read on the owning thread
+        while held is None:
             time.sleep(HOLD_WAIT_S)
+            held = trio.from_thread.run_sync(lambda: target.hold(lo, n, load.pressed))  # `pressed` read on the owning thread
         while target.dropped:
             source.forget(*target.dropped.pop())
 
