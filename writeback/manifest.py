@@ -164,10 +164,11 @@ def _digest_ok(d: Digest | None) -> bool:
 
 
 def digest_dict(d: Digest) -> dict:
-    """A digest as its record holds it. Blocks of OLD_BLOCK as a daemon of
-    before wrote them; others under keys such a daemon does not know (it
-    verifies those files whole, instead of failing them)."""
-    if d.block_size == OLD_BLOCK:
+    """A digest as its record holds it: as a daemon of before wrote it if it
+    names no blocks (a file of one block: its size alone) or blocks of
+    OLD_BLOCK; else with its blocks under keys such a daemon does not know
+    (it verifies those files whole, instead of failing them)."""
+    if not d.blocks or d.block_size == OLD_BLOCK:
         return {"size": d.size, "xxh3": d.xxh3, "blocks": d.blocks}
     return {"size": d.size, "xxh3": d.xxh3, "block_size": d.block_size, "block_xxh3": d.blocks}
 
@@ -184,13 +185,21 @@ def digest_of_dict(d: dict) -> Digest:
 
 
 def digest_row(d: Digest | None) -> list | None:
-    """A digest as a row of the index or an event: [size, xxh3, blocks, block_size]."""
-    return None if d is None else [d.size, d.xxh3, list(d.blocks), d.block_size]
+    """A digest as a row of the index or an event: [size, xxh3, blocks,
+    block_size], or without the block size as a daemon of before wrote it
+    (as `digest_dict`)."""
+    if d is None:
+        return None
+    if not d.blocks or d.block_size == OLD_BLOCK:
+        return [d.size, d.xxh3, list(d.blocks)]
+    return [d.size, d.xxh3, list(d.blocks), d.block_size]
 
 
 def digest_of_row(row: list) -> Digest:
-    """`digest_row`'s inverse; a row of three is an index's of before, of OLD_BLOCK (ValueError if `row` is no digest)."""
+    """`digest_row`'s inverse (ValueError if `row` is no digest)."""
     size, xxh3, blocks, block_size = row if len(row) != 3 else (*row, OLD_BLOCK)
+    if type(block_size) is int and block_size == BLOCK:
+        block_size = BLOCK  # one int for all (a restart makes a digest per file)
     d = _tuple(Digest, (size, xxh3, tuple(blocks), block_size))
     if not _digest_ok(d):
         raise ValueError(f"a digest ckptfs never writes: {row!r:.200}")

@@ -441,13 +441,20 @@ def test_a_digest_of_before_reads_as_blocks_of_64_mib_and_is_written_back_as_it_
     under keys a daemon of before does not know (it verifies such a file
     whole rather than against blocks it takes for 64 MiB ones). A record or
     an index row of before (no block size) is of 64 MiB blocks, and a
-    digest of 64 MiB blocks is written again as a daemon of before wrote it.
-    A block size ckptfs never wrote makes the record unreadable."""
+    digest of 64 MiB blocks, or of one block, is written again as a daemon
+    of before wrote it. A block size ckptfs never wrote makes the record
+    unreadable."""
     now = manifest.digest_of([b"x" * (manifest.BLOCK + 1)])
     assert now.block_size == manifest.BLOCK == 16 << 20 and len(now.blocks) == 2
     new = json.loads(manifest.Record("a", "file", now).encode())
     assert "blocks" not in new["current"] and new["current"]["block_size"] == manifest.BLOCK
-    assert manifest.Record.decode(manifest.Record("a", "file", now).encode()).current.blocks == now.blocks
+    again = manifest.Record.decode(manifest.Record("a", "file", now).encode()).current
+    assert again.blocks == now.blocks and again.block_size == manifest.BLOCK
+    assert manifest._of_row(manifest._row(manifest.Record("a", "file", now))).current.block(1, manifest.BLOCK) == now.blocks[1]
+    small = manifest.digest_of([b"x" * 1000])  # one block: its record and row are those of before
+    assert json.loads(manifest.Record("a", "file", small).encode())["current"] == {"size": 1000, "xxh3": small.xxh3, "blocks": []}
+    assert manifest.digest_row(small) == [1000, small.xxh3, []]
+    assert manifest.digest_of_row(manifest.digest_row(small)).block(0, manifest.BLOCK) == small.xxh3
 
     before = {"version": 1, "path": "a", "kind": "file", "mode": 420, "mtime_ns": None, "target": "", "written_ns": 0,
               "source": "", "uid": None, "gid": None, "previous": None,
@@ -457,9 +464,8 @@ def test_a_digest_of_before_reads_as_blocks_of_64_mib_and_is_written_back_as_it_
     assert rec.current.block(1, manifest.BLOCK) is None  # it cannot tell a block of 16 MiB
     assert json.loads(rec.encode()) == before
     row = manifest._row(rec)
-    assert row[2] == [70 << 20, "ab" * 16, ["cd" * 16, "ef" * 16], manifest.OLD_BLOCK]
+    assert row[2] == [70 << 20, "ab" * 16, ["cd" * 16, "ef" * 16]]  # as an index of before holds it
     assert manifest._of_row(manifest._row(rec)) == rec and manifest._of_row(manifest._row(rec)).current.block_size == manifest.OLD_BLOCK
-    assert manifest.digest_of_row(row[2][:3]).block_size == manifest.OLD_BLOCK  # an index of before
     for bad in (0, 1, 4096, "16777216", 16777216.0, None):
         with pytest.raises(manifest.UNREADABLE):
             manifest.Record.decode(json.dumps({**before, "current": {**new["current"], "block_size": bad}}).encode())
