@@ -11,11 +11,12 @@
   2026-11-29, when the goal was set); and the whole file, with the daemon's RSS, when
   the RAM budget (1 GiB) is smaller than the file (read in place from the
   store's file, verified; it used to load into the spill directory).
-  The store side reads a twin of the file (the same bytes, next to it in
-  the store, not in the mount), so that what each side reads has the same
-  history: a VM's host caches the disk too, below the guest's page cache
-  that the benchmark drops, and reading the mount's file straight after
-  the mount read it gave the store a head start.
+
+The store side reads twins of the files (the same bytes, beside the store:
+the mount does not show them), so that what each side reads has the same
+history: a VM's host caches the disk too, below the guest's page cache that
+the benchmark drops, and reading the store's file straight after the mount
+read it (a file is served in place from it) gave the store a head start.
 
 Rounds are interleaved. Run as root:
 
@@ -80,14 +81,15 @@ def main() -> None:
                     f.write(os.urandom(64 << 20))
         del sd
         store = base / "store"
-        twin = base / "twin.bin"  # beside the store: the mount does not show it
+        twin, twin_ckpt = base / "twin.bin", base / "twin.pt"  # beside the store: the mount does not show them
         shutil.copyfile(store / "big.bin", twin)
+        shutil.copyfile(store / "ckpt.pt", twin_ckpt)
         for r in range(args.rounds):
             with mounted(base, memory_limit="8G") as (mp, _pid):
                 drop_caches()
                 t["load_mnt"].append(load_fresh(mp / "ckpt.pt"))
             drop_caches()
-            t["load_store"].append(load_fresh(store / "ckpt.pt"))
+            t["load_store"].append(load_fresh(twin_ckpt))
             with mounted(base, memory_limit="1G", extra=("--spill-dir", str(spill))) as (mp, pid):
                 drop_caches()
                 t["first_mnt"].append(timed(lambda: read_all(mp / "big.bin", 4096)))

@@ -516,33 +516,35 @@ def hasher() -> xxhash.xxh3_128:
 
 
 class Hashing:
-    """The digest of bytes fed in order: the whole and each BLOCK."""
+    """The digest of bytes fed in order: the whole and each block (`block`
+    bytes: BLOCK, or OLD_BLOCK to check a digest of before)."""
 
-    def __init__(self) -> None:
-        self.size = 0
+    def __init__(self, block: int = BLOCK) -> None:
+        self.size, self.block = 0, block
         self._whole = hasher()
         self._block = hasher()
         self.blocks: list[str] = []  # the hashes of the whole blocks so far
 
     def update(self, piece) -> None:
         view = memoryview(piece).cast("B")
+        block = self.block
         while view:
-            k = min(len(view), BLOCK - self.size % BLOCK)
+            k = min(len(view), block - self.size % block)
             self._whole.update(view[:k])
             self._block.update(view[:k])
             self.size += k
             view = view[k:]
-            if self.size % BLOCK == 0:
+            if self.size % block == 0:
                 self.blocks.append(self._block.hexdigest())
                 self._block = hasher()
 
     def digest(self) -> Digest:
-        blocks = self.blocks + ([self._block.hexdigest()] if self.size % BLOCK else [])
-        return Digest(self.size, self._whole.hexdigest(), tuple(blocks) if len(blocks) > 1 else (), BLOCK)
+        blocks = self.blocks + ([self._block.hexdigest()] if self.size % self.block else [])
+        return Digest(self.size, self._whole.hexdigest(), tuple(blocks) if len(blocks) > 1 else (), self.block)
 
 
-def digest_of(pieces) -> Digest:
-    h = Hashing()
+def digest_of(pieces, block: int = BLOCK) -> Digest:
+    h = Hashing(block)
     for p in pieces:
         h.update(p)
     return h.digest()

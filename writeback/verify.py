@@ -62,7 +62,7 @@ def verify(backend: Backend, prefix: str = "", progress: Callable[[str, int], No
             report.extra.append(entry.path)
             continue
         try:
-            digest = manifest.digest_of(backend.read(entry.path))
+            digest = _digest(backend, entry.path, rec)
         except FileNotFoundError:
             seen.discard(entry.path)
             continue
@@ -71,17 +71,35 @@ def verify(backend: Backend, prefix: str = "", progress: Callable[[str, int], No
                 raise
             report.corrupt.append((entry.path, "replaced while it was read"))  # looked at again below
             continue
-        if rec.matches(digest.size, digest.xxh3):
+        why = _unlike(digest, rec)
+        if why is None:
             report.ok.append(entry.path)
         else:
-            report.corrupt.append((entry.path, _mismatch(digest, rec)))
+            report.corrupt.append((entry.path, why))
     report.missing = sorted(p for p, r in records.items() if r.kind == "file" and p not in seen)
     return _looked_again(backend, report)
 
 
-def _mismatch(digest: Digest, rec: Record) -> str:
-    return (f"store has {digest.size} bytes xxh3 {digest.xxh3}, manifest says "
-            f"{rec.current.size if rec.current else '?'} bytes xxh3 {rec.current.xxh3 if rec.current else '?'}")
+def _digest(backend: Backend, path: str, rec: Record | None) -> Digest:
+    """The digest of the store's bytes at `path`, its blocks of the size `rec`'s current digest has."""
+    block = rec.current.block_size if rec is not None and rec.current is not None else manifest.BLOCK
+    return manifest.digest_of(backend.read(path), block)
+
+
+def _unlike(digest: Digest, rec: Record) -> str | None:
+    """Why the store's bytes (`digest`) are not what `rec` says; None if
+    they are: size and hash of the file, and each block's hash, as a load
+    checks them (block by block, where the record names as many blocks as
+    the file has)."""
+    d = rec.matches(digest.size, digest.xxh3)
+    if d is None:
+        return (f"store has {digest.size} bytes xxh3 {digest.xxh3}, manifest says "
+                f"{rec.current.size if rec.current else '?'} bytes xxh3 {rec.current.xxh3 if rec.current else '?'}")
+    if d.block_size == digest.block_size and len(d.blocks) == len(digest.blocks) and d.blocks != digest.blocks:
+        i = next(i for i, (a, b) in enumerate(zip(d.blocks, digest.blocks, strict=True)) if a != b)
+        return (f"the file matches its record's xxh3, but block {i} ({d.block_size >> 20} MiB blocks) not the record's hash "
+                "of it: its record is damaged, and a load of that block fails")
+    return None
 
 
 def _looked_again(backend: Backend, report: Report) -> Report:
@@ -137,7 +155,7 @@ def _look(backend: Backend, path: str) -> tuple[str | None, str, tuple] | None:
     if its record changed while its bytes were read."""
     before = _record(backend, path)
     try:
-        digest: Digest | None = manifest.digest_of(backend.read(path))
+        digest: Digest | None = _digest(backend, path, before if isinstance(before, Record) else None)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError, SymlinkInStore):  # no file there (a symlink is never followed)
         digest = None
     except OSError as exc:
@@ -154,9 +172,8 @@ def _look(backend: Backend, path: str) -> tuple[str | None, str, tuple] | None:
         return ("missing", "", state) if rec is not None else (None, "", state)
     if rec is None:
         return "extra", "", state
-    if rec.matches(digest.size, digest.xxh3):
-        return "ok", "", state
-    return "corrupt", _mismatch(digest, rec), state
+    why = _unlike(digest, rec)
+    return ("ok", "", state) if why is None else ("corrupt", why, state)
 
 
 def _record(backend: Backend, path: str) -> Record | str | None:

@@ -51,3 +51,26 @@ def test_what_stays_wrong_is_still_reported(tmp_path):
     report = verify(store)
     assert [p for p, _ in report.corrupt] == ["rotten.bin"] and "manifest says" in report.corrupt[0][1]
     assert report.missing == ["d/under.bin", "lost.bin"] and report.extra == ["planted.bin"] and report.ok == ["fine.bin"]
+
+
+def test_a_record_whose_block_hashes_do_not_match_its_file_is_reported(tmp_path):
+    """A load checks each block against the record's hash of it: a record
+    whose whole hash matches the file but one block's does not (damaged)
+    fails its loads, and `verify` says so, for blocks of 16 MiB and for the
+    64 MiB blocks of records written before them (hashed as they were)."""
+    store = open_store(str(tmp_path / "store"))
+    data = bytes(range(256)) * ((manifest.OLD_BLOCK + (1 << 20)) // 256)  # 65 MiB: 5 blocks now, 2 of before
+    for name in ("damaged.bin", "fine.bin", "before.bin", "before-damaged.bin"):
+        storeio.write_file(store, name, data)
+    rec = manifest.read(store, "damaged.bin")
+    assert len(rec.current.blocks) == 5
+    manifest.write(store, rec._replace(current=rec.current._replace(blocks=(*rec.current.blocks[:3], "0" * 32, rec.current.blocks[4]))))
+    old = manifest.digest_of([data], manifest.OLD_BLOCK)
+    assert old.block_size == manifest.OLD_BLOCK and len(old.blocks) == 2
+    manifest.write(store, manifest.read(store, "before.bin")._replace(current=old))
+    manifest.write(store, manifest.read(store, "before-damaged.bin")._replace(current=old._replace(blocks=(old.blocks[0], "1" * 32))))
+    report = verify(store)
+    assert sorted(report.ok) == ["before.bin", "fine.bin"]
+    assert sorted((p, why.split(" (")[0].split(", but ")[1]) for p, why in report.corrupt) == [
+        ("before-damaged.bin", "block 1"), ("damaged.bin", "block 3")]
+    assert not report.missing and not report.extra
