@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from ckptfs import runtime
-from tests.mountutil import is_mounted, run_cli, start_mount, stop_background_mount, stop_mount
+from tests.mountutil import is_mounted, lazy_unmount, run_cli, start_mount, stop_background_mount, stop_mount
 from tests.storeutil import begin_outage, end_outage, store_outage, wait_until
 
 
@@ -57,7 +57,7 @@ def test_background_mount_and_umount(dirs):
         assert runtime.MountInfo.read(mp) is None
     finally:
         if is_mounted(mp):
-            subprocess.run(["fusermount3", "-u", "-z", str(mp)])
+            lazy_unmount(mp)
             info = runtime.MountInfo.read(mp)
             if info:
                 os.kill(info.pid, signal.SIGKILL)
@@ -97,7 +97,7 @@ def test_a_mount_over_the_stale_mount_of_a_killed_daemon_replaces_it(tmp_path):
         finally:
             info = runtime.MountInfo.read(m.mountpoint)
             if run_cli("umount", str(m.mountpoint)).returncode != 0:
-                subprocess.run(["fusermount3", "-u", "-z", str(m.mountpoint)])
+                lazy_unmount(m.mountpoint)
                 if info is not None and runtime.pid_alive(info.pid):
                     os.kill(info.pid, signal.SIGKILL)
     finally:
@@ -117,7 +117,7 @@ def test_a_live_mount_whose_daemon_details_are_lost_is_never_taken_for_stale(tmp
     finally:
         stop_mount(m)
         if is_mounted(m.mountpoint):  # a second daemon, mounted where it must not be
-            subprocess.run(["fusermount3", "-u", "-z", str(m.mountpoint)])
+            lazy_unmount(m.mountpoint)
 
 
 def test_umount_says_what_is_left_while_a_failing_store_holds_the_drain(tmp_path):
@@ -343,7 +343,7 @@ def test_mounts_of_one_mount_point_at_once_make_one_mount(dirs):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         while _mounts_at(mp):
-            subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True, timeout=20)
+            lazy_unmount(mp)
 
 
 def test_foreground_mounts_of_one_mount_point_by_two_spellings_make_one_mount(dirs, tmp_path):
@@ -369,7 +369,7 @@ def test_foreground_mounts_of_one_mount_point_by_two_spellings_make_one_mount(di
                     p.kill()
                     p.wait()
         while _mounts_at(mp):
-            subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True, timeout=20)
+            lazy_unmount(mp)
 
 
 def _mounts_at(mp: Path) -> int:

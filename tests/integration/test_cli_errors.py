@@ -21,7 +21,7 @@ from ckptfs.writeback.backend import META
 
 from ckptfs import runtime
 from ckptfs.client import Client, RequestFailed
-from tests.mountutil import is_mounted, run_cli, start_mount, stop_background_mount, stop_mount
+from tests.mountutil import is_mounted, lazy_unmount, run_cli, start_mount, stop_background_mount, stop_mount
 from tests.storeutil import begin_outage, end_outage, store_outage
 
 # (name, argv with {placeholders}, extra environment, exit status, a word the one stderr line must hold)
@@ -427,7 +427,7 @@ def _cleanup_background(mp: Path) -> None:
     """Unmount and stop a daemon the background `ckptfs mount` started."""
     info = runtime.MountInfo.read(mp)
     if is_mounted(mp):
-        subprocess.run(["fusermount3", "-u", "-z", str(mp)], capture_output=True, timeout=20)
+        lazy_unmount(mp)
     if info is not None and runtime.pid_alive(info.pid):
         os.kill(info.pid, signal.SIGTERM)
         deadline = time.monotonic() + 10

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mountutil import Mount, run_cli, start_mount, stop_mount
+from tests.mountutil import Mount, lazy_unmount, run_cli, start_mount, stop_mount
 from tests.ports import free_port
 from tests.storeutil import store_files, wait_store_matches, wait_until
 
@@ -820,7 +820,7 @@ def test_after_a_node_died_with_a_lost_file_the_others_and_the_node_rejoining_re
         a.path("x").rename(a.path("y"))
         wait_until(lambda: "y" in store_files(store), 20, "the renamed file in the store")
         assert "old" in store_files(store)
-        subprocess.run(["fusermount3", "-u", "-z", str(b.mountpoint)], capture_output=True)
+        lazy_unmount(b.mountpoint)
         again = start_mount(tmp_path / "b-again", store=store,
                             extra=("--cluster", redis_db.url, "--cluster-password-file", str(redis_db.password_file), "--node", "b"))
         again.allowed_log_errors += ["LOST shard-b", "node b died"]

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from ckptfs import runtime
-from tests.mountutil import is_mounted, run_cli, start_mount, stop_mount
+from tests.mountutil import is_mounted, lazy_unmount, run_cli, start_mount, stop_mount
 
 NOBODY = 65534
 
@@ -75,7 +75,7 @@ def test_an_own_runtime_root_readable_by_others_is_made_private(dirs):
     finally:
         run_cli("umount", str(mp), env={**os.environ, "CKPTFS_RUNTIME_DIR": str(rt)})
         if is_mounted(mp):
-            subprocess.run(["fusermount3", "-u", "-z", str(mp)])
+            lazy_unmount(mp)
 
 
 def test_the_client_talks_only_to_a_socket_of_its_user(tmp_path):

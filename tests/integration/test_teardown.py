@@ -112,3 +112,29 @@ def test_teardown_when_the_daemon_ignores_sigterm(tmp_path):
     stop_mount(m)
     assert m.proc.returncode == -signal.SIGKILL
     _assert_gone(m)
+
+
+def test_teardown_while_this_process_holds_a_file_of_a_frozen_daemon_open(tmp_path):
+    """A hung daemon, and a file of its mount open in the test process (a
+    test thread stuck on it): teardown still ends. Unmounting by running
+    `fusermount3` forked a child that closed its copy of that descriptor
+    before its exec, a FLUSH to the frozen daemon that the kernel waits on
+    even past SIGKILL: the child, and the test run, hung for good."""
+    import threading
+
+    m = start_mount(tmp_path)
+    fd = os.open(m.path("held"), os.O_WRONLY | os.O_CREAT, 0o644)
+    os.kill(m.proc.pid, signal.SIGSTOP)  # frozen: every request to it waits
+    stopper = threading.Thread(target=stop_mount, args=(m,), daemon=True)
+    try:
+        stopper.start()
+        stopper.join(60)
+        assert not stopper.is_alive(), "teardown hung"
+        _assert_gone(m)
+    finally:
+        if m.proc.poll() is None:
+            m.proc.kill()
+        try:
+            os.close(fd)  # (the connection is gone: the FLUSH fails at once)
+        except OSError:
+            pass
