@@ -174,7 +174,7 @@ def digest_dict(d: Digest) -> dict:
 
 
 def digest_of_dict(d: dict) -> Digest:
-    """`_digest_dict`'s inverse (ValueError, TypeError or KeyError if `d` is no digest)."""
+    """`digest_dict`'s inverse (ValueError, TypeError or KeyError if `d` is no digest)."""
     if "block_size" in d:
         digest = Digest(d["size"], d["xxh3"], tuple(d["block_xxh3"]), d["block_size"])
     else:
