@@ -163,12 +163,18 @@ def _digest_ok(d: Digest | None) -> bool:
             and (not blocks or all(type(b) is str for b in blocks)))
 
 
+def _as_before(d: Digest) -> bool:
+    """Whether a daemon of before could have written `d` (no blocks: a file
+    of one block, told by its size alone; or blocks of OLD_BLOCK): then its
+    record and index row are written as such a daemon wrote them."""
+    return not d.blocks or d.block_size == OLD_BLOCK
+
+
 def digest_dict(d: Digest) -> dict:
-    """A digest as its record holds it: as a daemon of before wrote it if it
-    names no blocks (a file of one block: its size alone) or blocks of
-    OLD_BLOCK; else with its blocks under keys such a daemon does not know
-    (it verifies those files whole, instead of failing them)."""
-    if not d.blocks or d.block_size == OLD_BLOCK:
+    """A digest as its record holds it: as before (`_as_before`), else with
+    its blocks under keys a daemon of before does not know (it verifies
+    those files whole, instead of failing them)."""
+    if _as_before(d):
         return {"size": d.size, "xxh3": d.xxh3, "blocks": d.blocks}
     return {"size": d.size, "xxh3": d.xxh3, "block_size": d.block_size, "block_xxh3": d.blocks}
 
@@ -186,11 +192,10 @@ def digest_of_dict(d: dict) -> Digest:
 
 def digest_row(d: Digest | None) -> list | None:
     """A digest as a row of the index or an event: [size, xxh3, blocks,
-    block_size], or without the block size as a daemon of before wrote it
-    (as `digest_dict`)."""
+    block_size], or without the block size as before (`_as_before`)."""
     if d is None:
         return None
-    if not d.blocks or d.block_size == OLD_BLOCK:
+    if _as_before(d):
         return [d.size, d.xxh3, list(d.blocks)]
     return [d.size, d.xxh3, list(d.blocks), d.block_size]
 
