@@ -967,6 +967,7 @@ class Publisher:
         backend = self.e.backend
         members = list(self.replica.walk(node))
         show = [(rel, f) for rel, f in members if self._showable(f"{op.dst}/{rel}", f)]
+        hints: list[Record] = []  # records at the new names that name the move, for a crash (a local store's)
         if backend.dirs:
             # Assemble everything under the old name (or, if the store never
             # had it, a hidden directory), then one rename(2).
@@ -992,10 +993,11 @@ class Publisher:
             new_links = [(rel, f) for rel, f in members if isinstance(f, RLink) and (f.shown or self.live_at(f"{op.dst}/{rel}", f.ino))]
             recs += [Record.of(f"{op.dst}/{rel}", "symlink", f.meta, target=f.target,
                                source=storeio.dir_move_source(base, f"{op.src}/{rel}", op.dst)) for rel, f in new_links]
-            # The directories' too, as recorded at the old names (written again, plain, at the next sync)
+            # The directories' too, as recorded at the old names
             recs += [Record.of(_under(op.dst, rel), "dir", d.recorded, source=storeio.dir_move_source(base, _under(op.src, rel), op.dst))
                      for rel, d in [("", node), *members] if isinstance(d, Dir) and d.recorded is not None]
             await self._write_records(recs)
+            hints = [r for r in recs if r.kind != "file"]
             for _rel, f in new_links:
                 f.shown = True
             if not await self.call(f"move {base} to {op.dst}", backend.move_dir, base, op.dst, at=(base, op.dst)):
@@ -1058,10 +1060,17 @@ class Publisher:
             folders = [f"{op.src}/{rel}" for rel, d in sorted(members, key=lambda rf: -rf[0].count("/")) if isinstance(d, Dir)]
             await self.call(f"rmdir {op.src}", backend.rmdirs, [*folders, op.src], at=(op.src,))
         for rel, d in [("", node), *((rel, n) for rel, n in members if isinstance(n, Dir))]:
-            if d.recorded is not None:  # records are by path: the new path's are written at the next sync
+            if d.recorded is not None:  # records are by path: the old path's goes
                 old = _under(op.src, rel)
                 await self.call(f"record {old}", manifest.delete, backend, old, at=(old,))
-                d.recorded = None
+                if not backend.dirs:  # the new path's is written at the next sync (a local store's was, before the move)
+                    d.recorded = None
+        if hints:
+            # The move is settled: its records at the new names no longer name
+            # it. Left naming it, a symlink or directory made again later at
+            # an old name, as it was there, read at a restart as a crash's
+            # leftover of the move, and went (`storeio._left_by_a_directory_move`).
+            await self._write_records([r._replace(source="") for r in hints])
         there = self.replica.lookup(op.dst)
         if isinstance(there, Dir) and there is not node:  # what a gone publisher moved there already stays known
             self.replica.merge_moved(node, there)

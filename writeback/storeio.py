@@ -334,6 +334,12 @@ def scan(backend: Backend) -> Scanned:
         manifest.delete(backend, path)
         image.forget([manifest.record_path(path)])
         del records[path]
+    for path, rec in others:
+        if records.get(path) is rec and rec.source.startswith(DIR_MOVE):  # a move a crash left unsettled, settled above
+            records[path] = rec = rec._replace(source="")
+            manifest.write(backend, rec)
+            image.forget([manifest.record_path(path)])
+            image.learn(manifest.record_path(path), rec)
     image.packed()  # here, in a worker thread: the daemon keeps it packed
     unrecorded = unrecorded_meta(backend, [e.path for e in entries if e.path not in records or records[e.path].kind != ("dir" if e.is_dir else "file")])
     return Scanned(entries, records, unreadable, image, outside, index is not None, exchanged, unrecorded)

@@ -873,6 +873,27 @@ async def test_a_crash_in_a_directory_move_on_a_local_store_shows_it_at_one_name
     await _crash_after(rig, "move_dir", before=not moved)
     back = await _restarted_view(tmp_path)
     assert back == ({"x" + p[1:]: v for p, v in view.items()} if moved else view)
+    kept = ["x", "x/sub", "x/s"] if moved else ["a", "a/sub", "a/s"]
+    assert [manifest.read(rig.backend, p).source for p in kept] == ["", "", ""]  # the move settled: its records no longer name it
+
+
+@pytest.mark.parametrize("call, nth", [("delete", 1), ("delete", 2), ("delete", 3), ("delete", 4), ("publish_group", 2)])
+async def test_a_crash_after_a_directory_move_on_a_local_store_before_its_records_settle(tmp_path, call, nth):
+    """After the move: the old names' records go (a store call each), then
+    the new names' symlink and directory records are written again without
+    the move in their source. A crash anywhere between shows the tree at
+    its new name only, and the restart settles the records as the move
+    would have."""
+    rig = Rig(tmp_path / "store")
+    rig.mkdir("a")
+    rig.write("a/f", b"data" * 100)
+    _symlink(rig, "a/s", "target")
+    rig.mkdir("a/sub")
+    view = await _flushed_view(rig)
+    rig.rename("a", "x")
+    await _crash_after(rig, call, nth=nth, before=call == "publish_group")
+    assert await _restarted_view(tmp_path) == {"x" + p[1:]: v for p, v in view.items()}
+    assert [manifest.read(rig.backend, p).source for p in ("x", "x/sub", "x/s")] == ["", "", ""]
 
 
 async def test_symlink_records_naming_a_directory_move_ckptfs_never_wrote_do_not_stop_a_restart(tmp_path, caplog):
@@ -901,6 +922,46 @@ async def test_a_symlink_made_again_where_a_directory_move_took_one_from_comes_b
         rig.store.symlink(rig.store.inode_at("a").ino, b"s", b"target", 0, 0)
         if step == 0:
             await _flushed_view(rig)
+            rig.rename("a", "x")
+    view = await _flushed_view(rig)
+    assert {p for p, v in view.items() if v[0] == "symlink"} == {"a/s", "x/s"}
+    await _assert_converged(rig, tmp_path, view)
+
+
+@pytest.mark.parametrize("kind", ["local", "object"])
+async def test_a_directory_moved_away_and_back_then_removed_does_not_come_back_at_the_name_between(tmp_path, kind, caplog):
+    """A local store's directory move writes the directories' records at the
+    new names before the move; the publisher then took the moved ones for
+    unrecorded. Moved again before its next sync, a directory left its
+    record at the name between, and removed later, it came back there at
+    the next restart (under a warning that blamed a crash)."""
+    rig = Rig(_store(tmp_path, kind))
+    rig.mkdir("d0")
+    rig.mkdir("d0/sub")
+    await _flushed_view(rig)
+    rig.rename("d0", "d2")
+    rig.rename("d2", "d0")
+    view = await _flushed_view(rig)
+    assert manifest.read(rig.backend, "d2") is None and manifest.read(rig.backend, "d2/sub") is None
+    assert manifest.read(rig.backend, "d0/sub").source == ""  # written again, plain
+    rig.store.rmdir(rig.dir_of("d0/sub").ino, b"sub")
+    rig.store.rmdir(ROOT, b"d0")
+    view = await _flushed_view(rig)
+    assert view == {}
+    assert await _restarted_view(tmp_path, None if kind == "local" else _store(tmp_path, kind)) == {}
+    assert "both names" not in caplog.text
+
+
+async def test_a_symlink_made_again_where_a_directory_moved_from_before_the_store_had_it_stays(tmp_path):
+    """A directory the store never had is assembled in a hidden directory and
+    moved from there; its symlink's record at the new name named the move
+    for good. The same symlink made again at the old name then read, at the
+    next restart, as what a crash in that move leaves: its record went."""
+    rig = Rig(tmp_path / "store")
+    for _ in range(2):  # the first moved before its Mkdir's turn: the store never has it at `a`
+        rig.mkdir("a")
+        _symlink(rig, "a/s", "target")
+        if not rig.store.inode_at("x"):
             rig.rename("a", "x")
     view = await _flushed_view(rig)
     assert {p for p, v in view.items() if v[0] == "symlink"} == {"a/s", "x/s"}
