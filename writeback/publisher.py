@@ -320,9 +320,13 @@ class Publisher:
                     if path is None or meta is None or meta == d.recorded:
                         continue
                     try:
-                        await self._fenced(f"record {path or '/'}", manifest.write, self.e.backend, Record.of(path, "dir", meta), at=(path,))
+                        # The mode first: a record written, and then a failed chmod, left
+                        # the directory taken for unrecorded, and its record behind at its
+                        # path when it was removed or moved (a restart showed it again).
                         if d.made and path:
                             await self._fenced(f"chmod {path}", self.e.backend.chmod, path, meta.mode & 0o1777, at=(path,))
+                        d.unsure = True  # until the write returns
+                        await self._fenced(f"record {path or '/'}", manifest.write, self.e.backend, Record.of(path, "dir", meta), at=(path,))
                     except Exception as exc:
                         log.warning("cannot record the attributes of directory %s yet: %s", path or "/", exc)
                         failed.add(d)
@@ -330,7 +334,7 @@ class Publisher:
                     except BaseException:  # cancelled halfway (an unmount's end): still to do
                         failed.add(d)
                         raise
-                    d.recorded = meta
+                    d.recorded, d.unsure = meta, False
             finally:
                 self.dirty |= failed
         return not failed
@@ -1060,9 +1064,10 @@ class Publisher:
             folders = [f"{op.src}/{rel}" for rel, d in sorted(members, key=lambda rf: -rf[0].count("/")) if isinstance(d, Dir)]
             await self.call(f"rmdir {op.src}", backend.rmdirs, [*folders, op.src], at=(op.src,))
         for rel, d in [("", node), *((rel, n) for rel, n in members if isinstance(n, Dir))]:
-            if d.recorded is not None:  # records are by path: the old path's goes
+            if d.may_be_recorded:  # records are by path: the old path's goes
                 old = _under(op.src, rel)
                 await self.call(f"record {old}", manifest.delete, backend, old, at=(old,))
+                d.unsure = False
                 if not backend.dirs:  # the new path's is written at the next sync (a local store's was, before the move)
                     d.recorded = None
         if hints:
@@ -1227,7 +1232,7 @@ class Publisher:
             for rel, n in members[old]:
                 path = _under(old, rel)
                 recorded = ((isinstance(n, File) and n.shown is not None) or (isinstance(n, RLink) and n.shown)
-                            or (isinstance(n, Dir) and n.recorded is not None))
+                            or (isinstance(n, Dir) and n.may_be_recorded))
                 if recorded and path not in written and path not in deleted:
                     moves_after.append(["unrecord", path])
         await self.call(f"exchange {op.a} and {op.b}", exchange.begin, backend, plan, at=(op.a, op.b))
@@ -1238,7 +1243,7 @@ class Publisher:
         for ms in members.values():
             for _rel, n in ms:
                 if isinstance(n, Dir):
-                    n.recorded = None  # written at its new path at the next sync
+                    n.recorded, n.unsure = None, False  # written at its new path at the next sync
                     self.dirty.add(n)
         for node in (a, b):
             if node is not None:
@@ -1422,9 +1427,9 @@ class Publisher:
                 await self.call(f"record {path}", manifest.delete, backend, path, at=(path,))
         elif isinstance(node, Dir):
             await self.call(f"rmdir {path}", backend.rmdir, path, at=(path,))
-            if node.recorded is not None:
+            if node.may_be_recorded:
                 await self.call(f"record {path}", manifest.delete, backend, path, at=(path,))
-                node.recorded = None
+                node.recorded, node.unsure = None, False
             self.dirty.discard(node)
         self.replica.detach(node)
 

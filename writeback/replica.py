@@ -50,6 +50,14 @@ class Dir(Node):
     children: dict[str, Node] = field(default_factory=dict)
     made: bool = False  # exists in the store as a directory (local stores)
     recorded: Meta | None = None  # what its record in the store says (None: no record yet)
+    # A write of its record failed: it may have landed all the same (a store
+    # call that timed out, or was cut short), so its path's record is
+    # deleted with it (a removal, a move) as if it had.
+    unsure: bool = False
+
+    @property
+    def may_be_recorded(self) -> bool:
+        return self.recorded is not None or self.unsure
 
 
 @dataclass(eq=False)
