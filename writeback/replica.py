@@ -169,7 +169,9 @@ class Replica:
         store a move of `moving` put there, left halfway by a publisher that
         died (member by member on an object store). It joins `moving`, where
         `moving` does not have it (a member both have was copied and not yet
-        deleted: the move goes on from `moving`'s)."""
+        deleted: the move goes on from `moving`'s). `there`'s record, at the
+        path `moving` takes, is `moving`'s to replace or delete."""
+        moving.unsure = moving.unsure or (moving.recorded is None and there.may_be_recorded)
         for name, node in list(there.children.items()):
             mine = moving.children.get(name)
             if mine is None:

@@ -290,6 +290,26 @@ async def test_a_directory_whose_record_failed_to_be_written_leaves_no_record_wh
     assert await _restarted_view(tmp_path) == {}
 
 
+@pytest.mark.parametrize("kind", ["local", "object"])
+@pytest.mark.parametrize("synced", [True, False], ids=["a recorded directory", "a new one"])
+async def test_a_directory_renamed_over_an_empty_one_and_removed_leaves_no_record(tmp_path, kind, synced):
+    """The empty directory a rename replaces had its record at the path the
+    moved one takes; the moved one was taken for unrecorded there (its own
+    written at the next sync). Removed (or moved on) before that sync, it
+    left the replaced one's record: a restart showed the path again."""
+    rig = Rig(_store(tmp_path, kind))
+    rig.mkdir("x")
+    if synced:
+        rig.mkdir("y")
+    await _flushed_view(rig)
+    if not synced:
+        rig.mkdir("y")
+    rig.rename("y", "x")
+    rig.store.rmdir(ROOT, b"x")
+    assert await _flushed_view(rig) == {}
+    assert await _restarted_view(tmp_path, None if kind == "local" else _store(tmp_path, kind)) == {}
+
+
 DEEP = ["a", "b", "c"]
 
 
