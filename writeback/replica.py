@@ -50,9 +50,11 @@ class Dir(Node):
     children: dict[str, Node] = field(default_factory=dict)
     made: bool = False  # exists in the store as a directory (local stores)
     recorded: Meta | None = None  # what its record in the store says (None: no record yet)
-    # A write of its record failed: it may have landed all the same (a store
-    # call that timed out, or was cut short), so its path's record is
-    # deleted with it (a removal, a move) as if it had.
+    # Its path may hold a record it does not know of: a write of its record
+    # failed and may have landed all the same (a store call that timed out,
+    # or was cut short), or it took the path of a directory with one (a
+    # rename over an empty directory). Its removal or move deletes that
+    # path's record all the same.
     unsure: bool = False
 
     @property
