@@ -290,6 +290,33 @@ async def test_a_directory_whose_record_failed_to_be_written_leaves_no_record_wh
     assert await _restarted_view(tmp_path) == {}
 
 
+async def test_a_directory_exchanged_with_one_whose_record_write_failed_then_removed_leaves_no_record(tmp_path):
+    """The exchange deletes the records at both old paths that a directory
+    may have (written or not as far as it knows); the one that comes to
+    `d`, removed before the next sync, left `d`'s record of the other."""
+    from ckptfs.writeback.manifest import record_path
+
+    rig = Rig(_store(tmp_path, "object"))
+    rig.mkdir("e")
+    await _flushed_view(rig)
+    failing = {"on": True}
+    real_put = rig.backend.put
+
+    def put(path, data):
+        real_put(path, data)
+        if failing["on"] and path == record_path("d"):
+            raise ConnectionError("injected: the answer was lost")
+
+    rig.backend.put = put
+    rig.mkdir("d")
+    await run_until_flushed(rig)
+    failing["on"] = False
+    rig.store.rename(ROOT, b"d", ROOT, b"e", RENAME_EXCHANGE)
+    rig.store.rmdir(ROOT, b"d")  # e's directory, now at d
+    assert await _flushed_view(rig) == {"e": ("dir", 0o755, rig.store.inode_at("e").mtime_ns, None)}
+    assert set(await _restarted_view(tmp_path, _store(tmp_path, "object"))) == {"e"}
+
+
 @pytest.mark.parametrize("kind", ["local", "object"])
 @pytest.mark.parametrize("synced", [True, False], ids=["a recorded directory", "a new one"])
 async def test_a_directory_renamed_over_an_empty_one_and_removed_leaves_no_record(tmp_path, kind, synced):
