@@ -83,6 +83,7 @@ class SharedNamespace:
         self._sealed: snapshot.Sealed = {}  # what each file was last sealed as in the log (for snapshots)
         self.behind = ""  # why this replica can apply the log no more (it was trimmed past it), or ""
         self._snapshotting: trio.Event | None = None  # set when a snapshot being taken is done: applying the log waits
+        self._following = trio.CancelScope()  # `follow`, until `stop_following`
         # Told of every entry another node made, once applied: (op, args), to
         # drop what the kernel caches of the names and files it changed.
         self.elsewhere: Callable[[str, list], None] | None = None
@@ -277,9 +278,25 @@ class SharedNamespace:
             self._unreachable(f"cannot reach the cluster's Redis ({exc}): answering from this node's view of the namespace")
 
     async def follow(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Apply other nodes' changes as they arrive, for as long as the daemon runs."""
-        await self.catch_up()
-        task_status.started()
+        """Apply other nodes' changes as they arrive, until the daemon
+        unmounts (`stop_following`)."""
+        with self._following:
+            await self.catch_up()
+            task_status.started()
+            await self._follow()
+
+    async def stop_following(self) -> int:
+        """At unmount, before the drain: apply the log up to its end now,
+        and nothing after it. Every file any node sealed before the unmount
+        is then in this node's queue (the publishing node publishes it in
+        its drain), and none sealed later joins it: what a publishing node
+        publishes after its drain would make the manifest index it leaves
+        inexact; the node taking over publishes the rest. How many entries
+        it applied."""
+        self._following.cancel()
+        return await self.catch_up()
+
+    async def _follow(self) -> None:
         while True:
             if self.behind:  # nothing more to apply, ever: the daemon serves what it has until unmounted
                 await trio.sleep(FOLLOW_BLOCK_S)

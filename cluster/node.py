@@ -32,7 +32,7 @@ from . import snapshot
 from .events import Events, until_redis_answers
 from .log import ClusterError, SharedLog, Where
 from .members import BEAT_S, GONE_AFTER_S, Membership, dead_here
-from .namespace import SharedNamespace
+from .namespace import REDIS_PATIENCE_S, SharedNamespace
 
 log = logging.getLogger(__name__)
 
@@ -260,6 +260,24 @@ class ClusterNode:
                           **per.get(me, {"unpublished_files": 0, "unpublished_bytes": 0, "lost_files": 0})})
         return {"nodes": nodes, "log_position": self.namespace.position, "snapshot_position": kept,
                 "publishing_node_gone": leader is None, "behind": self.namespace.behind}
+
+    async def stop_following(self) -> None:
+        """At unmount, before the drain: the cluster's log applied up to its
+        end, and no further (`SharedNamespace.stop_following`). Redis is
+        waited for as a namespace change waits for it; then what other nodes
+        sealed meanwhile is left to the node publishing next."""
+        error: Exception | str = "no answer"
+        with trio.move_on_after(REDIS_PATIENCE_S) as waited:
+            while True:
+                try:
+                    await self.namespace.stop_following()
+                    return
+                except redis.RedisError as exc:
+                    error = exc
+                    await trio.sleep(1.0)
+        if waited.cancelled_caught:
+            log.warning("cannot read the cluster's log at unmount (%s): what other nodes sealed since position %d is left to "
+                        "the node publishing next", error, self.namespace.position)
 
     def leave(self) -> None:
         try:

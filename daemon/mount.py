@@ -253,6 +253,8 @@ async def _main(config: MountConfig, tree: InodeTree, engine: Engine, control: C
         unmount()  # no new work from here on
         for inode in tree.open_for_write():  # still open: their bytes now are what we have
             tree.seal(inode)
+        if node is not None:  # what every node sealed before now, and nothing after
+            await node.stop_following()
         pending = engine.unpublished()
         if pending:
             gens = [g for g in pending if isinstance(g, FileGen)]

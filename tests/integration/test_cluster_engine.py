@@ -272,6 +272,43 @@ async def test_a_file_staged_before_the_publishing_node_applied_its_seal_is_publ
         nursery.cancel_scope.cancel()
 
 
+async def test_at_unmount_a_node_applies_the_log_to_its_end_and_no_further(tmp_path, redis_db):
+    """The publishing node, unmounting while its follower lags behind the
+    log, still publishes in its drain the file another node sealed before
+    (`stop_following` applies the log up to its end: the drain found
+    nothing queued, and exited with it unpublished), and takes in nothing
+    sealed after (its follower stops): what it publishes after its drain
+    would make the manifest index it leaves inexact."""
+    store = tmp_path / "store"
+    a = Node(redis_db, store, "a", publishes=True)
+    b = Node(redis_db, store, "b", publishes=False)
+    heard, wait = threading.Event(), a.ns.log.wait
+
+    def lagging(after: int, block_s: float):
+        heard.wait(30)  # a's follower hears nothing of the log until the test lets it
+        return wait(after, block_s)
+
+    a.ns.log.wait = lagging
+    try:
+        async with trio.open_nursery() as nursery:
+            await a.start(nursery)
+            await b.start(nursery)
+            await b.write(b"before", b"b" * 1000)
+            assert a.tree.inode_at("before") is None  # not heard yet
+            assert await a.ns.stop_following() >= 1
+            assert a.tree.inode_at("before") is not None
+            position = a.ns.position
+            await b.write(b"after", b"a" * 1000)
+            heard.set()
+            await trio.sleep(0.5)
+            assert a.tree.inode_at("after") is None and a.ns.position == position
+            assert await a.engine.drain(20) == []
+            assert (store / "before").read_bytes() == b"b" * 1000 and not (store / "after").exists()
+            nursery.cancel_scope.cancel()
+    finally:
+        heard.set()
+
+
 async def test_a_read_after_a_directory_rename_waits_until_the_publishing_node_moved_the_file(tmp_path, redis_db):
     """Node b renames the directory holding a published file of its own,
     evicted, and reads it: the load is from the file's new path, so it
