@@ -168,6 +168,10 @@ class SharedNamespace:
             return
         raise OSError(errno.EIO, "the cluster's Redis is unreachable: the file is kept in RAM and published once it answers")
 
+    def unplaced(self) -> list[tuple[int, int, int]]:
+        """The seals made here that have no place in the log yet: (ino, generation, size) each."""
+        return [(ino, generation, snapshot.size) for (ino, generation), snapshot in self._unplaced.items()]
+
     async def place_seals(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Give each seal made here its place in the log, in the order they were made."""
         task_status.started()
@@ -286,13 +290,13 @@ class SharedNamespace:
             await self._follow()
 
     async def stop_following(self) -> int:
-        """At unmount, before the drain: apply the log up to its end now,
-        and nothing after it. Every file any node sealed before the unmount
-        is then in this node's queue (the publishing node publishes it in
-        its drain), and none sealed later joins it: what a publishing node
-        publishes after its drain would make the manifest index it leaves
-        inexact; the node taking over publishes the rest. How many entries
-        it applied."""
+        """At unmount, before the drain, once this node's seals have their
+        places (`placed`): apply the log up to its end now, and nothing
+        after it. Every file any node sealed before the unmount is then in
+        this node's queue (the publishing node publishes it in its drain),
+        and none sealed later joins it: what a publishing node publishes
+        after its drain would make the manifest index it leaves inexact; the
+        node taking over publishes the rest. How many entries it applied."""
         self._following.cancel()
         return await self.catch_up()
 

@@ -32,7 +32,7 @@ from . import snapshot
 from .events import Events, until_redis_answers
 from .log import ClusterError, SharedLog, Where
 from .members import BEAT_S, GONE_AFTER_S, Membership, dead_here
-from .namespace import REDIS_PATIENCE_S, SharedNamespace
+from .namespace import SharedNamespace
 
 log = logging.getLogger(__name__)
 
@@ -261,23 +261,36 @@ class ClusterNode:
         return {"nodes": nodes, "log_position": self.namespace.position, "snapshot_position": kept,
                 "publishing_node_gone": leader is None, "behind": self.namespace.behind}
 
-    async def stop_following(self) -> None:
-        """At unmount, before the drain: the cluster's log applied up to its
-        end, and no further (`SharedNamespace.stop_following`). Redis is
-        waited for as a namespace change waits for it; then what other nodes
-        sealed meanwhile is left to the node publishing next."""
+    async def stop_following(self, deadline: float) -> None:
+        """At unmount, before the drain, until `deadline` (trio's clock):
+        this node's seals placed in the log (files still open at the
+        unmount were sealed just now: their generations join the journal
+        only once placed), then the log applied up to its end, and no
+        further (`SharedNamespace.stop_following`). While Redis does not
+        answer, this waits, as the drain waits for the store; what is then
+        left unplaced is reported (`unplaced`), and what other nodes sealed
+        meanwhile is left to the node publishing next."""
         error: Exception | str = "no answer"
-        with trio.move_on_after(REDIS_PATIENCE_S) as waited:
+        with trio.move_on_at(deadline) as waited:
             while True:
                 try:
+                    await self.namespace.placed(patience_s=max(0.0, deadline - trio.current_time()))
                     await self.namespace.stop_following()
                     return
-                except redis.RedisError as exc:
+                except (OSError, redis.RedisError) as exc:
                     error = exc
                     await trio.sleep(1.0)
         if waited.cancelled_caught:
-            log.warning("cannot read the cluster's log at unmount (%s): what other nodes sealed since position %d is left to "
+            log.warning("cannot reach the cluster's log at unmount (%s): what other nodes sealed since position %d is left to "
                         "the node publishing next", error, self.namespace.position)
+
+    def unplaced(self) -> list[str]:
+        """The files this node sealed whose seals never got their places in
+        the log (Redis did not answer until the unmount's deadline): never
+        published, as the exit report lists them."""
+        tree = self.namespace.tree
+        return [f"{next(iter(tree.paths_of(ino)), f'inode {ino}')} ({size} bytes, generation {generation}, sealed, but the "
+                "cluster's Redis never gave it a place in the log)" for ino, generation, size in self.namespace.unplaced()]
 
     def leave(self) -> None:
         try:

@@ -167,7 +167,7 @@ def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
         log.info("mounted %s (store %s, RAM budget %d bytes, fsync=%s%s)", mountpoint, config.store_url, config.memory_limit, config.fsync,
                  f", also completion markers: {' '.join(config.markers)}" if config.markers else "")
         try:
-            left = trio.run(_main, config, tree, engine, control, metrics, unmount, ready, node)
+            lines = trio.run(_main, config, tree, engine, control, metrics, unmount, ready, node)
         except BaseExceptionGroup as group:
             refused, rest = group.split(StoreError)  # the store could not be used: no traceback, the reason
             if refused is None or rest is not None:
@@ -181,12 +181,11 @@ def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
         if node is not None:
             node.leave()
         runtime.remove(mountpoint, pid=info.pid)
-    lines = [_describe(op, tree) for op in left]
     runtime.write_exit_report(mountpoint, lines)
-    if left:
+    if lines:
         for line in lines:
             log.error("NOT PUBLISHED: %s", line)
-        log.error("unmounted %s with %d changes not published", mountpoint, len(left))
+        log.error("unmounted %s with %d changes not published", mountpoint, len(lines))
         return 1
     log.info("unmounted %s; everything published", mountpoint)
     return 0
@@ -211,7 +210,7 @@ def _describe(op: Op, tree: InodeTree) -> str:
 
 
 async def _main(config: MountConfig, tree: InodeTree, engine: Engine, control: ControlServer, metrics: Metrics,
-                unmount: Callable[[], None], ready: Callable[[], None] | None, node: ClusterNode | None) -> list:
+                unmount: Callable[[], None], ready: Callable[[], None] | None, node: ClusterNode | None) -> list[str]:
     async with trio.open_nursery() as nursery:
         await nursery.start(tasks.dump_on_signal)  # first: a start that hangs can be asked what it waits for
         await nursery.start(engine.run)
@@ -253,15 +252,16 @@ async def _main(config: MountConfig, tree: InodeTree, engine: Engine, control: C
         unmount()  # no new work from here on
         for inode in tree.open_for_write():  # still open: their bytes now are what we have
             tree.seal(inode)
-        if node is not None:  # what every node sealed before now, and nothing after
-            await node.stop_following()
-        pending = engine.unpublished()
-        if pending:
-            gens = [g for g in pending if isinstance(g, FileGen)]
-            log.info("draining write-back: %d files, %d bytes, %d namespace changes (timeout %.0fs)", len(gens),
-                     sum(g.size for g in gens), len(pending) - len(gens), config.drain_timeout)
+        deadline = trio.current_time() + config.drain_timeout
         with signals.abort_scope:  # a second signal stops waiting
-            await engine.drain(config.drain_timeout)
+            if node is not None:  # these seals placed; what every node sealed before now, and nothing after
+                await node.stop_following(deadline)
+            pending = engine.unpublished()
+            if pending:
+                gens = [g for g in pending if isinstance(g, FileGen)]
+                log.info("draining write-back: %d files, %d bytes, %d namespace changes (timeout %.0fs)", len(gens),
+                         sum(g.size for g in gens), len(pending) - len(gens), deadline - trio.current_time())
+            await engine.drain(max(0.0, deadline - trio.current_time()))
         left = engine.unpublished()
         if node is None:  # in a cluster, the node publishing next tries parked files again
             await engine.publisher.forget_parked()
@@ -269,7 +269,7 @@ async def _main(config: MountConfig, tree: InodeTree, engine: Engine, control: C
         with contextlib.suppress(Exception):  # this daemon's staging and heartbeat go; a dead store must not hold the exit
             await engine.calls.run("retire", engine.backend.retire)
         nursery.cancel_scope.cancel()
-    return left
+    return [_describe(op, tree) for op in left] + (node.unplaced() if node is not None else [])
 
 
 def _set_oom_score_adj(value: int) -> None:

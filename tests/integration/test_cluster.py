@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -704,6 +705,54 @@ def test_when_the_publishing_node_unmounts_first_another_takes_over(tmp_path, re
         assert r.returncode == 0, r.stderr
         assert store_files(store) == {"before": b"b" * 300_000, "after": b"after a left"}
         assert b.unexpected_log_errors() == [], b.unexpected_log_errors()  # a planned hand-over: nothing to warn of
+
+
+def test_files_still_open_at_unmount_are_published_from_any_node(tmp_path, redis_db):
+    """A file still open for writing when its node unmounts is sealed as it
+    is and published (README, C5), on a node that follows and on the
+    publishing node: its seal gets its place in the cluster's log before
+    the node stops following the log and drains."""
+    store = tmp_path / "store"
+    fds = []
+    try:
+        with nodes(tmp_path, redis_db) as (a, b):
+            for m, name in ((a, "open-a"), (b, "open-b")):
+                fds.append(os.open(m.path(name), os.O_WRONLY | os.O_CREAT, 0o644))
+                os.write(fds[-1], name.encode() * 10_000)
+            for m in (b, a):
+                stop_mount(m)
+                assert m.proc.returncode == 0 and "everything published" in m.log_text(), m.log_text()[-2000:]
+            assert store_files(store) == {"open-a": b"open-a" * 10_000, "open-b": b"open-b" * 10_000}
+    finally:
+        for fd in fds:
+            with contextlib.suppress(OSError):  # (the mount is gone)
+                os.close(fd)
+
+
+def test_a_file_still_open_at_unmount_whose_seal_redis_never_places_is_reported_not_published(tmp_path, redis_db):
+    """Redis stops answering, and a node unmounts with a file still open:
+    the file is sealed, but its seal cannot get its place in the log before
+    the drain's deadline, so it is never published; the exit says so (status
+    1, the file listed), never "everything published"."""
+    fd = None
+    with nodes(tmp_path, redis_db, names="a", extra=("--drain-timeout", "3")) as (a,):
+        a.allowed_log_errors += ["cannot reach the cluster's Redis", "cannot read the cluster's", "cannot give a seal its place",
+                                 "Redis for this node's heartbeat", "lease to publish for the cluster ran out",
+                                 "the cluster's publishing node (a) is not keeping its key", "cannot reach the cluster's log at unmount",
+                                 "cannot leave the cluster cleanly", "NOT PUBLISHED", "changes not published"]
+        fd = os.open(a.path("open"), os.O_WRONLY | os.O_CREAT, 0o644)
+        os.write(fd, b"x" * 1000)
+        os.kill(redis_db.proc.pid, signal.SIGSTOP)
+        try:
+            a.proc.send_signal(signal.SIGTERM)
+            assert a.proc.wait(timeout=60) == 1
+        finally:
+            os.kill(redis_db.proc.pid, signal.SIGCONT)
+            with contextlib.suppress(OSError):  # (the mount is gone)
+                os.close(fd)
+        assert ("NOT PUBLISHED: open (1000 bytes, generation 1, sealed, but the cluster's Redis never gave it a place in the log)"
+                in a.log_text()), a.log_text()[-3000:]
+        assert a.unexpected_log_errors() == [], a.unexpected_log_errors()
 
 
 def test_a_node_joining_a_running_cluster_loads_a_snapshot_and_does_not_wait_for_files_published_before(tmp_path, redis_db):
