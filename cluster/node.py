@@ -267,12 +267,13 @@ class ClusterNode:
         unmount were sealed just now: their generations join the journal
         only once placed), then the log applied up to its end, and no
         further (`SharedNamespace.stop_following`). While Redis does not
-        answer, this waits, as the drain waits for the store; what is then
-        left unplaced is reported (`unplaced`), and what other nodes sealed
+        answer, this waits, as the drain waits for the store (not when this
+        node can apply the log no more: `behind`); what is then left
+        unplaced is reported (`unplaced`), and what other nodes sealed
         meanwhile is left to the node publishing next."""
         error: Exception | str = "no answer"
-        with trio.move_on_at(deadline) as waited:
-            while True:
+        with trio.move_on_at(deadline):
+            while not self.namespace.behind:
                 try:
                     await self.namespace.placed(patience_s=max(0.0, deadline - trio.current_time()))
                     await self.namespace.stop_following()
@@ -280,9 +281,8 @@ class ClusterNode:
                 except (OSError, redis.RedisError) as exc:
                     error = exc
                     await trio.sleep(1.0)
-        if waited.cancelled_caught:
-            log.warning("cannot reach the cluster's log at unmount (%s): what other nodes sealed since position %d is left to "
-                        "the node publishing next", error, self.namespace.position)
+        log.warning("cannot use the cluster's log at unmount (%s): what other nodes sealed since position %d is left to "
+                    "the node publishing next", self.namespace.behind or error, self.namespace.position)
 
     def unplaced(self) -> list[str]:
         """The files this node sealed whose seals never got their places in

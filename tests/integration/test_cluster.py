@@ -451,6 +451,30 @@ def test_a_node_joining_after_redis_lost_the_log_is_told_at_once(tmp_path, redis
         assert a.path("f").read_bytes() == b"v1"
 
 
+def test_a_node_that_can_apply_the_log_no_more_unmounts_at_once_listing_what_it_could_not_place(tmp_path, redis_db):
+    """Redis lost the cluster's log, and a node unmounts with a file still
+    open: its seal can never get a place, so the unmount does not wait for
+    one through its drain timeout (600 s here); it lists the file as not
+    published at once."""
+    fd = None
+    with nodes(tmp_path, redis_db, names="a") as (a,):
+        a.allowed_log_errors += ["lost", "can no longer be shared", "cannot give a seal its place", "cannot use the cluster's log",
+                                 "NOT PUBLISHED", "changes not published"]
+        fd = os.open(a.path("open"), os.O_WRONLY | os.O_CREAT, 0o644)
+        os.write(fd, b"x" * 1000)
+        redis_db.flush()
+        wait_until(lambda: "can no longer be shared" in a.log_text(), 30, "the node to notice")
+        try:
+            a.proc.send_signal(signal.SIGTERM)
+            assert a.proc.wait(timeout=60) == 1
+        finally:
+            with contextlib.suppress(OSError):  # (the mount is gone)
+                os.close(fd)
+        assert ("NOT PUBLISHED: open (1000 bytes, generation 1, sealed, but the cluster's Redis never gave it a place in the log)"
+                in a.log_text()), a.log_text()[-3000:]
+        assert a.unexpected_log_errors() == [], a.unexpected_log_errors()
+
+
 def test_a_cluster_over_s3(tmp_path, redis_db, s3):
     """Two nodes on one S3 bucket (SeaweedFS): a large and a small file of
     the node that does not publish are staged by it (hidden objects: the
@@ -738,7 +762,7 @@ def test_a_file_still_open_at_unmount_whose_seal_redis_never_places_is_reported_
     with nodes(tmp_path, redis_db, names="a", extra=("--drain-timeout", "3")) as (a,):
         a.allowed_log_errors += ["cannot reach the cluster's Redis", "cannot read the cluster's", "cannot give a seal its place",
                                  "Redis for this node's heartbeat", "lease to publish for the cluster ran out",
-                                 "the cluster's publishing node (a) is not keeping its key", "cannot reach the cluster's log at unmount",
+                                 "the cluster's publishing node (a) is not keeping its key", "cannot use the cluster's log at unmount",
                                  "cannot leave the cluster cleanly", "NOT PUBLISHED", "changes not published"]
         fd = os.open(a.path("open"), os.O_WRONLY | os.O_CREAT, 0o644)
         os.write(fd, b"x" * 1000)
