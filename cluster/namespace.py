@@ -283,22 +283,30 @@ class SharedNamespace:
 
     async def follow(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Apply other nodes' changes as they arrive, until the daemon
-        unmounts (`stop_following`)."""
+        has drained at its unmount (`stop_following`)."""
         with self._following:
             await self.catch_up()
             task_status.started()
             await self._follow()
 
-    async def stop_following(self) -> int:
-        """At unmount, before the drain, once this node's seals have their
-        places (`placed`): apply the log up to its end now, and nothing
-        after it. Every file any node sealed before the unmount is then in
-        this node's queue (the publishing node publishes it in its drain),
-        and none sealed later joins it: what a publishing node publishes
-        after its drain would make the manifest index it leaves inexact; the
-        node taking over publishes the rest. How many entries it applied."""
-        self._following.cancel()
+    async def settle(self) -> int:
+        """At unmount, before the drain: every seal made here placed in the
+        log (files still open at the unmount were sealed just now: their
+        generations join the journal only once placed), then the log applied
+        up to its end, whatever the follower has heard of it yet. Every file
+        any node sealed before the unmount is then in this node's queue: the
+        publishing node publishes it in its drain. How many entries it
+        applied. OSError (EIO) or RedisError while Redis does not answer."""
+        await self.placed()
         return await self.catch_up()
+
+    def stop_following(self) -> None:
+        """At unmount, after the drain: apply nothing more. The drain went
+        on following the log (a seal it waits for may be superseded or
+        deleted by a later entry); once it is over, what the publishing node
+        would apply and publish next would race the manifest index it leaves
+        (`Engine.leave_index`): the node taking over publishes it instead."""
+        self._following.cancel()
 
     async def _follow(self) -> None:
         while True:

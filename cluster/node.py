@@ -261,22 +261,19 @@ class ClusterNode:
         return {"nodes": nodes, "log_position": self.namespace.position, "snapshot_position": kept,
                 "publishing_node_gone": leader is None, "behind": self.namespace.behind}
 
-    async def stop_following(self, deadline: float) -> None:
+    async def settle(self, deadline: float) -> None:
         """At unmount, before the drain, until `deadline` (trio's clock):
-        this node's seals placed in the log (files still open at the
-        unmount were sealed just now: their generations join the journal
-        only once placed), then the log applied up to its end, and no
-        further (`SharedNamespace.stop_following`). While Redis does not
-        answer, this waits, as the drain waits for the store (not when this
-        node can apply the log no more: `behind`); what is then left
-        unplaced is reported (`unplaced`), and what other nodes sealed
-        meanwhile is left to the node publishing next."""
+        this node's seals placed and the log applied up to its end
+        (`SharedNamespace.settle`). While Redis does not answer this waits,
+        as the drain waits for the store (not when this node can apply the
+        log no more: `behind`); what is then left unplaced is reported
+        (`unplaced`), and what other nodes sealed meanwhile is left to the
+        node publishing next."""
         error: Exception | str = "no answer"
         with trio.move_on_at(deadline):
             while not self.namespace.behind:
                 try:
-                    await self.namespace.placed(patience_s=max(0.0, deadline - trio.current_time()))
-                    await self.namespace.stop_following()
+                    await self.namespace.settle()
                     return
                 except (OSError, redis.RedisError) as exc:
                     error = exc

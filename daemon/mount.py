@@ -254,8 +254,8 @@ async def _main(config: MountConfig, tree: InodeTree, engine: Engine, control: C
             tree.seal(inode)
         deadline = trio.current_time() + config.drain_timeout
         with signals.abort_scope:  # a second signal stops waiting
-            if node is not None:  # these seals placed; what every node sealed before now, and nothing after
-                await node.stop_following(deadline)
+            if node is not None:  # these seals placed, and what every node sealed before now in the queue
+                await node.settle(deadline)
             pending = engine.unpublished()
             if pending:
                 gens = [g for g in pending if isinstance(g, FileGen)]
@@ -265,6 +265,11 @@ async def _main(config: MountConfig, tree: InodeTree, engine: Engine, control: C
         left = engine.unpublished()
         if node is None:  # in a cluster, the node publishing next tries parked files again
             await engine.publisher.forget_parked()
+        else:
+            node.namespace.stop_following()  # before the index, which nothing applied after may change
+            # What other nodes did during the drain is the next publishing node's to apply, not this unmount's.
+            before = {id(op) for op in pending}
+            left = [op for op in left if id(op) in before]
         await engine.leave_index()
         with contextlib.suppress(Exception):  # this daemon's staging and heartbeat go; a dead store must not hold the exit
             await engine.calls.run("retire", engine.backend.retire)

@@ -282,6 +282,12 @@ class Backend:
         return f"{self.staging}/{_NAME_PREFIX}{next(_names):x}"
 
     # -- the daemon's own namespace --------------------------------------------
+    def unindex(self) -> None:
+        """Records change from now on: the manifest index a clean exit left
+        is no longer exact, and becomes an image (see manifest.Image)."""
+        with contextlib.suppress(FileNotFoundError):
+            self.move(INDEX, IMAGE)
+
     def prepare(self, daemon_id: str, started: float, sole: bool = True) -> None:
         """Called once by the daemon that will write: claim a staging prefix,
         and clear what dead daemons left (staging, multipart uploads). Never
@@ -293,8 +299,7 @@ class Backend:
         self.daemon_id = daemon_id
         self.records_changed = Changes()
         self.heartbeat()
-        with contextlib.suppress(FileNotFoundError):  # records change from now on: no longer exact (see manifest.Image)
-            self.move(INDEX, IMAGE)
+        self.unindex()
         live = self.live_daemons()
         for path in self.find(STAGING):
             owner = path[len(STAGING) + 1 :].split("/", 1)[0] if "/" in path[len(STAGING) + 1 :] else ""

@@ -683,6 +683,13 @@ class Engine:
             except StoreError as exc:
                 log.error("cannot take over publishing for the cluster yet: %s; trying again in %.0fs", exc, self.retry.max_s)
                 await trio.sleep(self.retry.max_s)
+        # Its image of the records is the scan's from now on (a node that
+        # followed keeps none), and the index the gone node left at a clean
+        # exit is no longer exact: this node changes records next.
+        self._image, self._image_records, self._image_since = scanned.image.packed(), len(scanned.image.objects), scanned.image.since
+        if self.backend.records_changed is not None:
+            self.backend.records_changed.take()
+        await self.patiently("take over publishing", self.backend.unindex)
         reported = position
         if scanned.exchanged > position:  # it applied an exchange after its last report, so everything before it too
             log.info("the gone node applied the journal up to position %d (an exchange), beyond the %d it reported",
@@ -772,7 +779,7 @@ class Engine:
         while True:
             await trio.sleep(wait)
             changed = self.backend.records_changed
-            if self._image is None or changed is None or self._timeless:
+            if not self.keeps_image or changed is None or self._timeless:
                 continue
             if self._image_since is not None and len(changed) < max(IMAGE_EVERY, self._image_records // 4):
                 continue
@@ -785,8 +792,11 @@ class Engine:
 
     @property
     def keeps_image(self) -> bool:
-        """Whether this daemon keeps an image of the manifest (from its scan on)."""
-        return self._image is not None
+        """Whether this daemon keeps an image of the manifest: from its scan
+        on (or, in a cluster, from taking over publishing), while it is the
+        one that publishes; a node that follows changes no record, and an
+        image or index of the records it knew of would be stale."""
+        return self._image is not None and not self.publisher.follows
 
     async def save_image(self, name: str, background: bool = False) -> None:
         """This daemon's image of every record, as of now, into object `name`
@@ -1201,14 +1211,19 @@ class Engine:
         all (everything published, no abandoned call that may still change
         one, no record changed meanwhile without a daemon); otherwise a
         manifest image, which the next mount checks against the store's times."""
-        if self._image is None:
+        if not self.keeps_image:
             return
         # An image save under way ends first, and none starts after: the daemon
         # retires next, and its staging (the image staged there) goes with it.
         self._leaving = True
         async with self._taking:
             pass
-        exact = not self.unpublished() and not self.calls.stragglers()
+        # Nothing left that would change a record next: no generation or op
+        # to publish, no directory to sync (the publisher syncs them by
+        # itself when its queue is quiet), no record call under way.
+        changes = self.backend.records_changed
+        exact = (not self.unpublished() and not self.calls.stragglers() and not self.publisher.dirty
+                 and not (changes is not None and changes.under_way()))
         try:
             if exact and not await self.calls.run("leave the manifest index", self.backend.find, manifest.OUTSIDE):
                 # Not while an image is being saved (`_keep_image` runs until
