@@ -679,17 +679,17 @@ class Engine:
         while True:
             try:
                 scanned = await self.patiently("scan the store", storeio.scan, self.backend)
+                # The index the gone node left at a clean exit is no longer
+                # exact: this node changes records next.
+                await self.patiently("take over publishing", self.backend.unindex)
                 break
             except StoreError as exc:
                 log.error("cannot take over publishing for the cluster yet: %s; trying again in %.0fs", exc, self.retry.max_s)
                 await trio.sleep(self.retry.max_s)
-        # Its image of the records is the scan's from now on (a node that
-        # followed keeps none), and the index the gone node left at a clean
-        # exit is no longer exact: this node changes records next.
+        # Its image of the records is the scan's from now on (a node that followed keeps none).
         self._image, self._image_records, self._image_since = scanned.image.packed(), len(scanned.image.objects), scanned.image.since
         if self.backend.records_changed is not None:
             self.backend.records_changed.take()
-        await self.patiently("take over publishing", self.backend.unindex)
         reported = position
         if scanned.exchanged > position:  # it applied an exchange after its last report, so everything before it too
             log.info("the gone node applied the journal up to position %d (an exchange), beyond the %d it reported",
