@@ -251,6 +251,19 @@ async def test_after_a_flush_the_store_and_a_restart_show_what_the_mount_shows(t
     await _assert_converged(rig, tmp_path, view)
 
 
+def _answer_lost_for_the_record_of(rig: Rig, path: str, failing: dict[str, bool]) -> None:
+    """While `failing["on"]`, writing the record of `path` lands in the store
+    and is reported failed (its answer lost: a call that timed out)."""
+    real_put = rig.backend.put
+
+    def put(objpath, data):
+        real_put(objpath, data)
+        if failing["on"] and objpath == manifest.record_path(path):
+            raise ConnectionError("injected: the answer was lost")
+
+    rig.backend.put = put
+
+
 @pytest.mark.parametrize("how", ["its chmod fails", "its write lands and fails"])
 async def test_a_directory_whose_record_failed_to_be_written_leaves_no_record_when_removed(tmp_path, how):
     """A directory's sync wrote its record, then set the store directory's
@@ -258,8 +271,6 @@ async def test_a_directory_whose_record_failed_to_be_written_leaves_no_record_wh
     for unrecorded, as does a record write that lands but is reported
     failed (a call that timed out). Removed before a sync succeeded, its
     record stayed: the next restart showed the directory again."""
-    from ckptfs.writeback.manifest import record_path
-
     rig = Rig(tmp_path / "store")
     failing = {"on": True}
     if how == "its chmod fails":
@@ -272,14 +283,7 @@ async def test_a_directory_whose_record_failed_to_be_written_leaves_no_record_wh
 
         rig.backend.chmod = chmod
     else:
-        real_put = rig.backend.put
-
-        def put(path, data):
-            real_put(path, data)
-            if failing["on"] and path == record_path("d"):
-                raise ConnectionError("injected: the answer was lost")
-
-        rig.backend.put = put
+        _answer_lost_for_the_record_of(rig, "d", failing)
     rig.mkdir("d")
     await run_until_flushed(rig)  # its record's sync failed every try: left to later syncs
     assert rig.engine.publisher.dirty
@@ -294,20 +298,11 @@ async def test_a_directory_exchanged_with_one_whose_record_write_failed_then_rem
     """The exchange deletes the records at both old paths that a directory
     may have (written or not as far as it knows); the one that comes to
     `d`, removed before the next sync, left `d`'s record of the other."""
-    from ckptfs.writeback.manifest import record_path
-
     rig = Rig(_store(tmp_path, "object"))
     rig.mkdir("e")
     await _flushed_view(rig)
     failing = {"on": True}
-    real_put = rig.backend.put
-
-    def put(path, data):
-        real_put(path, data)
-        if failing["on"] and path == record_path("d"):
-            raise ConnectionError("injected: the answer was lost")
-
-    rig.backend.put = put
+    _answer_lost_for_the_record_of(rig, "d", failing)
     rig.mkdir("d")
     await run_until_flushed(rig)
     failing["on"] = False
