@@ -117,13 +117,15 @@ def _rss() -> int:
     return next(int(line.split()[1]) << 10 for line in open("/proc/self/status") if line.startswith("VmRSS:"))
 
 
-def test_fresh_memory_is_faulted_in_without_holding_the_gil():
+def test_fresh_memory_is_faulted_in_without_holding_the_gil_or_the_memory_map():
     """A load's worker thread makes fresh chunks for the bytes it reads.
     Python's mmap holds the GIL through mmap(MAP_POPULATE): the event loop
     (every FUSE reply) stood still 1-1.5 ms per 4 MiB chunk, the first byte
-    after a restart among them. Here the main thread must run Python while
-    another thread's chunk is being faulted in, and the chunk must come back
-    faulted in."""
+    after a restart among them; and the kernel holds the process's memory
+    map through a populate: the event loop making a chunk of its own (a
+    write) waited for all of it. Here the main thread must run Python, and
+    map memory, while another thread's chunk is being faulted in, and the
+    chunk must come back faulted in."""
     size = 256 << 20
     started, took, made = [], [], []
 
@@ -138,15 +140,16 @@ def test_fresh_memory_is_faulted_in_without_holding_the_gil():
     worker = threading.Thread(target=make)
     worker.start()
     last, gap = None, 0.0  # when this thread last ran while the chunk was being made; the longest it did not
-    while worker.is_alive():  # (allocating nothing that lasts: a new arena would wait for the kernel's lock on the memory map)
+    while worker.is_alive():
         if started and not took:
+            mmap.mmap(-1, CHUNK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS).close()  # as the event loop does for a write
             now = time.monotonic()
             gap = max(gap, now - (started[0] if last is None else last))
             last = now
     worker.join()
     assert made[0] - before >= size * 9 // 10  # faulted in, not merely mapped
-    # Held, the GIL lets this thread in only before the system call and right
-    # after it: one gap as long as the call itself.
+    # Held, the GIL (or the memory map) lets this thread in only before the
+    # system call and right after it: one gap as long as the call itself.
     gap = max(gap, started[0] + took[0] - (started[0] if last is None else last))
     assert gap < took[0] / 2, (gap, took[0])
 
