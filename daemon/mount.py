@@ -253,6 +253,7 @@ async def _main(config: MountConfig, tree: InodeTree, engine: Engine, control: C
         for inode in tree.open_for_write():  # still open: their bytes now are what we have
             tree.seal(inode)
         deadline = trio.current_time() + config.drain_timeout
+        pending = engine.unpublished()  # (again once settled: a second signal may stop the wait before)
         with signals.abort_scope:  # a second signal stops waiting
             if node is not None:  # these seals placed, and what every node sealed before now in the queue
                 await node.settle(deadline)

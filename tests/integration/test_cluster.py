@@ -802,6 +802,37 @@ def test_a_file_still_open_at_unmount_whose_seal_redis_never_places_is_reported_
         assert a.unexpected_log_errors() == [], a.unexpected_log_errors()
 
 
+def test_a_second_signal_while_an_unmounting_node_waits_for_redis_stops_the_wait_and_reports(tmp_path, redis_db):
+    """As above, with a long drain timeout: the node waits for Redis to
+    place its seal, and a second signal stops the wait. The exit lists the
+    file as not published (it crashed instead: the wait for Redis was cut
+    short before the queue it answers for was taken)."""
+    fd = None
+    with nodes(tmp_path, redis_db, names="a", extra=("--drain-timeout", "600")) as (a,):
+        a.allowed_log_errors += ["cannot reach the cluster's Redis", "cannot read the cluster's", "cannot give a seal its place",
+                                 "Redis for this node's heartbeat", "lease to publish for the cluster ran out",
+                                 "the cluster's publishing node (a) is not keeping its key", "cannot use the cluster's log at unmount",
+                                 "cannot leave the cluster cleanly", "NOT PUBLISHED", "changes not published",
+                                 "not waiting for write-back any longer"]
+        fd = os.open(a.path("open"), os.O_WRONLY | os.O_CREAT, 0o644)
+        os.write(fd, b"x" * 1000)
+        os.kill(redis_db.proc.pid, signal.SIGSTOP)
+        try:
+            a.proc.send_signal(signal.SIGTERM)
+            wait_until(lambda: "received SIGTERM: unmounting" in a.log_text(), 10, "a unmounting")
+            time.sleep(2.5)  # (a second signal within 2 s of the first is the same request: `_Signals.SAME_REQUEST_S`)
+            a.proc.send_signal(signal.SIGTERM)
+            assert a.proc.wait(timeout=60) == 1
+        finally:
+            os.kill(redis_db.proc.pid, signal.SIGCONT)
+            with contextlib.suppress(OSError):  # (the mount is gone)
+                os.close(fd)
+        assert "not waiting for write-back any longer" in a.log_text()
+        assert ("NOT PUBLISHED: open (1000 bytes, generation 1, sealed, but the cluster's Redis never gave it a place in the log)"
+                in a.log_text()), a.log_text()[-3000:]
+        assert a.unexpected_log_errors() == [], a.unexpected_log_errors()
+
+
 def test_a_publishing_node_that_unmounts_answers_for_what_was_sealed_before_not_after(tmp_path, redis_db):
     """The publishing node unmounts while another node's file sealed before
     cannot be staged yet, and that node writes another one during the
