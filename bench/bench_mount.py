@@ -52,6 +52,33 @@ def read_file(path: Path, direct: bool = False) -> None:
         os.close(fd)
 
 
+def longest_stat(path: Path, seconds: float, meanwhile=None) -> float:
+    """The longest a `stat` of `path` waits, stat after stat, for `seconds`;
+    `meanwhile` runs on this thread at the start of that time."""
+    import threading
+
+    stop = threading.Event()
+    worst = [0.0]
+
+    def probe() -> None:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            os.stat(path)
+            worst[0] = max(worst[0], time.perf_counter() - t0)
+            time.sleep(0.0005)
+
+    th = threading.Thread(target=probe)
+    th.start()
+    try:
+        if meanwhile is not None:
+            meanwhile()
+        time.sleep(seconds)
+    finally:
+        stop.set()
+        th.join()
+    return worst[0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
@@ -66,22 +93,28 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="ckptfs-bench-"))
     shm = Path(tempfile.mkdtemp(prefix="ckptfs-bench-", dir="/dev/shm"))
     disk = Path(tempfile.mkdtemp(prefix="ckptfs-bench-", dir=args.disk_dir))
-    names = ("first_save_mnt", "first_save_shm", "save_mnt", "save_shm", "save_disk", "load_mnt", "load_shm", "mmap_mnt",
+    names = ("first_save_mnt", "first_save_shm", "stat_idle", "stat_rm", "save_mnt", "save_shm", "save_disk", "load_mnt", "load_shm", "mmap_mnt",
              "mmap_shm", "read_direct_mnt", "read_cached_mnt", "read_shm")
     t: dict[str, list[float]] = {k: [] for k in names}
     try:
         for r in range(args.rounds):
             # A first save into a fresh daemon, into memory it has never held (what a job's first
-            # checkpoint meets), beside the same save into /dev/shm; the daemon's RSS holding it.
-            with mounted(base / f"fresh{r}") as (mp, pid):
+            # checkpoint meets), beside the same save into /dev/shm; the daemon's RSS holding it. Then
+            # the checkpoint deleted, most of its memory past what the daemon keeps for reuse: how long
+            # a stat of another file waits meanwhile, against the same stats with nothing going on.
+            with mounted(base / f"fresh{r}", extra=("--reuse-ram", "256M")) as (mp, pid):
                 rss0 = rss_bytes(pid)
                 t["first_save_mnt"].append(timed(lambda: save(sd, mp / "ckpt.pt")))
                 held = (mp / "ckpt.pt").stat().st_size
                 rss_fresh = rss_bytes(pid)
+                (mp / "probe").write_bytes(b"p")
+                t["stat_idle"].append(longest_stat(mp / "probe", 1.0))
+                t["stat_rm"].append(longest_stat(mp / "probe", 1.0, meanwhile=lambda: os.unlink(mp / "ckpt.pt")))
             shutil.rmtree(base / f"fresh{r}", ignore_errors=True)
             t["first_save_shm"].append(timed(lambda: save(sd, shm / "first.pt")))
             (shm / "first.pt").unlink()
-            print(f"fresh mount {r + 1}: first save {t['first_save_mnt'][-1]:.2f}s, /dev/shm {t['first_save_shm'][-1]:.2f}s",
+            print(f"fresh mount {r + 1}: first save {t['first_save_mnt'][-1]:.2f}s, /dev/shm {t['first_save_shm'][-1]:.2f}s; "
+                  f"longest stat {t['stat_idle'][-1] * 1000:.1f} ms, while the checkpoint is deleted {t['stat_rm'][-1] * 1000:.1f} ms",
                   flush=True)
 
         with mounted(base / "main") as (mp, pid):
@@ -100,8 +133,7 @@ def main() -> None:
                 drop_caches()
                 t["read_cached_mnt"].append(timed(lambda: read_file(mp / "ckpt.pt")))
                 t["read_shm"].append(timed(lambda: read_file(shm / "ckpt.pt")))
-                print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in t.items() if not k.startswith("first")),
-                      flush=True)
+                print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in t.items() if k in names[4:]), flush=True)
             rss_steady = rss_bytes(pid)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
@@ -114,6 +146,8 @@ def main() -> None:
     rows = [
         ("the first torch.save into a fresh mount (memory the daemon never held) vs /dev/shm (throughput ratio)",
          f"{m['first_save_shm'] / m['first_save_mnt']:.2f}x", "(none)", None),
+        (f"the longest a stat waits while a {gib:.0f} GiB checkpoint is deleted (past --reuse-ram 256M) vs while nothing "
+         f"happens: {m['stat_rm'] * 1000:.1f} ms vs {m['stat_idle'] * 1000:.1f} ms", f"{m['stat_rm'] / m['stat_idle']:.1f}x", "(none)", None),
         ("torch.save into the mount vs /dev/shm (throughput ratio)", f"{m['save_shm'] / m['save_mnt']:.2f}x", ">= 1.3x",
          m["save_shm"] / m["save_mnt"] >= 1.3),
         ("torch.save into the mount vs disk + fsync (speed-up)", f"{m['save_disk'] / m['save_mnt']:.2f}x", ">= 3x",
@@ -147,7 +181,8 @@ def main() -> None:
         f"Daemon RSS: {rss0 / (1 << 20):.0f} MiB empty, {rss_fresh / (1 << 20):.0f} MiB holding the checkpoint, "
         f"{rss_steady / (1 << 20):.0f} MiB after {args.rounds} overwrites (freed chunks are kept for reuse within the RAM budget).",
         "",
-        "Per-round seconds: " + "; ".join(f"{k}: " + " ".join(f"{x:.2f}" for x in v) for k, v in t.items()),
+        "Per-round seconds (stat_*: milliseconds): "
+        + "; ".join(f"{k}: " + " ".join(f"{x * 1000:.1f}" if k.startswith("stat") else f"{x:.2f}" for x in v) for k, v in t.items()),
     ]
     emit(lines, args.write)
 

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+EVICT_RETURN_S = 60.0  # an evict waits at most this long for the RAM it freed to be back with the OS
 PROGRESS_EVERY_S = 0.5  # well under the client's IO timeout: silence means hung
 REQUEST_TIMEOUT_S = 10.0
 ROWS_BATCH = 2000  # rows of a long reply encoded between two turns of the event loop
@@ -201,6 +202,9 @@ class ControlServer:
                 if got or f.size == 0:
                     evicted += 1
                     freed += got
+        # What the stock does not keep is unmapped by the pool's thread: back with the OS before the answer.
+        if not await trio.to_thread.run_sync(self.tree.pool.wait_returned, EVICT_RETURN_S):
+            log.warning("evict: RAM freed is not all given back to the OS after %.0fs", EVICT_RETURN_S)
         return {"evicted": evicted, "bytes": freed, "refused": refused}
 
     def _resolved(self, path: str) -> str:

@@ -35,8 +35,8 @@ HELD_IDLE_S = 0.2  # a held block that no read came for this long is let go
 HELD_MAX_S = 1.0  # a load waits for its reader this long at most per block (a slower reader's blocks go through the page cache)
 CHUNK = 4 << 20  # big enough to keep mmap counts low (vm.max_map_count)
 SCRATCH = 128 << 10  # a block verified through the scratch is read this much at a time (`Borrowing.view`)
-MADE_AHEAD = 8  # fresh chunks the pool keeps made ahead while writes take them (`MemoryPool._make_ahead`)
-MAKER_IDLE_S = 1.0  # the pool's maker thread ends after this long with no chunk taken
+MADE_AHEAD = 8  # fresh chunks the pool keeps made ahead while writes take them (`MemoryPool._tend`)
+TEND_IDLE_S = 1.0  # the pool's thread ends after this long with nothing to do
 SMALL_MAX = 256 << 10  # below this a chunk is a bytearray sized to its content
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+ (not in the mmap module of Python 3.11)
@@ -53,21 +53,28 @@ class MemoryPool:
 
     `used` counts exactly the bytes held by file contents (chunk capacities).
     The stock (`kept`) holds chunks already faulted in: those freed by
-    deletes, truncates and evictions, and fresh ones made ahead by a thread of
-    the pool's own while writes take them (`_make_ahead`). Together they stay
-    within `reuse` bytes and within what the budget leaves free beside the
-    file data. Writing into memory already faulted in is several times faster
-    than into fresh memory on VMs that hand freed pages back to the host, and
-    fresh memory faulted in on the event loop held every request 1-1.5 ms per
-    chunk (0.58 s of a 2 GiB save's; made ahead, the event loop spends 0.05 s
-    taking its chunks, and a first save into a fresh mount took 1.12 s where
-    it took 1.50). (MADV_FREE on kept chunks was measured: rewriting
-    lazily-freed pages costs twice as much.) Every other freed chunk is
-    unmapped at once, so the daemon's RSS follows the data it holds.
+    deletes, truncates and evictions, and fresh ones made ahead while writes
+    take them. Together they stay within `reuse` bytes and within what the
+    budget leaves free beside the file data. Writing into memory already
+    faulted in is several times faster than into fresh memory on VMs that
+    hand freed pages back to the host. (MADV_FREE on kept chunks was
+    measured: rewriting lazily-freed pages costs twice as much.) Every other
+    freed chunk goes back to the OS, so the daemon's RSS follows the data it
+    holds.
 
-    Everything but the maker's thread runs on one thread (the event loop);
-    `_lock` makes the maker's handover of a chunk and the accounting of the
-    budget one step against the other.
+    The system calls behind both run in a thread of the pool's own (`_tend`),
+    the GIL let go, never on the event loop, which answers every request to
+    the mount: faulting in a fresh chunk costs 1.1-1.5 ms on a VM (0.58 s of a
+    2 GiB save, which took 1.12 s made ahead where it took 1.50), unmapping
+    one 0.25 ms (a stall of 70 ms per GiB deleted or evicted past the stock).
+    A chunk let go but not unmapped yet (`_dying`) is as good as a kept one:
+    writes take it before any fresh memory, so the RSS never grows while it
+    waits. The thread runs while there is work, and ends after
+    `TEND_IDLE_S` without.
+
+    Everything but that thread runs on one thread (the event loop); `_lock`
+    makes the thread's steps and the accounting of the budget one against
+    the other.
     """
 
     def __init__(self, limit: int, reuse: int | None = None, made_ahead: int = MADE_AHEAD) -> None:
@@ -76,10 +83,13 @@ class MemoryPool:
         self.made_ahead = made_ahead  # fresh chunks to have ready (0: each is made when a write takes it)
         self.used = 0
         self._freed: list[mmap.mmap] = []  # recycled, taken last in first out
-        self._made: collections.deque[mmap.mmap] = collections.deque()  # made ahead (`_make_ahead`)
+        self._made: collections.deque[mmap.mmap] = collections.deque()  # made ahead
+        self._dying: collections.deque[mmap.mmap] = collections.deque()  # let go past the stock's bounds, to unmap
+        self._unmapping = False  # the thread is unmapping one, taken off `_dying`
         self._lock = threading.Lock()
-        self._wanted = threading.Event()  # a chunk was taken: the maker tops the stock up
-        self._maker: threading.Thread | None = None  # (None while no writes take chunks)
+        self._returned = threading.Condition(self._lock)  # notified once nothing is left to unmap
+        self._wanted = threading.Event()  # work for the thread: chunks to unmap, or to make
+        self._thread: threading.Thread | None = None  # (None while it has nothing to do)
 
     @property
     def available(self) -> int:
@@ -96,20 +106,28 @@ class MemoryPool:
                 raise OSError(errno.ENOSPC, "ckptfs RAM budget exhausted")
             self.used += nbytes
             while self.used + self.kept > self.limit:
-                _unmap(self._made.pop() if self._made else self._freed.pop())
+                self._dying.append(self._made.pop() if self._made else self._freed.pop())
+                self._wake()
 
     def unreserve(self, nbytes: int) -> None:
         self.used -= nbytes
 
     def take_chunk(self) -> mmap.mmap:
         chunk = self.take_kept() or new_chunk()
-        self._top_up()
+        with self._lock:
+            if len(self._made) < self.made_ahead and self._has_room():
+                self._wake()
         return chunk
 
     def take_kept(self) -> mmap.mmap | None:
-        """A chunk of the stock, if any (already faulted in)."""
+        """A chunk of the stock, or one let go and not unmapped yet, if any
+        (already faulted in)."""
         if self._freed:
             return self._freed.pop()
+        if self._dying:
+            with self._lock:
+                if self._dying and len(self._dying[-1]) == CHUNK:
+                    return self._dying.pop()
         with contextlib.suppress(IndexError):
             return self._made.popleft()
         return None
@@ -118,40 +136,57 @@ class MemoryPool:
         with self._lock:
             if len(chunk) == CHUNK and self._has_room():
                 self._freed.append(chunk)
-                return
-        _unmap(chunk)
+            else:
+                self._dying.append(chunk)
+                self._wake()
+
+    def wait_returned(self, timeout: float) -> bool:
+        """Wait until every chunk let go is unmapped (given back to the OS);
+        False if some are not after `timeout` seconds."""
+        with self._returned:
+            return self._returned.wait_for(lambda: not self._dying and not self._unmapping, timeout)
 
     def _has_room(self) -> bool:
         """The stock may hold one chunk more."""
         return self.kept + CHUNK <= self.reuse and self.used + self.kept + CHUNK <= self.limit
 
-    def _top_up(self) -> None:
-        """Have the maker make chunks until `made_ahead` wait (or the stock
-        is full), starting its thread if none runs."""
-        with self._lock:
-            if len(self._made) >= self.made_ahead or not self._has_room():
-                return
-            self._wanted.set()
-            if self._maker is None:
-                self._maker = threading.Thread(target=self._make_ahead, name="ckptfs-chunks", daemon=True)
-                self._maker.start()
+    def _wake(self) -> None:
+        """There is work for the pool's thread: start it if none runs (with
+        `_lock` held)."""
+        self._wanted.set()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._tend, name="ckptfs-memory", daemon=True)
+            self._thread.start()
 
-    def _make_ahead(self) -> None:
-        """The maker's thread: fault in fresh chunks for the writes to come,
-        the GIL let go (`new_chunk`), while the event loop serves them; it
-        ends once no chunk was taken for `MAKER_IDLE_S`."""
+    def _tend(self) -> None:
+        """The pool's thread: unmap what was let go, then fault in fresh
+        chunks for the writes to come (`made_ahead`), the GIL let go in
+        both; it ends once woken by nothing for `TEND_IDLE_S`."""
         while True:
-            if not self._wanted.wait(MAKER_IDLE_S):
+            if not self._wanted.wait(TEND_IDLE_S):
                 with self._lock:
                     if not self._wanted.is_set():
-                        self._maker = None
+                        self._thread = None
                         return
                 continue
             self._wanted.clear()
-            while len(self._made) < self.made_ahead and self._has_room():
-                chunk = new_chunk()
+            while True:
                 with self._lock:
-                    if len(self._made) < self.made_ahead and self._has_room():  # (the budget may have changed meanwhile)
+                    if not self._dying:
+                        self._unmapping = False
+                        self._returned.notify_all()
+                        break
+                    chunk = self._dying.popleft()
+                    self._unmapping = True
+                _unmap(chunk)
+            while not self._dying and len(self._made) < self.made_ahead and self._has_room():
+                try:
+                    chunk = new_chunk()
+                except (OSError, MemoryError) as exc:  # the system is short of memory: the writes make their own
+                    log.debug("no chunk made ahead: %s", exc)
+                    break
+                with self._lock:
+                    if not self._dying and len(self._made) < self.made_ahead and self._has_room():  # (as it may have changed meanwhile)
                         self._made.append(chunk)
                         continue
                 _unmap(chunk)

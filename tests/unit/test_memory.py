@@ -157,8 +157,10 @@ def test_fresh_memory_is_faulted_in_without_holding_the_gil_or_the_memory_map():
 
 
 def _settled(pool: MemoryPool) -> None:
-    """Wait for the pool's maker to have nothing left to do: its stock is
-    full, or the bounds leave no room for a chunk more."""
+    """Wait for the pool's thread to have nothing left to do: what was let
+    go is unmapped, and the stock is full or the bounds leave no room for a
+    chunk more."""
+    assert pool.wait_returned(10), "chunks let go were never unmapped"
     deadline = time.monotonic() + 10
     while len(pool._made) < pool.made_ahead and pool._has_room():
         assert time.monotonic() < deadline, "no chunks made ahead"
@@ -173,7 +175,7 @@ def test_fresh_chunks_are_made_ahead_of_the_writes_that_take_them():
     pool = MemoryPool(1 << 30, reuse=256 << 20)
     f = FileData(pool)
     before = _rss()
-    f.write(0, b"a" * CHUNK)  # the first chunk: made on the spot, and the maker starts
+    f.write(0, b"a" * CHUNK)  # the first chunk: made on the spot, and the pool's thread starts
     _settled(pool)
     assert len(pool._made) == memory.MADE_AHEAD and pool.kept == memory.MADE_AHEAD * CHUNK
     assert _rss() - before >= (memory.MADE_AHEAD + 1) * CHUNK * 9 // 10  # faulted in, not merely mapped
@@ -204,22 +206,84 @@ def test_chunks_made_ahead_stay_within_the_reuse_bound_and_the_budget():
     assert f.read(0, 4 * CHUNK) == b"a" * (2 * CHUNK) + b"b" * (2 * CHUNK)
     pool = MemoryPool(1 << 30, reuse=0)  # none kept: none made ahead, no thread either
     FileData(pool).write(0, b"a" * (2 * CHUNK))
-    assert pool.kept == 0 and pool._maker is None
+    assert pool.kept == 0 and pool._thread is None
 
 
-def test_the_maker_of_chunks_ends_when_writes_stop_and_starts_again_with_them(monkeypatch):
-    monkeypatch.setattr(memory, "MAKER_IDLE_S", 0.05)
+def test_the_pools_thread_ends_when_idle_and_starts_again_with_work(monkeypatch):
+    monkeypatch.setattr(memory, "TEND_IDLE_S", 0.05)
     pool = MemoryPool(1 << 30, reuse=64 << 20)
     f = FileData(pool)
     for round_ in range(2):
         f.write(round_ * 8 * CHUNK, b"x" * (8 * CHUNK))  # takes every chunk made ahead, and one more
-        assert pool._maker is not None
-        maker = pool._maker
+        assert pool._thread is not None
+        thread = pool._thread
         deadline = time.monotonic() + 10
-        while maker.is_alive():
-            assert time.monotonic() < deadline, "the maker's thread never ends"
+        while thread.is_alive():
+            assert time.monotonic() < deadline, "the pool's thread never ends"
             time.sleep(0.01)
-        assert pool._maker is None and len(pool._made) == memory.MADE_AHEAD  # its stock stays for the next save
+        assert pool._thread is None and len(pool._made) == memory.MADE_AHEAD  # its stock stays for the next save
+
+
+def _unmaps_seen(monkeypatch, hold: threading.Event | None = None) -> list[tuple[str, int]]:
+    """Record each chunk unmapped, by thread name and size; with `hold`, the
+    pool's thread waits for it before its first unmap."""
+    seen: list[tuple[str, int]] = []
+    unmap = memory._unmap
+
+    def recorded(chunk):
+        if hold is not None and threading.current_thread().name == "ckptfs-memory":
+            assert hold.wait(10)
+        seen.append((threading.current_thread().name, len(chunk)))
+        unmap(chunk)
+
+    monkeypatch.setattr(memory, "_unmap", recorded)
+    return seen
+
+
+def test_memory_let_go_past_the_stock_goes_back_to_the_os_off_the_event_loop(monkeypatch):
+    """Unmapping a chunk costs 0.25 ms: deleting or evicting a file past what
+    the stock keeps held every request to the mount for 70 ms per GiB (a
+    stat waited 139-288 ms while a 4 GiB file went). The pool's thread
+    unmaps them now, and an evict can wait for it (`wait_returned`)."""
+    seen = _unmaps_seen(monkeypatch)
+    pool = MemoryPool(1 << 30, reuse=2 * CHUNK, made_ahead=0)
+    f = FileData(pool)
+    f.write(0, os.urandom(1 << 20) * 40)  # 10 chunks
+    before = _rss()
+    f.clear()  # 2 kept, 8 let go
+    assert pool.wait_returned(10) and pool.used == 0 and pool.kept == 2 * CHUNK
+    assert sorted(seen) == [("ckptfs-memory", CHUNK)] * 8, seen
+    assert before - _rss() >= 8 * CHUNK * 9 // 10  # given back to the OS
+    seen.clear()
+    pool.reserve(pool.limit - CHUNK)  # the data needs room the stock holds: one kept chunk is let go too
+    assert pool.kept == CHUNK and pool.wait_returned(10)
+    assert seen == [("ckptfs-memory", CHUNK)], seen
+
+
+def test_a_chunk_let_go_and_not_unmapped_yet_is_the_next_writes_memory(monkeypatch):
+    """A chunk waiting for the pool's thread to unmap it is as good as a kept
+    one: a write takes it before making fresh memory, so the RSS does not
+    grow while memory is on its way back, and it shows none of its old
+    bytes."""
+    hold = threading.Event()
+    seen = _unmaps_seen(monkeypatch, hold)
+    pool = MemoryPool(1 << 30, reuse=0, made_ahead=0)
+    f = FileData(pool)
+    f.write(0, b"\xff" * (4 * CHUNK))
+    let_go = {id(c.buf) for c in f._chunks.values()}
+    f.clear()  # the thread takes one and waits at `hold`: three wait in `_dying`
+    deadline = time.monotonic() + 10
+    while len(pool._dying) != 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    g = FileData(pool)
+    g.write(CHUNK // 2, b"y" * 100)  # past a gap, into a chunk let go
+    g.write(CHUNK + (1 << 20), b"z")
+    assert {id(g._chunks[0].buf), id(g._chunks[1].buf)} <= let_go and len(pool._dying) == 1
+    assert g.read(0, 2 * CHUNK) == bytes(CHUNK // 2) + b"y" * 100 + bytes(CHUNK // 2 - 100 + (1 << 20)) + b"z"  # (and no old byte)
+    assert not pool.wait_returned(0.05)  # one still being unmapped, one waiting
+    hold.set()
+    assert pool.wait_returned(10) and not pool._dying and len(seen) == 2
 
 
 def test_kept_chunks_never_exceed_the_reuse_bound():
