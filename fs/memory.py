@@ -170,27 +170,37 @@ class MemoryPool:
                         return
                 continue
             self._wanted.clear()
-            while True:
-                with self._lock:
-                    if not self._dying:
-                        self._unmapping = False
-                        self._returned.notify_all()
-                        break
-                    chunk = self._dying.popleft()
-                    self._unmapping = True
-                _unmap(chunk)
-            while not self._dying and len(self._made) < self.made_ahead and self._has_room():
-                try:
-                    chunk = new_chunk()
-                except (OSError, MemoryError) as exc:  # the system is short of memory: the writes make their own
-                    log.debug("no chunk made ahead: %s", exc)
-                    break
-                with self._lock:
-                    if not self._dying and len(self._made) < self.made_ahead and self._has_room():  # (as it may have changed meanwhile)
-                        self._made.append(chunk)
-                        continue
-                _unmap(chunk)
-                break
+            while self._unmap_one():
+                pass
+            while not self._dying and len(self._made) < self.made_ahead and self._has_room() and self._make_one():
+                pass
+
+    def _unmap_one(self) -> bool:
+        """Unmap the oldest chunk let go; False when there is none left."""
+        with self._lock:
+            if not self._dying:
+                self._unmapping = False
+                self._returned.notify_all()
+                return False
+            chunk = self._dying.popleft()
+            self._unmapping = True
+        _unmap(chunk)
+        return True
+
+    def _make_one(self) -> bool:
+        """Add a fresh chunk to those made ahead; False if it could not be
+        made, or is not wanted any more (the budget changed meanwhile)."""
+        try:
+            chunk = new_chunk()
+        except (OSError, MemoryError) as exc:  # the system is short of memory: the writes make their own
+            log.debug("no chunk made ahead: %s", exc)
+            return False
+        with self._lock:
+            if not self._dying and len(self._made) < self.made_ahead and self._has_room():
+                self._made.append(chunk)
+                return True
+        _unmap(chunk)
+        return False
 
 
 def new_chunk(size: int = CHUNK) -> mmap.mmap:
