@@ -134,11 +134,14 @@ class MemoryPool:
 
     def give_chunk(self, chunk: mmap.mmap) -> None:
         with self._lock:
-            if len(chunk) == CHUNK and self._has_room():
+            if len(chunk) != CHUNK:  # (a fitted last chunk) unmapped first: no write could take it
+                self._dying.appendleft(chunk)
+            elif self._has_room():
                 self._freed.append(chunk)
+                return
             else:
                 self._dying.append(chunk)
-                self._wake()
+            self._wake()
 
     def wait_returned(self, timeout: float) -> bool:
         """Wait until every chunk let go is unmapped (given back to the OS);
