@@ -72,9 +72,9 @@ class MemoryPool:
     waits. The thread runs while there is work, and ends after
     `TEND_IDLE_S` without.
 
-    Everything but that thread runs on one thread (the event loop); `_lock`
-    makes the thread's steps and the accounting of the budget one against
-    the other.
+    Everything but that thread runs on one thread (the event loop), but for
+    `take_made`, which loads' workers call; `_lock` makes the thread's steps,
+    those takes and the accounting of the budget one against the other.
     """
 
     def __init__(self, limit: int, reuse: int | None = None, made_ahead: int = MADE_AHEAD) -> None:
@@ -114,9 +114,15 @@ class MemoryPool:
 
     def take_chunk(self) -> mmap.mmap:
         chunk = self.take_kept() or new_chunk()
+        self._top_up()
+        return chunk
+
+    def take_made(self) -> mmap.mmap | None:
+        """A fresh chunk made ahead (all zeros), if any; from any thread: a
+        load's worker takes them, its bytes reserved already (`Loading`)."""
         with self._lock:
-            if len(self._made) < self.made_ahead and self._has_room():
-                self._wake()
+            chunk = self._made.popleft() if self._made else None
+        self._top_up()
         return chunk
 
     def take_kept(self) -> mmap.mmap | None:
@@ -152,6 +158,12 @@ class MemoryPool:
     def _has_room(self) -> bool:
         """The stock may hold one chunk more."""
         return self.kept + CHUNK <= self.reuse and self.used + self.kept + CHUNK <= self.limit
+
+    def _top_up(self) -> None:
+        """A chunk was taken: have the thread make more ahead, if room."""
+        with self._lock:
+            if len(self._made) < self.made_ahead and self._has_room():
+                self._wake()
 
     def _wake(self) -> None:
         """There is work for the pool's thread: start it if none runs (with
@@ -758,7 +770,10 @@ class Loading:
         if chunk is None:
             length = min(CHUNK, self.size - idx * CHUNK)
             cap = _fitted(length)
-            buf = new_chunk(cap) if cap > SMALL_MAX else bytearray(cap)
+            if cap == CHUNK:  # (made ahead by the pool's thread while this one reads, if it keeps up)
+                buf: mmap.mmap | bytearray = self._data._pool.take_made() or new_chunk()
+            else:
+                buf = new_chunk(cap) if cap > SMALL_MAX else bytearray(cap)
             chunk = self._pending[idx] = _Chunk(buf, length)  # fresh memory: what no piece writes reads as zeros
         return chunk
 
@@ -939,8 +954,8 @@ class Borrowing:
         filling = self._filling
         if filling is not None and filling.start <= off < filling.end:
             idx, lo = divmod(off - filling.start, CHUNK)
-            if filling.chunks[idx] is None:  # faulted in here, off the event loop
-                filling.chunks[idx] = new_chunk()
+            if filling.chunks[idx] is None:  # made ahead by the pool's thread, or faulted in here: off the event loop
+                filling.chunks[idx] = self._pool.take_made() or new_chunk()
             return memoryview(filling.chunks[idx])[lo : lo + min(n, CHUNK - lo, filling.end - off)]
         if self._scratch is None:
             self._scratch = bytearray(SCRATCH)
