@@ -90,7 +90,7 @@ def main() -> None:
               help="Freed RAM (deleted, truncated or evicted files, blocks held for a reader of a file read in place) "
                    "kept for the next save to write into, which is "
                    "faster than fresh memory; the rest goes back to the OS at once. Within it, 32 MiB of fresh memory are made "
-                   "ready ahead of a save's writes. A size or a percentage of the budget; 0 keeps none.")
+                   "ready ahead of a save's writes or a load's reads. A size or a percentage of the budget; 0 keeps none.")
 @click.option("--foreground", "-f", is_flag=True, help="Stay in the foreground (logs go to stderr unless --log-file).")
 @click.option("--log-file", type=GivenPath(dir_okay=False), help="Log here (default in background: the mount's runtime directory).")
 @click.option("--log-level", default="INFO", show_default=True, type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
