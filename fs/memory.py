@@ -63,8 +63,9 @@ class MemoryPool:
     holds.
 
     The system calls behind both run in a thread of the pool's own (`_tend`),
-    the GIL let go, never on the event loop, which answers every request to
-    the mount: faulting in a fresh chunk costs 1.1-1.5 ms on a VM (0.58 s of a
+    the GIL let go, not on the event loop, which answers every request to
+    the mount (it makes a chunk itself only when the thread has none ready
+    for it): faulting in a fresh chunk costs 1.1-1.5 ms on a VM (0.58 s of a
     2 GiB save, which took 1.12 s made ahead where it took 1.50), unmapping
     one 0.25 ms (a stall of 70 ms per GiB deleted or evicted past the stock).
     A chunk let go but not unmapped yet (`_dying`) is as good as a kept one:
@@ -167,11 +168,18 @@ class MemoryPool:
 
     def _wake(self) -> None:
         """There is work for the pool's thread: start it if none runs (with
-        `_lock` held)."""
+        `_lock` held). One that cannot start (the system's thread limit) is
+        tried again at the next wake; meanwhile what waits to be unmapped is
+        still what writes take first, and no write or delete fails for it."""
         self._wanted.set()
         if self._thread is None:
-            self._thread = threading.Thread(target=self._tend, name="ckptfs-memory", daemon=True)
-            self._thread.start()
+            thread = threading.Thread(target=self._tend, name="ckptfs-memory", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError as exc:
+                log.warning("the memory pool's thread did not start (%s): freed memory waits to go back to the OS", exc)
+                return
+            self._thread = thread
 
     def _tend(self) -> None:
         """The pool's thread: unmap what was let go, then fault in fresh

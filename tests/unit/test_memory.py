@@ -260,6 +260,28 @@ def test_memory_let_go_past_the_stock_goes_back_to_the_os_off_the_event_loop(mon
     assert seen == [("ckptfs-memory", CHUNK)], seen
 
 
+def test_a_pool_thread_that_cannot_start_fails_no_delete_and_is_started_again(monkeypatch):
+    """At the system's thread limit `Thread.start` raises: a delete (or a
+    write making room) that woke the pool's thread then failed with EIO, and
+    the thread was never started again, so what was let go stayed mapped."""
+    pool = MemoryPool(1 << 30, reuse=0, made_ahead=0)
+    f = FileData(pool)
+    f.write(0, b"a" * (2 * CHUNK))
+    start = threading.Thread.start
+
+    def refused(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refused)
+    f.clear()  # let go, and nothing to unmap it yet
+    assert pool._thread is None and len(pool._dying) == 2 and pool.used == 0
+    monkeypatch.setattr(threading.Thread, "start", start)
+    g = FileData(pool)
+    g.write(0, b"b" * CHUNK)  # takes one of them
+    g.clear()  # the next wake starts the thread
+    assert pool.wait_returned(10) and not pool._dying
+
+
 def test_a_chunk_let_go_and_not_unmapped_yet_is_the_next_writes_memory(monkeypatch):
     """A chunk waiting for the pool's thread to unmap it is as good as a kept
     one: a write takes it before making fresh memory, so the RSS does not
