@@ -209,6 +209,11 @@ class InodeTree:
         inode.refs -= n
         self._maybe_free(inode)
 
+    def _named(self, ino: int) -> str:
+        """`ino` as a log line names it: its first path in the mount."""
+        paths = self.paths_of(ino)
+        return paths[0] if paths else f"inode {ino} (no name left)"
+
     def paths_of(self, ino: int) -> list[str]:
         """Every current path of `ino`, relative to the root ([] once unlinked)."""
         inode = self.inodes.get(ino)
@@ -812,15 +817,15 @@ class InodeTree:
                 self.spill_full(inode, failed)
             return False
         data.spilled_to(copy)
-        log.warning("RAM budget full: continuing inode %d (%d bytes so far) on disk in %s, at disk speed",
-                    inode.ino, data.size, self.spill_dir)
+        log.warning("RAM budget full: continuing %s (%d bytes so far) on disk in %s, at disk speed",
+                    self._named(inode.ino), data.size, self.spill_dir)
         self.touched.add(inode.ino)
         return True
 
     def spill_full(self, inode: Inode, exc: OSError) -> None:
         """Say why a write that RAM could not hold fails in the spill directory."""
-        log.error("cannot continue inode %d on disk in %s (%s): its write fails with that error; give --spill-dir a writable "
-                  "local disk with room", inode.ino, self.spill_dir, exc.strerror)
+        log.error("cannot continue %s on disk in %s (%s): its write fails with that error; give --spill-dir a writable "
+                  "local disk with room", self._named(inode.ino), self.spill_dir, exc.strerror)
 
     def spilled(self, ino: int) -> bool:
         inode = self.inodes.get(ino)

@@ -366,7 +366,7 @@ def test_a_spilled_file_has_its_blocks_and_tar_sparse_copies_its_bytes(tmp_path)
     m.allowed_log_errors.append("RAM budget")
     try:
         write(m.path("big.bin"), data)
-        assert "continuing inode" in m.log_text()  # spilled, as meant
+        assert "continuing big.bin (" in m.log_text()  # spilled, as meant (named by its path)
         assert os.stat(m.path("big.bin")).st_blocks * 512 >= len(data)
         subprocess.run(["tar", "-S", "-cf", str(tmp_path / "t.tar"), "-C", str(m.mountpoint), "big.bin"], check=True)
         out = tmp_path / "out"

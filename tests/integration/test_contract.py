@@ -345,13 +345,13 @@ def test_C7_a_spill_directory_that_fills_up_fails_the_write_and_says_why(tmp_pat
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(spill)], check=True)
     try:
         mount = start_mount(tmp_path, memory_limit="16M", extra=("--spill-dir", str(spill)))
-        mount.allowed_log_errors += ["RAM budget", "cannot continue inode"]
+        mount.allowed_log_errors += ["RAM budget", "cannot continue big.bin"]
         try:
             with pytest.raises(OSError) as got, open(mount.path("big.bin"), "wb") as f:
                 for _ in range(64):
                     f.write(b"x" * (1 << 20))
             assert got.value.errno == errno.ENOSPC
-            assert "cannot continue inode" in mount.log_text() and "No space left on device" in mount.log_text()
+            assert "cannot continue big.bin on disk" in mount.log_text() and "No space left on device" in mount.log_text()
             mount.path("small").write_bytes(b"still fine")
             assert mount.path("small").read_bytes() == b"still fine"
         finally:
