@@ -22,6 +22,19 @@ keep, so its tasks grow to `max_tasks` and stay, and a task new to the
 device goes last, to be used only when all the others are busy.
 With a pyfuse3 whose loop is not the one this was written against, nothing
 is replaced: it runs as shipped.
+
+When nothing is queued yet, the device is polled for `SPIN_S` before the
+loop sleeps in epoll, every other task ready to run taking its turn between
+two polls (a spin holds up nothing): a process that works through files
+sends its next request within microseconds of the last reply (`stat`, open,
+read, close, a create's six requests), and a thread woken from epoll costs
+more than that on a VM (the host schedules the guest's wakeup). A spin that
+finds nothing makes the next `SPIN_PAUSE` waits sleep at once, so requests
+spaced wider than the spin (a writer computing between writes, an idle
+mount) cost at most one spin in `SPIN_PAUSE` + 1. Measured side by side
+(RESULTS.md, 2026-11-30): a `stat` of each of 3,000 uncached files 1.6x as
+fast, reading them 1.9x, an open and close 1.7x, the daemon's CPU time no
+higher (a wakeup from epoll costs CPU too); large reads and writes the same.
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ from __future__ import annotations
 import logging
 import os
 import select
+import time
 import weakref
 
 import pyfuse3
@@ -36,6 +50,8 @@ import trio
 
 log = logging.getLogger(__name__)
 
+SPIN_S = 50e-6  # with nothing queued, the device is polled this long (other tasks running between polls) before the loop sleeps
+SPIN_PAUSE = 16  # after a spin that found nothing, this many waits go straight to sleep
 _SUPPORTED = ((3, 3), (3, 5))  # the pyfuse3 versions (major, minor) whose loop this was written against
 
 
@@ -51,6 +67,8 @@ class Turns:
         self._taken = False
         self._parked: list[trio.Event] = []  # the last goes next
         self._seen: weakref.WeakSet[trio.lowlevel.Task] = weakref.WeakSet()  # the tasks that waited before
+        self._paused = 0  # waits left that do not spin (`_spun`)
+        self.spins = self.spins_found = 0  # spins made, and those that found a request
         self.stopped = False
 
     async def wait(self) -> bool:
@@ -58,13 +76,34 @@ class Turns:
         False once the loop is to end (`stop`)."""
         await self._take()
         try:
-            if not self.stopped and not self._poll.poll(0):
+            if not self.stopped and not self._poll.poll(0) and not await self._spun() and not self.stopped:
                 await trio.lowlevel.wait_readable(self.fd)
         except trio.ClosedResourceError:  # pyfuse3.terminate() while waiting
             self.stopped = True
         finally:
             self._give()  # the next task runs only once this one has read its request (no checkpoint between)
         return not self.stopped
+
+    async def _spun(self) -> bool:
+        """Poll the device for up to `SPIN_S`, every other task ready to
+        run taking its turn between two polls: True once a request can be
+        read; False (the caller sleeps on the device) if none came, the
+        loop is to end, or no spin is due."""
+        if self._paused:
+            self._paused -= 1
+            return False
+        self.spins += 1
+        poll, clock = self._poll.poll, time.perf_counter
+        end = clock() + SPIN_S
+        while not self.stopped:
+            await trio.lowlevel.cancel_shielded_checkpoint()  # (a cancel is seen by the sleep after)
+            if poll(0):
+                self.spins_found += 1
+                return True
+            if clock() >= end:
+                break
+        self._paused = SPIN_PAUSE
+        return False
 
     def stop(self) -> None:
         """End the loop: the task waiting on the device and every task that

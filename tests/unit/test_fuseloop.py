@@ -2,6 +2,7 @@
 with a pipe standing in for the device."""
 
 import os
+import threading
 
 import pytest
 import trio
@@ -49,6 +50,98 @@ async def test_a_request_queued_already_is_read_without_waiting_on_the_device(pi
             assert waits == [r] and len(order) == 2
             os.write(w, b"c")
     assert order[-1] == ("y", b"c")
+
+
+async def test_a_request_that_comes_while_the_device_is_polled_is_read_without_sleeping_on_it(pipe, monkeypatch):
+    """A process making files sends its next request microseconds after the
+    last reply: the device is polled a while before the loop sleeps on it."""
+    r, w = pipe
+    turns = Turns(r)
+    waits = []
+
+    async def counted(fd):
+        waits.append(fd)
+        await real(fd)
+
+    real = trio.lowlevel.wait_readable
+    monkeypatch.setattr(trio.lowlevel, "wait_readable", counted)
+    monkeypatch.setattr(fuseloop, "SPIN_S", 10.0)  # (ample for the thread below on a loaded machine)
+    request = threading.Timer(0.05, os.write, (w, b"a"))
+    request.start()
+    order = []
+    try:
+        await _reader(turns, r, order, "x")
+    finally:
+        request.join()
+    assert order == [("x", b"a")] and waits == []
+    assert turns.spins == turns.spins_found == 1
+
+
+async def test_a_poll_that_finds_nothing_lets_the_next_waits_sleep_at_once(pipe, monkeypatch):
+    """Requests spaced wider than the spin (a writer computing between
+    writes, an idle mount) cost one spin in SPIN_PAUSE + 1 waits, not one
+    spin each."""
+    r, w = pipe
+    turns = Turns(r)
+    monkeypatch.setattr(fuseloop, "SPIN_S", 0.001)
+    order = []
+    n = 2 * (fuseloop.SPIN_PAUSE + 1)
+    with trio.fail_after(10):
+        for k in range(n):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_reader, turns, r, order, "x")
+                await trio.testing.wait_all_tasks_blocked()  # asleep on the idle device
+                os.write(w, b"%d" % (k % 10))
+    assert [req for _, req in order] == [b"%d" % (k % 10) for k in range(n)]
+    assert turns.spins == 2 and turns.spins_found == 0
+
+
+async def test_other_tasks_run_while_the_device_is_polled(pipe, monkeypatch):
+    """A spin holds up no other task: one ready to run takes its turn
+    between two polls (here, the very task that sends the request)."""
+    r, w = pipe
+    turns = Turns(r)
+    waits = []
+
+    async def counted(fd):
+        waits.append(fd)
+        await real(fd)
+
+    real = trio.lowlevel.wait_readable
+    monkeypatch.setattr(trio.lowlevel, "wait_readable", counted)
+    monkeypatch.setattr(fuseloop, "SPIN_S", 10.0)  # a spin that held the loop would hold the task below that long
+    order = []
+
+    async def busy():
+        for _ in range(20):
+            await trio.lowlevel.checkpoint()
+        os.write(w, b"a")
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_reader, turns, r, order, "x")
+            nursery.start_soon(busy)
+    assert order == [("x", b"a")] and waits == [] and turns.spins_found == 1
+
+
+async def test_a_stop_while_the_device_is_polled_ends_the_wait(pipe, monkeypatch):
+    r, _w = pipe
+    turns = Turns(r)
+    monkeypatch.setattr(fuseloop.pyfuse3, "terminate", lambda: trio.lowlevel.notify_closing(r))
+    monkeypatch.setattr(fuseloop, "SPIN_S", 10.0)
+    order = []
+
+    async def stopper():
+        for _ in range(5):
+            await trio.lowlevel.checkpoint()
+        assert turns.spins == 1  # (the reader is polling)
+        turns.stop()
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_reader, turns, r, order, "x")
+            nursery.start_soon(stopper)
+    assert order == [("x", None)]
 
 
 async def _worker(turns: Turns, r: int, order: list, name: str, busy: dict) -> None:
