@@ -25,16 +25,20 @@ is replaced: it runs as shipped.
 
 When nothing is queued yet, the device is polled for `SPIN_S` before the
 loop sleeps in epoll, every other task ready to run taking its turn between
-two polls (a spin holds up nothing): a process that works through files
-sends its next request within microseconds of the last reply (`stat`, open,
-read, close, a create's six requests), and a thread woken from epoll costs
-more than that on a VM (the host schedules the guest's wakeup). A spin that
+two polls: a process that works through files sends its next request within
+microseconds of the last reply (`stat`, open, read, close, a create's six
+requests), sooner than a thread asleep in epoll wakes on a VM. A spin that
 finds nothing makes the next `SPIN_PAUSE` waits sleep at once, so requests
 spaced wider than the spin (a writer computing between writes, an idle
-mount) cost at most one spin in `SPIN_PAUSE` + 1. Measured side by side
-(RESULTS.md, 2026-11-30): a `stat` of each of 3,000 uncached files 1.6x as
-fast, reading them 1.9x, an open and close 1.7x, the daemon's CPU time no
-higher (a wakeup from epoll costs CPU too); large reads and writes the same.
+mount) cost at most one spin in `SPIN_PAUSE` + 1. There is no spin while
+another thread of the daemon is at work (`busy`: a store call, an upload or
+a load): the spinning loop holds the GIL between its polls, and a thread
+that needs it then waits up to the interpreter's switch interval (5 ms)
+each time; a cold `torch.load` from the mount while its checkpoint was
+published took 9 % longer. Measured side by side on a daemon at rest
+(RESULTS-smallfiles.md, 2026-11-30): a `stat` of each of 3,000 uncached
+files 1.6x as fast, reading them 1.9x, an open and close 1.7x, the
+daemon's CPU time no higher (a wakeup from epoll costs CPU too).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import os
 import select
 import time
 import weakref
+from collections.abc import Callable
 
 import pyfuse3
 import trio
@@ -60,8 +65,9 @@ class Turns:
     time; the others park, and the one that parked last goes next (a task
     that never waited before goes after all the others)."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, busy: Callable[[], bool] = lambda: False) -> None:
         self.fd = fd
+        self._busy = busy  # another thread of the daemon is at work: no spin
         self._poll = select.poll()
         self._poll.register(fd, select.POLLIN)
         self._taken = False
@@ -92,6 +98,8 @@ class Turns:
         if self._paused:
             self._paused -= 1
             return False
+        if self._busy():
+            return False
         self.spins += 1
         poll, clock = self._poll.poll, time.perf_counter
         end = clock() + SPIN_S
@@ -100,7 +108,7 @@ class Turns:
             if poll(0):
                 self.spins_found += 1
                 return True
-            if clock() >= end:
+            if clock() >= end or self._busy():
                 break
         self._paused = SPIN_PAUSE
         return False
@@ -145,11 +153,12 @@ class Turns:
             self._taken = False
 
 
-def install() -> Turns | None:
+def install(busy: Callable[[], bool] = lambda: False) -> Turns | None:
     """After `pyfuse3.init`: replace pyfuse3's wait for the next request with
     `Turns.wait`, where pyfuse3's loop is the one this was written against
-    and its session's device is found. Returns the turns (stop the loop with
-    their `stop`), or None if pyfuse3 is left as it is."""
+    and its session's device is found (`busy`: whether another thread of the
+    daemon is at work). Returns the turns (stop the loop with their `stop`),
+    or None if pyfuse3 is left as it is."""
     try:
         version = tuple(int(p) for p in pyfuse3.__version__.split(".")[:2])
     except (AttributeError, ValueError):
@@ -161,7 +170,7 @@ def install() -> Turns | None:
     if len(devices) != 1:  # (one session per daemon)
         log.info("the FUSE device is open %d times in this process: pyfuse3's own wait for requests is used", len(devices))
         return None
-    turns = Turns(devices[0])
+    turns = Turns(devices[0], busy)
     pyfuse3._wait_fuse_readable = turns.wait
     log.info("FUSE requests already queued are read without waiting on the event loop (pyfuse3 %s)", pyfuse3.__version__)
     return turns

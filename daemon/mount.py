@@ -235,7 +235,8 @@ async def _main(config: MountConfig, tree: InodeTree, engine: Engine, control: C
         engine.calls.crash_at = _crash_point()
         if n:
             log.info("the store holds %d files: shown now, loaded on first use", n)
-        turns = fuseloop.install()  # a cheaper wait for each request, where this pyfuse3 allows it
+        # a cheaper wait for each request, where this pyfuse3 allows it
+        turns = fuseloop.install(busy=lambda: engine.calls.running > 0)
         signals = _Signals(turns.stop if turns is not None else pyfuse3.terminate)
         # The receiver puts back what was there before it when the run ends,
         # while this daemon still unmounts, leaves its cluster and writes its

@@ -122,6 +122,11 @@ class StoreCalls:
         log.warning("store call %s gave no answer within %.0fs: abandoned, will be retried", what, seconds)
         raise StoreTimeout(what, seconds)
 
+    @property
+    def running(self) -> int:
+        """Store calls whose thread is at work now (an abandoned one until it ends)."""
+        return self._threads.borrowed_tokens
+
     def stragglers(self) -> int:
         """Abandoned calls whose thread still runs (and may still change the store)."""
         self._stragglers = [f for f in self._stragglers if not f.is_set()]

@@ -144,6 +144,36 @@ async def test_a_stop_while_the_device_is_polled_ends_the_wait(pipe, monkeypatch
     assert order == [("x", None)]
 
 
+async def test_no_spin_while_another_thread_of_the_daemon_is_at_work(pipe, monkeypatch):
+    """A spinning event loop holds the GIL between its polls: a store call's
+    thread would wait for it."""
+    r, w = pipe
+    working = [True]
+    turns = Turns(r, busy=lambda: working[0])
+    monkeypatch.setattr(fuseloop, "SPIN_S", 10.0)
+    order = []
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_reader, turns, r, order, "x")
+            await trio.testing.wait_all_tasks_blocked()  # asleep on the device at once
+            os.write(w, b"a")
+    assert order == [("x", b"a")] and turns.spins == 0
+    working[0] = False
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_reader, turns, r, order, "y")
+
+            async def later():
+                for _ in range(5):
+                    await trio.lowlevel.checkpoint()
+                working[0] = True  # a store call began meanwhile: the spin ends
+
+            nursery.start_soon(later)
+            await trio.testing.wait_all_tasks_blocked()
+            os.write(w, b"b")
+    assert order[-1] == ("y", b"b") and turns.spins == 1 and turns.spins_found == 0
+
+
 async def _worker(turns: Turns, r: int, order: list, name: str, busy: dict) -> None:
     """A worker of pyfuse3's loop: wait, read a request, handle it (for as
     long as `busy[name]` is an event not set), again."""

@@ -21,7 +21,7 @@ from ckptfs.fs.tree import RENAME_EXCHANGE, ROOT
 from ckptfs.writeback import engine as engine_module
 from ckptfs.writeback import manifest, residency
 from ckptfs.writeback.backend import DAEMONS, STAGING, Backend, LocalBackend, open_store
-from ckptfs.writeback.calls import Deadlines
+from ckptfs.writeback.calls import Deadlines, StoreCalls, StoreTimeout
 from ckptfs.writeback.engine import Retry
 from ckptfs.writeback.journal import FileGen, Remove, Rename
 from ckptfs.writeback.publisher import MARKERS
@@ -668,6 +668,23 @@ async def test_a_hung_store_call_is_abandoned_and_retried(tmp_path):
         release.set()
     assert rig.files() == {"a": b"A", "b": b"B"}
     assert rig.engine.calls.abandoned == 1
+
+
+async def test_the_store_calls_running_count_each_thread_at_work_an_abandoned_one_until_it_ends():
+    """What the FUSE loop asks before it spins (`fuseloop.Turns`, `busy`)."""
+    calls = StoreCalls(Deadlines(call_s=0.2, min_rate=1 << 40))
+    release = threading.Event()
+    assert calls.running == 0
+    try:
+        with pytest.raises(StoreTimeout):
+            await calls.run("hang", release.wait, 30)
+        assert calls.running == 1  # abandoned, still at work
+    finally:
+        release.set()
+    with trio.fail_after(10):
+        while calls.running:
+            await trio.sleep(0.01)
+    assert await calls.run("quick", lambda: 7) == 7 and calls.running == 0
 
 
 async def test_durable_fsync_waits_through_transient_errors(tmp_path):
