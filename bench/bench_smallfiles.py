@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import disk, emit, machine, median, mounted, rss_bytes, timed
+from common import disk, drop_caches, emit, machine, median, mounted, rss_bytes, timed
 
 from ckptfs.client import Client
 
@@ -36,6 +36,17 @@ def create(root: Path, n: int, payload: bytes, tag: str) -> None:
         if payload:
             os.write(fd, payload)
         os.close(fd)
+
+
+def walk(root: Path, n: int, tag: str, read: bool) -> None:
+    """`stat` (or read) each of the files `create` made, one after another."""
+    for i in range(n):
+        p = root / f"{tag}{i // PER_DIR:04d}" / f"f{i:07d}"
+        if read:
+            with open(p, "rb") as f:
+                f.read()
+        else:
+            os.stat(p)
 
 
 def main() -> None:
@@ -69,6 +80,14 @@ def main() -> None:
                 out[f"queued {label}"] = r["files"]  # not yet published when the flush began
                 out[f"published {label}"] = time.perf_counter() - t0
             out["rss per file"] = (rss_bytes(pid) - rss0) / (2 * n)
+            # The files of 100 B, published and held in the daemon's RAM, looked at
+            # again with the kernel's caches dropped (each a request to the daemon:
+            # its latency), against the same in /dev/shm.
+            for read in (False, True):
+                kind = "read" if read else "stat"
+                out[f"shm {kind}"] = timed(lambda read=read: walk(shm, n, "100B", read))
+                drop_caches()
+                out[f"mnt {kind}"] = timed(lambda read=read: walk(mp, n, "100B", read))
             # Orbax: a checkpoint's files written into a temporary directory,
             # renamed once complete (before their turn), then flushed.
             tmp = mp / "ckpt.orbax-checkpoint-tmp-1"
@@ -136,6 +155,9 @@ def main() -> None:
                  f"| {r:.2f}x | <= 2x | {'yes' if r <= 2 else 'no'} |")
     lines.append(f"| flush after removing them (rmtree) and writing one file, vs the rmtree | {out['flush rmtree'] / out['mnt rmtree']:.2f}x "
                  "| (none) | |")
+    for kind, what in (("stat", "`stat` of each"), ("read", "reading each")):
+        lines.append(f"| {what} of the {n:,} files of 100 B, kernel caches dropped, vs /dev/shm (time ratio) "
+                     f"| {out[f'mnt {kind}'] / out[f'shm {kind}']:.0f}x | (none) | |")
     s = out["status files=False"] * 1000
     lines.append(f"| `status` with {2 * n:,} files (client call, ms) | {s:.1f} ms | <= 50 ms | {'yes' if s <= 50 else 'no'} |")
     for label in ("empty", "100B"):

@@ -34,11 +34,12 @@ mount) cost at most one spin in `SPIN_PAUSE` + 1. There is no spin while
 another thread of the daemon is at work (`busy`: a store call, an upload or
 a load): the spinning loop holds the GIL between its polls, and a thread
 that needs it then waits up to the interpreter's switch interval (5 ms)
-each time; a cold `torch.load` from the mount while its checkpoint was
-published took 9 % longer. Measured side by side on a daemon at rest
-(RESULTS-smallfiles.md, 2026-11-30): a `stat` of each of 3,000 uncached
-files 1.6x as fast, reading them 1.9x, an open and close 1.7x, the
-daemon's CPU time no higher (a wakeup from epoll costs CPU too).
+each time (a cold `torch.load` from the mount while its checkpoint was
+published took 9 % longer). Measured side by side (RESULTS-smallfiles.md,
+2026-11-30), on files held in RAM with the kernel's caches dropped: a
+`stat` of each of 10,000 files in 0.36-0.45 s where it took 0.63-0.80 s,
+reading each in 1.3-1.6 s where it took 2.7-3.4 s; the daemon's CPU time
+no higher (a wakeup from epoll costs CPU too).
 """
 
 from __future__ import annotations
