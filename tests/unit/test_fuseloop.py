@@ -11,6 +11,20 @@ from ckptfs.daemon.fuseloop import Turns
 
 
 @pytest.fixture
+def waits(monkeypatch):
+    """The descriptors waited on through trio's epoll (`wait_readable`), in order."""
+    seen = []
+    real = trio.lowlevel.wait_readable
+
+    async def counted(fd):
+        seen.append(fd)
+        await real(fd)
+
+    monkeypatch.setattr(trio.lowlevel, "wait_readable", counted)
+    return seen
+
+
+@pytest.fixture
 def pipe():
     r, w = os.pipe()
     yield r, w
@@ -27,17 +41,9 @@ async def _reader(turns: Turns, r: int, order: list, name: str) -> None:
         order.append((name, None))
 
 
-async def test_a_request_queued_already_is_read_without_waiting_on_the_device(pipe, monkeypatch):
+async def test_a_request_queued_already_is_read_without_waiting_on_the_device(pipe, waits):
     r, w = pipe
     turns = Turns(r)
-    waits = []
-
-    async def counted(fd):
-        waits.append(fd)
-        await real(fd)
-
-    real = trio.lowlevel.wait_readable
-    monkeypatch.setattr(trio.lowlevel, "wait_readable", counted)
     os.write(w, b"ab")
     order = []
     with trio.fail_after(5):
@@ -52,19 +58,11 @@ async def test_a_request_queued_already_is_read_without_waiting_on_the_device(pi
     assert order[-1] == ("y", b"c")
 
 
-async def test_a_request_that_comes_while_the_device_is_polled_is_read_without_sleeping_on_it(pipe, monkeypatch):
+async def test_a_request_that_comes_while_the_device_is_polled_is_read_without_sleeping_on_it(pipe, waits, monkeypatch):
     """A process making files sends its next request microseconds after the
     last reply: the device is polled a while before the loop sleeps on it."""
     r, w = pipe
     turns = Turns(r)
-    waits = []
-
-    async def counted(fd):
-        waits.append(fd)
-        await real(fd)
-
-    real = trio.lowlevel.wait_readable
-    monkeypatch.setattr(trio.lowlevel, "wait_readable", counted)
     monkeypatch.setattr(fuseloop, "SPIN_S", 10.0)  # (ample for the thread below on a loaded machine)
     request = threading.Timer(0.05, os.write, (w, b"a"))
     request.start()
@@ -96,19 +94,11 @@ async def test_a_poll_that_finds_nothing_lets_the_next_waits_sleep_at_once(pipe,
     assert turns.spins == 2 and turns.spins_found == 0
 
 
-async def test_other_tasks_run_while_the_device_is_polled(pipe, monkeypatch):
+async def test_other_tasks_run_while_the_device_is_polled(pipe, waits, monkeypatch):
     """A spin holds up no other task: one ready to run takes its turn
     between two polls (here, the very task that sends the request)."""
     r, w = pipe
     turns = Turns(r)
-    waits = []
-
-    async def counted(fd):
-        waits.append(fd)
-        await real(fd)
-
-    real = trio.lowlevel.wait_readable
-    monkeypatch.setattr(trio.lowlevel, "wait_readable", counted)
     monkeypatch.setattr(fuseloop, "SPIN_S", 10.0)  # a spin that held the loop would hold the task below that long
     order = []
 
