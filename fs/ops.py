@@ -174,10 +174,25 @@ class Operations(pyfuse3.Operations):
         try:
             return self._entry(self.tree.lookup(parent_inode, name))
         except OSError as exc:
-            if exc.errno != errno.ENOENT or self.shared is None:
+            if exc.errno != errno.ENOENT:
                 raise
+            if self.shared is None:
+                return self._absent()
         await self.shared.refresh()  # cluster mode: a name made elsewhere before this lookup is found
         return self._entry(self.tree.lookup(parent_inode, name))
+
+    def _absent(self) -> pyfuse3.EntryAttributes:
+        """A name that is not there, answered so that the kernel remembers it
+        (a negative entry, for the attribute timeout): a process probing for
+        files (an import, a framework looking for optional files) asks the
+        daemon once. A mount of one node only: every name is made through
+        this kernel, which turns such an entry into the name it makes (in
+        cluster mode other nodes make names too, and a lookup asks the
+        cluster's log each time)."""
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = 0
+        a.entry_timeout = self.timeout
+        return a
 
     @_errors
     async def forget(self, inode_list: list[tuple[int, int]]) -> None:
