@@ -105,7 +105,7 @@ class Turns:
         poll, clock = self._poll.poll, time.perf_counter
         end = clock() + SPIN_S
         while not self.stopped:
-            await trio.lowlevel.cancel_shielded_checkpoint()  # (a cancel is seen by the sleep after)
+            await trio.lowlevel.checkpoint()  # (a task cancelled meanwhile reads no request)
             if poll(0):
                 self.spins_found += 1
                 return True

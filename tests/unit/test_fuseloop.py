@@ -164,6 +164,29 @@ async def test_no_spin_while_another_thread_of_the_daemon_is_at_work(pipe, monke
     assert order[-1] == ("y", b"b") and turns.spins == 1 and turns.spins_found == 0
 
 
+async def test_a_task_cancelled_while_it_polls_the_device_reads_nothing_and_passes_the_turn_on(pipe, monkeypatch):
+    r, w = pipe
+    turns = Turns(r)
+    monkeypatch.setattr(fuseloop, "SPIN_S", 10.0)
+    order = []
+
+    async def cancelled_reader(scope_box):
+        with trio.CancelScope() as scope_box[0]:
+            await _reader(turns, r, order, "a")
+
+    box = [None]
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(cancelled_reader, box)
+            for _ in range(5):
+                await trio.lowlevel.checkpoint()
+            assert turns.spins == 1  # ("a" is polling)
+            box[0].cancel()
+        os.write(w, b"1")
+        await _reader(turns, r, order, "b")  # the turn is free: "b" takes it and reads
+    assert order == [("b", b"1")]
+
+
 async def _worker(turns: Turns, r: int, order: list, name: str, busy: dict) -> None:
     """A worker of pyfuse3's loop: wait, read a request, handle it (for as
     long as `busy[name]` is an event not set), again."""
