@@ -75,7 +75,7 @@ class Turns:
         self._parked: list[trio.Event] = []  # the last goes next
         self._seen: weakref.WeakSet[trio.lowlevel.Task] = weakref.WeakSet()  # the tasks that waited before
         self._paused = 0  # waits left that do not spin (`_spun`)
-        self.spins = self.spins_found = 0  # spins made, and those that found a request
+        self.spins = self.spins_found = 0  # spins made, and those that found a request (`ckptfs_fuse_polls_total`)
         self.stopped = False
 
     async def wait(self) -> bool:

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from .fuseloop import Turns
 from .status import STATES, Totals
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,11 @@ class Metrics:
 
     def request(self, op: str, seconds: float, errno: int = 0) -> None:
         self.requests.add(op, seconds, errno)
+
+    def watch_polls(self, turns: Turns) -> None:
+        """Report how often the FUSE loop polled the device before sleeping
+        (`fuseloop.Turns`: counters of the trio thread, read as they are)."""
+        self.registry.register(_Polls(turns))
 
     def watch(self, snapshot: Callable[[], Totals], token: trio.lowlevel.TrioToken) -> None:
         """Report `snapshot()` (run on the trio loop of `token`) at each scrape."""
@@ -97,6 +103,19 @@ class _Requests(Collector):
         for (op, code), n in sorted(self.errors.copy().items()):
             errors.add_metric([op, str(code)], n)
         yield errors
+
+
+class _Polls(Collector):
+    def __init__(self, turns: Turns) -> None:
+        self.turns = turns
+
+    def collect(self) -> Iterator[Metric]:
+        polls = CounterMetricFamily("ckptfs_fuse_polls", "Waits for the next FUSE request that polled the device before sleeping, "
+                                    "by whether a request came meanwhile", labels=["found"])
+        made, found = self.turns.spins, self.turns.spins_found
+        polls.add_metric(["request"], found)
+        polls.add_metric(["nothing"], made - found)
+        yield polls
 
 
 class _TotalsCollector(Collector):

@@ -237,6 +237,8 @@ async def _main(config: MountConfig, tree: InodeTree, engine: Engine, control: C
             log.info("the store holds %d files: shown now, loaded on first use", n)
         # a cheaper wait for each request, where this pyfuse3 allows it
         turns = fuseloop.install(busy=lambda: engine.calls.running > 0)
+        if turns is not None:
+            metrics.watch_polls(turns)
         signals = _Signals(turns.stop if turns is not None else pyfuse3.terminate)
         # The receiver puts back what was there before it when the run ends,
         # while this daemon still unmounts, leaves its cluster and writes its

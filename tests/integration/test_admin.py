@@ -630,6 +630,31 @@ def test_metrics_agree_with_status(tmp_path):
         stop_mount(m)
 
 
+def test_the_fuse_loop_polls_for_the_next_request_before_it_sleeps(tmp_path):
+    """The daemon serves FUSE requests with its own wait for the next one
+    (`daemon/fuseloop.py`): a wait that finds no request queued, with no
+    store call at work, polls the device before the loop sleeps (at least
+    one such wait in 17 does, whatever the timing), counted by
+    `ckptfs_fuse_polls_total`. A process that opens and closes a file, then
+    pauses, leaves at least one such wait each time (400 times: 24 polls at
+    least; half that asked, for a store call such as a heartbeat meanwhile)."""
+    port = free_port()
+    m = start_mount(tmp_path, extra=("--metrics-port", str(port), "--metrics-host", "127.0.0.1"))
+    found, nothing = "ckptfs_fuse_polls_total{found=request}", "ckptfs_fuse_polls_total{found=nothing}"
+    try:
+        m.path("f").write_bytes(b"x")
+        assert run_cli("flush", str(m.mountpoint)).returncode == 0  # no store call at work from here on
+        before = _scrape(port)
+        for _ in range(400):
+            os.close(os.open(m.path("f"), os.O_RDONLY))
+            time.sleep(0.002)  # the daemon's wait for the next request finds the device empty
+        got = _scrape(port)
+        polls = got[found] + got[nothing] - before[found] - before[nothing]
+        assert polls >= 200 // 17, (before[found], before[nothing], got[found], got[nothing])
+    finally:
+        stop_mount(m)
+
+
 def test_a_name_that_is_not_there_is_asked_of_the_daemon_once_and_a_name_made_is_there_at_once(tmp_path):
     """A process probing for files (an import, a framework looking for
     optional files) asked the daemon each time: the kernel now keeps the
