@@ -573,15 +573,24 @@ class Residency:
             with self._open(load) as source:
                 if source.size != size:
                     raise storeio.IntegrityError(f"the store has {source.size} bytes, the file {size}")
-                if target.in_place:  # reads are served from this very file: the one verified
-                    fd = os.dup(source.fd)
-                    try:
-                        trio.from_thread.run_sync(target.adopt, fd)
-                    except BaseException:  # the daemon stops: adopted by nobody
-                        os.close(fd)
-                        raise
                 holding = target.in_place and load.ranged  # (a block that cannot be checked alone is served at the end)
-                i, held = trio.from_thread.run_sync(load.step, None, False, holding)
+                fd = os.dup(source.fd) if target.in_place else -1  # reads are served from this very file: the one verified
+                adopted = False
+
+                def first() -> tuple[int | None, bool | None]:
+                    """The descriptor to the target, and the first block to read: one hop."""
+                    nonlocal adopted
+                    if fd >= 0:
+                        target.adopt(fd)
+                        adopted = True
+                    return load.step(None, False, holding)
+
+                try:
+                    i, held = trio.from_thread.run_sync(first)
+                except BaseException:  # the daemon stops (or the descriptor failed): adopted by nobody
+                    if fd >= 0 and not adopted:
+                        os.close(fd)
+                    raise
                 while i is not None:
                     pos = lo = i * unit
                     block = hasher()
