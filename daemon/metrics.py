@@ -3,7 +3,8 @@
 FUSE requests are counted and timed as they are served, in plain lists on
 the trio thread (`_Requests`: no lock, no label lookup; prometheus-client's
 own Histogram cost a small file's create about 8% of the daemon's time), and
-turned into metric families at scrape time. Everything else is read at
+turned into metric families at scrape time, as are the FUSE loop's polls
+(`fuseloop.Turns`' two counters). Everything else is read at
 scrape time from `status.Ledger.totals()` on the trio thread (the scrape
 runs in prometheus-client's HTTP thread and asks the loop for a snapshot), so
 a scrape agrees with `ckptfs status --json` taken at the same moment.
