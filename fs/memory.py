@@ -906,13 +906,15 @@ class Borrowing:
         self.dropped: list[tuple[int, int]] = []  # ranges of the store file read past: the worker lets their pages go
         data.borrowed = self
 
-    def adopt(self, fd: int) -> None:
+    def adopt(self, fd: int, opened: os.stat_result | None = None) -> None:
         """The load opened the store file: this descriptor (a copy, ours
-        from now on) serves the reads (owning thread, before any `show`)."""
+        from now on) serves the reads (owning thread, before any `show`).
+        `opened`: the file's status when the load opened it, before it read
+        a byte (None: now); a write in place after that ends the borrow."""
         if self.cancelled or self._data.borrowed is not self:
             os.close(fd)
             return
-        stamp = _stamp(fd)  # if this fails, the descriptor is still the caller's
+        stamp = _stamp(os.fstat(fd) if opened is None else opened)  # if this fails, the descriptor is still the caller's
         self._fd, self._stamp = fd, stamp
 
     def close(self) -> None:
@@ -983,7 +985,7 @@ class Borrowing:
             return True
         if self._fd < 0:
             return False
-        if self._stamp != _stamp(self._fd):
+        if self._stamp != _stamp(os.fstat(self._fd)):
             log.warning("a file in the store changed in place while reads were served from it: verifying it again")
             self.release()
             return False
@@ -1143,10 +1145,9 @@ class WouldBlock(Exception):
         return self.borrowing.covers(self.off, self.end)
 
 
-def _stamp(fd: int) -> tuple[int, int]:
+def _stamp(st: os.stat_result) -> tuple[int, int]:
     """What a write in place changes (not the ctime: the publisher's chmod
     and rename of the file change that)."""
-    st = os.fstat(fd)
     return st.st_size, st.st_mtime_ns
 
 

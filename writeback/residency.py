@@ -61,7 +61,7 @@ class LoadTarget(Protocol):
     in_place: bool
     cancelled: bool
 
-    def adopt(self, fd: int) -> None: ...  # in-place targets only (`in_place`), as are these three:
+    def adopt(self, fd: int, opened: os.stat_result | None = None) -> None: ...  # in-place targets only (`in_place`), as are these three:
     def hold(self, off: int, n: int, pressed: bool) -> bool | None: ...
     def let_go_idle(self) -> float | None: ...
     dropped: list[tuple[int, int]]
@@ -496,7 +496,9 @@ class Residency:
 
     async def _run(self, load: _Load) -> None:
         try:
-            await self.e.calls.run(f"load {load.path}", self._stream, load, nbytes=load.target.size)
+            holding = load.target.in_place and load.ranged  # (a block that cannot be checked alone is served at the end)
+            first = load.step(None, False, holding)  # here, not in a hop from the worker: its first read starts at once
+            await self.e.calls.run(f"load {load.path}", self._stream, load, first, holding, nbytes=load.target.size)
             if not load.target.covers(0, None) and not load.target.show(0, load.target.size):
                 raise storeio.Cancelled()
         except BaseException as exc:
@@ -559,38 +561,30 @@ class Residency:
         while (again := target.let_go_idle()) is not None:
             await trio.sleep(again)
 
-    def _stream(self, load: _Load) -> None:
+    def _stream(self, load: _Load, first: tuple[int | None, bool | None], holding: bool) -> None:
         """Worker thread: read the file from the store block by block, in the
-        order `load.next` gives, place its bytes, and serve each block once
-        its hash matches the record's."""
+        order `load.step` gives (`first`: its answer for the first block),
+        place its bytes, and serve each block once its hash matches the
+        record's (`holding`: blocks are held for a reader in place)."""
         target, size, unit = load.target, load.target.size, load.unit
         wanted = [d for d in load.wanted if d.size == size]
         if load.wanted and not wanted:
             raise storeio.IntegrityError(f"checksum mismatch: the file has {size} bytes, the manifest says "
                                          + " or ".join(str(d) for d in load.wanted))
         whole = None if load.ranged else hasher()
+        handing: list = [-1, None]  # the descriptor for the target, and its status when opened
         try:
             with self._open(load) as source:
                 if source.size != size:
                     raise storeio.IntegrityError(f"the store has {source.size} bytes, the file {size}")
-                holding = target.in_place and load.ranged  # (a block that cannot be checked alone is served at the end)
-                fd = os.dup(source.fd) if target.in_place else -1  # reads are served from this very file: the one verified
-                adopted = False
-
-                def first() -> tuple[int | None, bool | None]:
-                    """The descriptor to the target, and the first block to read: one hop."""
-                    nonlocal adopted
-                    if fd >= 0:
-                        target.adopt(fd)
-                        adopted = True
-                    return load.step(None, False, holding)
-
-                try:
-                    i, held = trio.from_thread.run_sync(first)
-                except BaseException:  # the daemon stops (or the descriptor failed): adopted by nobody
-                    if fd >= 0 and not adopted:
-                        os.close(fd)
-                    raise
+                # Reads are served from this very file, the one verified: a descriptor of it
+                # goes to the target with the first block (`_after_block`), before it is shown,
+                # with its status now, before a byte is read (a write in place from here on ends
+                # the borrow).
+                if target.in_place:
+                    handing[0] = os.dup(source.fd)
+                    handing[1] = os.fstat(handing[0])
+                i, held = first
                 while i is not None:
                     pos = lo = i * unit
                     block = hasher()
@@ -610,12 +604,25 @@ class Residency:
                     # a block is served once every digest still allowed vouches for it; in
                     # order, the last block only once the whole file is checked (in _run)
                     verified = all(d.block(i, unit) is not None for d in wanted) and (load.ranged or pos < size)
-                    i, held = trio.from_thread.run_sync(load.step, i, verified, holding)
+                    i, held = trio.from_thread.run_sync(self._after_block, load, handing, i, verified, holding)
         finally:
             target.close()
+            if handing[0] >= 0:  # never handed (the first block failed, or the daemon stops)
+                os.close(handing[0])
         if whole is not None and wanted and not any(d.xxh3 == whole.hexdigest() for d in wanted):
             raise storeio.IntegrityError(f"checksum mismatch: the store has {size} bytes with xxh3 {whole.hexdigest()}, "
                                          f"the manifest says {' or '.join(str(d) for d in load.wanted)}")
+
+    @staticmethod
+    def _after_block(load: _Load, handing: list, done: int, verified: bool, holding: bool) -> tuple[int | None, bool | None]:
+        """Owning thread, after each block: the store file's descriptor
+        `handing[0]` (its status when opened: `handing[1]`) to the target the first time
+        (then -1: the target's, or closed by it if the borrow ended), and
+        `load.step`: one hop per block."""
+        if handing[0] >= 0:
+            load.target.adopt(handing[0], handing[1])
+            handing[0] = -1
+        return load.step(done, verified, holding)
 
     def _open(self, load: _Load) -> Source:
         """Worker thread: the store file a load reads."""

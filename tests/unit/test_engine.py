@@ -15,6 +15,7 @@ import trio.lowlevel
 from ckptfs.fs import memory
 from ckptfs.fs.memory import MemoryPool
 from ckptfs.fs.tree import ROOT, InodeTree
+from ckptfs.writeback import backend as backend_module
 from ckptfs.writeback import manifest
 from ckptfs.writeback.backend import Backend, open_store
 from ckptfs.writeback.engine import Engine, Retry
@@ -1170,6 +1171,33 @@ async def test_a_file_served_in_place_whose_store_file_changes_is_verified_again
         with trio.fail_after(20), pytest.raises(OSError) as exc:
             await rig.engine.load(node.ino, manifest.BLOCK + 5, manifest.BLOCK + 15)
         assert exc.value.errno == errno.EIO and "block 1" in str(exc.value)
+        n.cancel_scope.cancel()
+
+
+async def test_a_store_file_written_in_place_while_its_first_block_is_read_is_never_served(tmp_path, monkeypatch):
+    """The status a borrow checks its store file against is the one the load
+    saw when it opened the file, before it read a byte: a write in place
+    while the first block is read (after the bytes it changes were read and
+    hash as they should) ends the borrow, and the reader gets EIO, never
+    the changed byte. (Taken when the descriptor reached the event loop,
+    after that block, it would miss the write.)"""
+    rig, data, node = await _published_and_evicted(tmp_path, 2 * manifest.BLOCK + 1000)
+    store_file = tmp_path / "store" / "big"
+    read = backend_module._FileSource.read
+
+    def read_then_written(self, off, n, into=None):
+        yield from read(self, off, n, into)
+        if off == 0:  # the first block read, not yet served: another tool writes the file in place
+            with open(store_file, "r+b") as f:
+                f.seek(10)
+                f.write(bytes([data[10] ^ 1]))
+
+    monkeypatch.setattr(backend_module._FileSource, "read", read_then_written)
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        with trio.fail_after(20), pytest.raises(OSError) as exc:
+            await rig.engine.load(node.ino, 0, 4096)
+        assert exc.value.errno == errno.EIO
         n.cancel_scope.cancel()
 
 
