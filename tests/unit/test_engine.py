@@ -1188,9 +1188,11 @@ async def test_a_store_file_written_in_place_while_its_first_block_is_read_is_ne
     def read_then_written(self, off, n, into=None):
         yield from read(self, off, n, into)
         if off == 0:  # the first block read, not yet served: another tool writes the file in place
+            st = store_file.stat()
             with open(store_file, "r+b") as f:
                 f.seek(10)
                 f.write(bytes([data[10] ^ 1]))
+            os.utime(store_file, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # (a later mtime, even on a coarse clock)
 
     monkeypatch.setattr(backend_module._FileSource, "read", read_then_written)
     async with trio.open_nursery() as n:
