@@ -124,8 +124,9 @@ class _Load:
             self._asked.extend(i for i in range(off // self.unit, (end - 1) // self.unit + 1) if not self._taken[i])
 
     def next(self, done: int | None, verified: bool) -> int | None:
-        """Owning thread, called by the worker after each block: serve block
-        `done` if it is verified; the block to read next (None: none left)."""
+        """Owning thread, called before the worker starts (`done` None) and
+        after each block it read: serve block `done` if it is verified; the
+        block to read next (None: none left)."""
         if done is not None and verified:
             lo = done * self.unit
             if not self.target.show(lo, min(lo + self.unit, self.target.size)):

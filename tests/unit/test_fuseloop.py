@@ -165,6 +165,9 @@ async def test_no_spin_while_another_thread_of_the_daemon_is_at_work(pipe, monke
 
 
 async def test_a_task_cancelled_while_it_polls_the_device_reads_nothing_and_passes_the_turn_on(pipe, monkeypatch):
+    """A worker cancelled during its spin (the daemon stopping, say) stops
+    at its next poll: it reads no request it could never answer, and the
+    next worker takes the turn and reads it."""
     r, w = pipe
     turns = Turns(r)
     monkeypatch.setattr(fuseloop, "SPIN_S", 10.0)
