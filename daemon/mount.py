@@ -191,14 +191,15 @@ def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
     return 0
 
 
-def _crash_point() -> tuple[int, str] | None:
+def _crash_point() -> tuple[int | str, str] | None:
     """CKPTFS_TEST_CRASH_AT=N:before|after kills the daemon (SIGKILL) at its
-    N-th store call after claiming the store: the crash-point test's hook."""
+    N-th store call after claiming the store, CKPTFS_TEST_CRASH_AT=TEXT:before|after
+    at the first whose description starts with TEXT: the crash-point tests' hook."""
     raw = os.environ.get("CKPTFS_TEST_CRASH_AT", "")
-    n, _, when = raw.partition(":")
-    if not n.isdigit() or when not in ("before", "after"):
+    at, _, when = raw.rpartition(":")
+    if not at or when not in ("before", "after"):
         return None
-    return int(n), when
+    return (int(at) if at.isdigit() else at), when
 
 
 def _describe(op: Op, tree: InodeTree) -> str:

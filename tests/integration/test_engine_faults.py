@@ -17,6 +17,7 @@ import time
 import pytest
 
 from ckptfs.client import Client, FlushIncomplete
+from tests.crashpoints import checkpoint_workload, consistent
 from tests.mountutil import drop_caches, limit_open_files, run_cli, start_mount, stop_mount
 from tests.storeutil import StoreWatcher, store_files, store_outage, verify_store, wait_store_matches, wait_until
 
@@ -352,45 +353,6 @@ def test_bytes_changed_in_the_store_are_refused_after_a_restart(tmp_path):
         stop_mount(again)
 
 
-def _checkpoint_workload(m) -> None:
-    """Two Orbax-style steps, then keep-1 rotation racing the second step's
-    write-back; stops quietly once the daemon is gone (every call then fails
-    with ENOTCONN)."""
-    try:
-        for step in (1, 2):
-            tmp = m.path(f"{step}.tmp")
-            tmp.mkdir()
-            for name in ("a", "b", "c"):
-                (tmp / name).write_bytes(bytes([step]) * 5000)
-            os.rename(tmp, m.path(str(step)))
-            m.path(str(step), "commit").write_text("ok")
-            if step == 1:  # published before the next step: every run makes the same first store calls
-                run_cli("flush", str(m.mountpoint), "--timeout", "30")
-        shutil.rmtree(m.path("1"))
-        run_cli("flush", str(m.mountpoint), "--timeout", "30")
-    except OSError:
-        pass
-
-
-def _consistent(files: dict[str, bytes], step1_was_complete: bool = True) -> list[str]:
-    """What a prefix of the workload's history may look like in the store.
-    Checkpoint 1 may be missing from the start if it was deleted before its
-    turn (C4: a file deleted before its turn is never published), so only
-    once the store held it complete must it stay until 2 is complete."""
-    bad = []
-    complete = {step for step in ("1", "2") if all(f"{step}/{n}" in files for n in ("a", "b", "c", "commit"))}
-    for step in ("1", "2"):
-        # A marker without its data: only while step 1 is being rotated out (rmtree removes
-        # files in directory order, as the mount did), which happens after step 2 is complete.
-        if f"{step}/commit" in files and step not in complete and not (step == "1" and "2" in complete):
-            bad.append(f"{step}/commit without all of {step}'s data")
-    step1 = any(p.startswith(("1/", "1.tmp/")) for p in files)
-    step2 = any(p.startswith(("2/", "2.tmp/")) for p in files)
-    if step2 and not step1 and "2/commit" not in files and step1_was_complete:
-        bad.append("checkpoint 1 removed before checkpoint 2 was complete")
-    return bad
-
-
 def test_kill9_at_every_store_call_leaves_a_verifiable_prefix(tmp_path):
     """kill -9 of the daemon before and after each of its store calls during
     a small checkpoint workload: every time, after a remount the store is a
@@ -402,7 +364,7 @@ def test_kill9_at_every_store_call_leaves_a_verifiable_prefix(tmp_path):
             m = start_mount(base, env={"CKPTFS_TEST_CRASH_AT": f"{n}:{when}"})
             m.allowed_log_errors += (*RETRY_LOG, "crash-point test")
             try:
-                _checkpoint_workload(m)
+                checkpoint_workload(m)
                 died = "crash-point test: SIGKILL" in m.log_text()
                 step1_was_complete = all(f"published 1/{n} " in m.log_text() for n in ("a", "b", "c", "commit"))
             finally:
@@ -415,7 +377,7 @@ def test_kill9_at_every_store_call_leaves_a_verifiable_prefix(tmp_path):
             again.allowed_log_errors += RETRY_LOG
             try:
                 files = store_files(again.store)
-                assert not _consistent(files, step1_was_complete), (n, when, sorted(files), _consistent(files, step1_was_complete))
+                assert not consistent(files, step1_was_complete), (n, when, sorted(files), consistent(files, step1_was_complete))
                 report = verify_store(again.store)
                 assert report.clean, (n, when, report)
                 staging = again.store / ".ckptfs" / "staging"
