@@ -620,12 +620,12 @@ def test_folder_keys_go_one_at_a_time_on_a_store_without_delete_objects(s3):
 # Store calls of the crash-point workload below on S3, by what they do (every call of it, by
 # number, 3-40 before and after, was checked by hand on 2026-11-30: each time consistent): the
 # large file's upload left open at its name (before it begins, and once its parts are in), a move
-# of the rename, the marker, the rotation's deletes.
+# of the rename, the marker, the rotation's deletes (the first batch of them, however many it holds).
 S3_CRASH_POINTS = (("upload 2.tmp/model", "before"), ("upload 2.tmp/model", "after"), ("move 2.tmp/a to 2/a", "after"),
-                   ("publish 2/commit", "before"), ("delete 5 files from 1/", "after"))
+                   ("publish 2/commit", "before"), ("delete ", "after"))
 
 
-@pytest.mark.parametrize(("call", "when"), S3_CRASH_POINTS, ids=[f"{when} {call}" for call, when in S3_CRASH_POINTS])
+@pytest.mark.parametrize(("call", "when"), S3_CRASH_POINTS, ids=[f"{when} {call.strip()}" for call, when in S3_CRASH_POINTS])
 def test_kill9_at_a_store_call_on_s3_leaves_a_verifiable_prefix(s3, tmp_path, call, when):
     """kill -9 of the daemon at one of its S3 calls during a checkpoint
     workload with a large file (a multipart upload): after a remount the
