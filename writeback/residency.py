@@ -157,6 +157,19 @@ class _Load:
         return i
 
 
+class _Handing:
+    """A load served in place: a descriptor of the store file it reads, for
+    its target, with the file's status when the load opened it, before it
+    read a byte (`Residency._after_block` hands both over with the first
+    block; a write in place after that ends the borrow)."""
+
+    __slots__ = ("fd", "opened")
+
+    def __init__(self) -> None:
+        self.fd = -1  # -1: none (not in place, or handed over already)
+        self.opened: os.stat_result | None = None
+
+
 def _close(fd: int) -> None:
     if fd >= 0:
         os.close(fd)
@@ -573,7 +586,7 @@ class Residency:
             raise storeio.IntegrityError(f"checksum mismatch: the file has {size} bytes, the manifest says "
                                          + " or ".join(str(d) for d in load.wanted))
         whole = None if load.ranged else hasher()
-        handing: list = [-1, None]  # the descriptor for the target, and its status when opened
+        handing = _Handing()
         try:
             with self._open(load) as source:
                 if source.size != size:
@@ -583,8 +596,8 @@ class Residency:
                 # with its status now, before a byte is read (a write in place from here on ends
                 # the borrow).
                 if target.in_place:
-                    handing[0] = os.dup(source.fd)
-                    handing[1] = os.fstat(handing[0])
+                    handing.fd = os.dup(source.fd)
+                    handing.opened = os.fstat(handing.fd)
                 i, held = first
                 while i is not None:
                     pos = lo = i * unit
@@ -608,21 +621,21 @@ class Residency:
                     i, held = trio.from_thread.run_sync(self._after_block, load, handing, i, verified, holding)
         finally:
             target.close()
-            if handing[0] >= 0:  # never handed (the first block failed, or the daemon stops)
-                os.close(handing[0])
+            if handing.fd >= 0:  # never handed (the first block failed, or the daemon stops)
+                os.close(handing.fd)
         if whole is not None and wanted and not any(d.xxh3 == whole.hexdigest() for d in wanted):
             raise storeio.IntegrityError(f"checksum mismatch: the store has {size} bytes with xxh3 {whole.hexdigest()}, "
                                          f"the manifest says {' or '.join(str(d) for d in load.wanted)}")
 
     @staticmethod
-    def _after_block(load: _Load, handing: list, done: int, verified: bool, holding: bool) -> tuple[int | None, bool | None]:
+    def _after_block(load: _Load, handing: _Handing, done: int, verified: bool, holding: bool) -> tuple[int | None, bool | None]:
         """Owning thread, after each block: the store file's descriptor
-        `handing[0]` (its status when opened: `handing[1]`) to the target the first time
-        (then -1: the target's, or closed by it if the borrow ended), and
-        `load.step`: one hop per block."""
-        if handing[0] >= 0:
-            load.target.adopt(handing[0], handing[1])
-            handing[0] = -1
+        in `handing` to the target the first time (then the target's, or
+        closed by it if the borrow ended), and `load.step`: one hop per
+        block."""
+        if handing.fd >= 0:
+            load.target.adopt(handing.fd, handing.opened)
+            handing.fd = -1
         return load.step(done, verified, holding)
 
     def _open(self, load: _Load) -> Source:
