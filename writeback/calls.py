@@ -136,7 +136,7 @@ class StoreCalls:
         if self.crash_at is None or self.crash_at[1] != when:
             return
         at = self.crash_at[0]
-        if at == number if isinstance(at, int) else what.startswith(at):
+        if (at == number) if isinstance(at, int) else what.startswith(at):
             log.warning("crash-point test: SIGKILL %s store call %d (%s)", when, number, what)
             os.kill(os.getpid(), signal.SIGKILL)
 

@@ -516,16 +516,17 @@ async def test_rewrite_during_publication_publishes_both_in_order(tmp_path):
     entered, release = threading.Event(), threading.Event()
     real_publish = rig.backend.publish
 
-    def slow_publish(staged, path, pieces=()):
-        entered.set()
-        release.wait(10)
-        real_publish(staged, path, pieces)
+    def slow_publish(staged, path, pieces=(), mode=None):
+        if path == "latest":
+            entered.set()
+            release.wait(10)
+        real_publish(staged, path, pieces, mode=mode)
 
     rig.backend.publish = slow_publish
     rig.write("latest", b"gen1")
 
     async def body():
-        await trio.to_thread.run_sync(entered.wait, 10)
+        assert await trio.to_thread.run_sync(entered.wait, 10), "gen1's publication never began"
         rig.write("latest", b"gen2")  # sealed while gen1 is being published
         rig.backend.publish = real_publish
         release.set()
