@@ -57,7 +57,11 @@ def consistent(files: dict[str, bytes], step1_was_complete: bool = True, big: in
             bad.append(f"{step}/commit without all of {step}'s data")
     for path, data in files.items():
         step, _, name = path.partition("/")
-        want = {"commit": b"ok", "model": model_bytes(int(step[0]), big) if big else None}.get(name, bytes([int(step[0])]) * 5000)
+        if step not in ("1", "2", "1.tmp", "2.tmp"):
+            bad.append(f"{path}: no file of the workload")
+            continue
+        n = int(step[0])
+        want = {"commit": b"ok", "model": model_bytes(n, big) if big else None}.get(name, bytes([n]) * 5000)
         if data != want:
             bad.append(f"{path}: {len(data)} bytes, not the {len(want or b'')} written")
     step1 = any(p.startswith(("1/", "1.tmp/")) for p in files)
