@@ -160,7 +160,7 @@ def plot(m: dict[str, dict[str, float]], path: str) -> None:
         xs = [i + k * width for i in range(len(what))]
         ys = [m[name].get(key, 0.0) for key, _ in what]
         bars = ax.bar(xs, ys, width, label=name)
-        for bar, (key, _) in zip(bars, what):
+        for bar, (key, _) in zip(bars, what, strict=True):
             if key not in m[name]:
                 ax.annotate("never", (bar.get_x() + width / 2, 0), ha="center", va="bottom", fontsize=7, rotation=90)
     ax.set_xticks([i + width * (len(SYSTEMS) - 1) / 2 for i in range(len(what))], [label for _, label in what])

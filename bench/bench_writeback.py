@@ -127,8 +127,8 @@ def s3_one_file(rounds: int) -> tuple[list[float], list[float], int]:
     /dev/shm, then s3fs `put_file` with ckptfs's part size and part
     concurrency."""
     import s3fs
+    from ckptfs.writeback.objectstore import PART_CONCURRENCY, PART_SIZE
 
-    from ckptfs.writeback.backend import PART_CONCURRENCY, PART_SIZE
     from tests.s3server import start_s3
 
     root = Path(tempfile.mkdtemp(prefix="wb-s3one-", dir="/var/tmp"))
@@ -270,7 +270,7 @@ def main() -> None:
         details.append(f"- S3, {s3_bytes >> 20} MiB in 4 files: ckptfs {' '.join(f'{s3_bytes / x / 1e6:.0f}' for x in s3_mnt)} MB/s; "
                        f"s3fs put_file {' '.join(f'{s3_bytes / x / 1e6:.0f}' for x in s3_ref)} MB/s")
     if "s3one" in parts:
-        from ckptfs.writeback.backend import PART_CONCURRENCY, PART_SIZE
+        from ckptfs.writeback.objectstore import PART_CONCURRENCY, PART_SIZE
 
         one_mnt, one_ref, one_bytes = s3_one_file(args.rounds)
         r = median(one_ref) / median(one_mnt)

@@ -11,7 +11,6 @@ from hypothesis import settings
 
 from tests.mountutil import Mount, fuse_usable, start_mount, stop_mount
 
-
 # The suite is deterministic: property tests replay the same examples on
 # every run. `pytest --hypothesis-profile=fuzz` explores new ones, many more.
 settings.register_profile("ci", derandomize=True, database=None)

@@ -21,7 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import manifest
-from .backend import Backend, SymlinkInStore
+from .backend import Backend
+from .localstore import SymlinkInStore
 from .manifest import Digest, Record
 
 LOOKS = 6  # at most, per finding

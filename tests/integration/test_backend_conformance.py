@@ -12,7 +12,7 @@ import time
 
 import pytest
 from ckptfs.writeback import backend as backend_mod
-from ckptfs.writeback import manifest
+from ckptfs.writeback import localstore, manifest, objectstore
 from ckptfs.writeback.backend import open_store
 
 _n = itertools.count()
@@ -96,8 +96,8 @@ def _no_litter(store) -> bool:
 
 @pytest.fixture
 def multipart(monkeypatch):
-    monkeypatch.setattr(backend_mod, "PART_SIZE", 5 << 20)
-    monkeypatch.setattr(backend_mod, "SMALL_PUT", 0)
+    monkeypatch.setattr(objectstore, "PART_SIZE", 5 << 20)
+    monkeypatch.setattr(objectstore, "SMALL_PUT", 0)
     return os.urandom(6 << 20)
 
 
@@ -183,7 +183,7 @@ def test_publish_replaces_whole(store):
 
 @pytest.mark.parametrize("small_put", [8 << 20, 0], ids=["small", "multipart"])
 def test_discard_leaves_nothing(store, monkeypatch, small_put):
-    monkeypatch.setattr(backend_mod, "SMALL_PUT", small_put)
+    monkeypatch.setattr(objectstore, "SMALL_PUT", small_put)
     store.prepare("conformance", time.time())
     staged = store.stage(iter([b"x" * 1000]), 1000)
     store.discard(staged)
@@ -193,8 +193,8 @@ def test_discard_leaves_nothing(store, monkeypatch, small_put):
 
 
 def test_multi_part_upload(store, monkeypatch):
-    monkeypatch.setattr(backend_mod, "PART_SIZE", 5 << 20)
-    monkeypatch.setattr(backend_mod, "SMALL_PUT", 1 << 20)
+    monkeypatch.setattr(objectstore, "PART_SIZE", 5 << 20)
+    monkeypatch.setattr(objectstore, "SMALL_PUT", 1 << 20)
     payload = os.urandom(12 << 20)
     publish(store, "big", [memoryview(payload)[i : i + (1 << 20)] for i in range(0, len(payload), 1 << 20)])
     assert data_of(store, "big") == payload
@@ -205,8 +205,8 @@ def test_the_parts_of_one_file_upload_concurrently_and_land_in_order(s3, tmp_pat
     PART_CONCURRENCY), and the object is the bytes in order."""
     import threading
 
-    monkeypatch.setattr(backend_mod, "PART_SIZE", 5 << 20)
-    monkeypatch.setattr(backend_mod, "SMALL_PUT", 1 << 20)
+    monkeypatch.setattr(objectstore, "PART_SIZE", 5 << 20)
+    monkeypatch.setattr(objectstore, "SMALL_PUT", 1 << 20)
     store = open_store(s3.bucket("parts") + f"/root-{next(_n)}", s3.options())
     lock, now, most = threading.Lock(), [0], [0]
     send = type(store)._part
@@ -226,7 +226,7 @@ def test_the_parts_of_one_file_upload_concurrently_and_land_in_order(s3, tmp_pat
     payload = os.urandom(31 << 20)  # 7 parts, the last one short
     publish(store, "big", [memoryview(payload)[i : i + (1 << 20)] for i in range(0, len(payload), 1 << 20)])
     assert data_of(store, "big") == payload
-    assert most[0] == backend_mod.PART_CONCURRENCY
+    assert most[0] == objectstore.PART_CONCURRENCY
 
 
 def test_empty_file(store):
@@ -289,7 +289,7 @@ def test_delete_is_idempotent(store):
 def test_delete_many_deletes_exactly_the_paths_named(store, monkeypatch):
     """Names holding `*`, `?` or `[` are names, never patterns; missing
     ones are no error; S3 sends DELETE_MANY keys a request."""
-    monkeypatch.setattr(backend_mod, "DELETE_MANY", 3)
+    monkeypatch.setattr(objectstore, "DELETE_MANY", 3)
     names = ["a", "d/b", "x*", "x?y", "x[1]", "xyz", "x1", "keep/c"]
     for name in names:
         store.put(name, name.encode())
@@ -328,7 +328,7 @@ def test_a_group_on_s3_sends_its_records_together_then_its_files_together(s3, mo
     store.publish_group(records, files)
     assert [data_of(store, f"g/f{i}") for i in range(20)] == [b"%04d" % i for i in range(20)]
     assert order == ["put"] * 20 + ["publish"] * 20
-    assert all(1 < n <= backend_mod.GROUP_CONCURRENCY for n in most.values()), most
+    assert all(1 < n <= objectstore.GROUP_CONCURRENCY for n in most.values()), most
 
 
 def test_move_and_copy(store):
@@ -371,9 +371,9 @@ def test_read_many_returns_what_is_there_and_leaves_out_what_is_not(store):
     """A restart reads every record at once (`read_many`: one directory
     descriptor per directory, or concurrent requests): the contents of each
     file asked for, missing ones left out, in any number."""
-    names = [f"r/{i % 7}/{i}.json" for i in range(backend_mod.READ_MANY_BATCH + 50)]  # more than one batch on object stores
+    names = [f"r/{i % 7}/{i}.json" for i in range(objectstore.READ_MANY_BATCH + 50)]  # more than one batch on object stores
     contents = {name: str(i).encode() * (i % 5 + 1) for i, name in enumerate(names)}
-    if isinstance(store, backend_mod.FsspecBackend):
+    if isinstance(store, objectstore.FsspecBackend):
         store.fs.pipe({store._abs(name): data for name, data in contents.items()})  # concurrently: set-up only
     else:
         for name, data in contents.items():
@@ -397,7 +397,7 @@ def test_a_source_reads_any_range_in_any_order(store):
         buf = bytearray(1 << 20)
         got = list(source.read(1 << 20, 1 << 20, lambda off, k: memoryview(buf)[: min(k, len(buf))]))
         assert b"".join(bytes(p) for p in got) == payload[1 << 20 : 2 << 20]
-        if isinstance(store, backend_mod.LocalBackend):
+        if isinstance(store, localstore.LocalBackend):
             assert bytes(buf) == payload[1 << 20 : 2 << 20]  # read in place
     with pytest.raises(FileNotFoundError):
         store.open_source("missing")
@@ -424,7 +424,7 @@ def test_records_a_burst_of_reads_could_not_get_are_read_again(tmp_path):
     try:
         for i in range(5):
             fs.pipe_file(f"{root}/r{i}", b"%d" % i)
-        backend = backend_mod.FsspecBackend(fs, root, f"memory:/{root}")
+        backend = objectstore.FsspecBackend(fs, root, f"memory:/{root}")
         assert dict(backend.read_many([f"r{i}" for i in range(6)])) == {f"r{i}": b"%d" % i for i in range(5)}  # r5: missing
     finally:
         fs.rm(root, recursive=True)

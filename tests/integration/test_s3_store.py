@@ -346,20 +346,20 @@ def test_s3_listings_read_their_times_without_dateutil_and_give_the_same_times(s
     import datetime
 
     from botocore.utils import parse_timestamp
-    from ckptfs.writeback import backend as backend_module
+    from ckptfs.writeback import objectstore
 
     url = s3.bucket("listing-times")
     store = open_store(url, s3.options())
     for i in range(3):
         store.put(f"d/f{i}", b"x" * i)
     parsers = store.fs.session.get_component("response_parser_factory")._defaults
-    assert parsers.get("timestamp_parser") is backend_module._timestamp
+    assert parsers.get("timestamp_parser") is objectstore._timestamp
     reference = s3._s3fs()  # a plain s3fs client: botocore's own parser
     expected = {info["name"].split("/", 1)[1]: info["LastModified"].timestamp() for info in reference.find(f"{url[5:]}/d", detail=True).values()}
     assert store.stamped("d") == expected and len(expected) == 3
     for text in ("2026-11-25T03:50:06.417Z", "2026-11-25T03:50:06Z", "2026-11-25T03:50:06.123456+02:00",
                  "Wed, 25 Nov 2026 03:50:06 GMT", "1700000000", "2026-11-25T03:50:06"):
-        ours, theirs = backend_module._timestamp(text), parse_timestamp(text)
+        ours, theirs = objectstore._timestamp(text), parse_timestamp(text)
         assert isinstance(ours, datetime.datetime) and ours.timestamp() == theirs.timestamp(), text
 
 
@@ -468,7 +468,7 @@ def test_a_large_file_takes_the_name_of_a_folder_the_store_kept_emptied(s3, tmp_
     at every try: a large file taking the name of a directory that was moved
     away was retried for ever, and everything after it waited. The emptied
     folder is removed; one holding an object is not."""
-    from ckptfs.writeback.backend import SMALL_PUT
+    from ckptfs.writeback.objectstore import SMALL_PUT
 
     url = s3.bucket("emptied")
     fs = s3._s3fs()
@@ -521,7 +521,7 @@ def test_a_file_taking_the_name_of_a_directory_gone_from_s3_can_be_replaced_by_a
     completed over, and the next large file there was retried for ever."""
     import ctypes
 
-    from ckptfs.writeback.backend import SMALL_PUT
+    from ckptfs.writeback.objectstore import SMALL_PUT
 
     url = s3.bucket(f"gone-{gone}")
     big = os.urandom(SMALL_PUT + (1 << 20))

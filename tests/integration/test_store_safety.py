@@ -57,7 +57,7 @@ def test_a_walk_of_the_whole_store_lists_its_files_and_directories_and_follows_n
     """A restart lists a big store in a process of its own (`listing.Aside`):
     it finds what the walk in the daemon finds, in the same order, and
     never follows a symlink either."""
-    from ckptfs.writeback.backend import LocalBackend
+    from ckptfs.writeback.localstore import LocalBackend
 
     store, elsewhere = tmp_path / "store", tmp_path / "elsewhere"
     (elsewhere / "deep").mkdir(parents=True)
@@ -113,7 +113,7 @@ def test_a_directory_of_the_store_the_daemon_cannot_read_is_left_out_with_a_warn
                 f.write(b"x" * len(d))
             os.chmod(os.path.join(root, d, "f"), 0o644)
             os.chmod(os.path.join(root, d), mode)
-        code = ("import logging; logging.basicConfig(); from ckptfs.writeback.backend import LocalBackend; "
+        code = ("import logging; logging.basicConfig(); from ckptfs.writeback.localstore import LocalBackend; "
                 f"print(sorted((e.path, e.size, e.is_dir) for e in LocalBackend({root!r}, 'file://' + {root!r}).walk()))")
         r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code],
                            capture_output=True, text=True, timeout=60, cwd="/")
@@ -132,7 +132,7 @@ def test_no_store_call_reaches_above_the_store_root(tmp_path):
     caller."""
     import errno
 
-    from ckptfs.writeback.backend import LocalBackend
+    from ckptfs.writeback.localstore import LocalBackend
 
     (tmp_path / "outside").write_bytes(b"not the store's")
     store = tmp_path / "a" / "store"

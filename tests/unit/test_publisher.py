@@ -20,10 +20,11 @@ import trio
 from ckptfs.fs.tree import RENAME_EXCHANGE, ROOT
 from ckptfs.writeback import engine as engine_module
 from ckptfs.writeback import manifest, residency
-from ckptfs.writeback.backend import DAEMONS, STAGING, Backend, LocalBackend, open_store
+from ckptfs.writeback.backend import DAEMONS, STAGING, Backend, open_store
 from ckptfs.writeback.calls import Deadlines, StoreCalls, StoreTimeout
 from ckptfs.writeback.engine import Retry
 from ckptfs.writeback.journal import FileGen, Remove, Rename
+from ckptfs.writeback.localstore import LocalBackend
 from ckptfs.writeback.publisher import MARKERS
 from ckptfs.writeback.state import State
 from ckptfs.writeback.verify import verify
