@@ -28,7 +28,7 @@ import sys
 import zlib
 from collections.abc import Iterable
 
-from ckptfs.fs.memory import FileData
+from ckptfs.fs.filedata import FileData
 from ckptfs.fs.tree import ROOT, Inode, InodeTree
 
 EVERY = 10_000  # log entries between snapshots

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import pyfuse3
 import trio
 
-from .memory import WouldBlock
+from .loading import WouldBlock
 from .tree import Inode, InodeTree
 
 if TYPE_CHECKING:

@@ -28,7 +28,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .memory import Borrowing, FileData, Loading, MemoryPool, Snapshot, SpillCopy, ram_for
+from .filedata import FileData, Snapshot, SpillCopy
+from .loading import Borrowing, Loading
+from .memory import MemoryPool, ram_for
 
 log = logging.getLogger(__name__)
 
@@ -856,7 +858,7 @@ class InodeTree:
 
     def begin_borrow(self, ino: int) -> Borrowing | None:
         """Start serving an evicted file's reads from its file in a local
-        store (`fs.memory.Borrowing`); None if it is resident, or being loaded
+        store (`fs.loading.Borrowing`); None if it is resident, or being loaded
         or borrowed already."""
         inode = self.get(ino)
         data = inode.data

@@ -9,7 +9,7 @@ object or an unreadable record is EIO, logged, never silent.
 A reader of a large file in a local store is served in place: its blocks are
 verified as a load would, and reads are answered from the few blocks just
 verified, held for the reader, or from the store file (no spill file, and
-nothing of the file in RAM once read: `fs.memory.Borrowing`). A writer, or a
+nothing of the file in RAM once read: `fs.loading.Borrowing`). A writer, or a
 prefetch, loads the file into RAM as before.
 """
 
@@ -51,8 +51,8 @@ AHEAD = 64 << 20  # while a block is checked and served, the disk reads this muc
 
 
 class LoadTarget(Protocol):
-    """Where a load puts a file's bytes (fs.memory.Loading), or what it
-    verifies for reads in place (fs.memory.Borrowing, `in_place`, which
+    """Where a load puts a file's bytes (fs.loading.Loading), or what it
+    verifies for reads in place (fs.loading.Borrowing, `in_place`, which
     `adopt`s the store file's descriptor): `view`, `place` and `close` in
     the worker thread, the rest on the owning thread."""
 

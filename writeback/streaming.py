@@ -47,7 +47,7 @@ STREAMS_MAX = 8  # at most this many files staged while written at once; others 
 
 
 class Growing(Protocol):
-    """A file's bytes as the engine sees them while they are written (fs.memory.FileData)."""
+    """A file's bytes as the engine sees them while they are written (fs.filedata.FileData)."""
 
     frontier: int  # the writer got this far from the start, in order
     resident: bool

@@ -12,7 +12,7 @@ import time
 import pytest
 import trio
 import trio.lowlevel
-from ckptfs.fs import memory
+from ckptfs.fs import loading, memory
 from ckptfs.fs.memory import MemoryPool
 from ckptfs.fs.tree import ROOT, InodeTree
 from ckptfs.writeback import backend as backend_module
@@ -1050,9 +1050,9 @@ async def test_a_reader_in_place_is_answered_from_the_blocks_just_verified(tmp_p
     HELD_BYTES are."""
     import mmap
 
-    monkeypatch.setattr(memory, "HELD_IDLE_S", 3600.0)  # a slow machine's pause between two reads lets no block go
-    monkeypatch.setattr(memory, "HELD_MAX_S", 3600.0)
-    monkeypatch.setattr(memory, "HELD_BYTES", 3 * manifest.BLOCK)  # fewer than the blocks the reader goes through
+    monkeypatch.setattr(loading, "HELD_IDLE_S", 3600.0)  # a slow machine's pause between two reads lets no block go
+    monkeypatch.setattr(loading, "HELD_MAX_S", 3600.0)
+    monkeypatch.setattr(loading, "HELD_BYTES", 3 * manifest.BLOCK)  # fewer than the blocks the reader goes through
     rig, data, node = await _published_and_evicted(tmp_path, 5 * manifest.BLOCK + 1000)
     most = 0
     async with trio.open_nursery() as n:
@@ -1067,7 +1067,7 @@ async def test_a_reader_in_place_is_answered_from_the_blocks_just_verified(tmp_p
             del piece
             most = max(most, rig.store.pool.used)
         await _loads_over(rig)
-        assert 0 < most <= memory.HELD_BYTES
+        assert 0 < most <= loading.HELD_BYTES
         assert rig.store.pool.used == memory.CHUNK  # the last block alone: the reads went past the others
         n.cancel_scope.cancel()
 
@@ -1076,15 +1076,15 @@ async def test_a_load_in_place_keeping_pace_goes_on_at_once_for_a_reader_that_wa
     """A load waits while its reader is still at the blocks held for it, but
     not when a reader waits for bytes not served yet (the end of the file,
     say): then the oldest held block goes."""
-    monkeypatch.setattr(memory, "HELD_IDLE_S", 3600.0)  # nothing goes for lack of reads, or for time
-    monkeypatch.setattr(memory, "HELD_MAX_S", 3600.0)
-    monkeypatch.setattr(memory, "HELD_BYTES", 3 * manifest.BLOCK)
+    monkeypatch.setattr(loading, "HELD_IDLE_S", 3600.0)  # nothing goes for lack of reads, or for time
+    monkeypatch.setattr(loading, "HELD_MAX_S", 3600.0)
+    monkeypatch.setattr(loading, "HELD_BYTES", 3 * manifest.BLOCK)
     rig, data, node = await _published_and_evicted(tmp_path, 5 * manifest.BLOCK + 1000)
     async with trio.open_nursery() as n:
         await n.start(rig.engine.run)
         with trio.fail_after(20):
             await rig.engine.load(node.ino, manifest.BLOCK, manifest.BLOCK + 4096)
-            while rig.store.pool.used < memory.HELD_BYTES:  # blocks 2-4 held (1, the first verified, is not)
+            while rig.store.pool.used < loading.HELD_BYTES:  # blocks 2-4 held (1, the first verified, is not)
                 await trio.sleep(0.01)
             await rig.engine.load(node.ino, len(data) - 100, len(data))
         assert bytes(node.data.read(len(data) - 100, 100)) == data[-100:]
@@ -1096,8 +1096,8 @@ async def test_eviction_lets_go_of_the_blocks_held_for_readers_first(tmp_path, m
     """Blocks held for the reader of a file read in place are RAM that
     files may want: eviction (a writer making room, `ckptfs evict`) lets
     them go first, and the reader reads on from the store file."""
-    monkeypatch.setattr(memory, "HELD_IDLE_S", 3600.0)  # they would stay held for as long
-    monkeypatch.setattr(memory, "HELD_MAX_S", 3600.0)
+    monkeypatch.setattr(loading, "HELD_IDLE_S", 3600.0)  # they would stay held for as long
+    monkeypatch.setattr(loading, "HELD_MAX_S", 3600.0)
     rig, data, node = await _published_and_evicted(tmp_path, 3 * manifest.BLOCK + 1000)
     async with trio.open_nursery() as n:
         await n.start(rig.engine.run)
@@ -1276,7 +1276,7 @@ async def test_a_read_in_place_that_would_wait_for_the_disk_is_handed_off_the_ev
     the store's disk on the event loop (on a network file system, seconds
     in which no other request is answered): it says so instead, and the
     bytes come from a read of its own in a worker thread."""
-    from ckptfs.fs.memory import WouldBlock
+    from ckptfs.fs.loading import WouldBlock
 
     rig, data, node = await _published_and_evicted(tmp_path, 2 * manifest.BLOCK + 1000)
     async with trio.open_nursery() as n:
@@ -1322,7 +1322,7 @@ async def test_files_served_in_place_at_once_are_bounded(tmp_path, monkeypatch):
                 assert len(open_now) <= 2, (round_, open_now)
                 assert sum(_store_fds(tmp_path / "store" / m) for m in files) <= 2
         await _loads_over(rig)
-        await trio.sleep(3 * memory.HELD_IDLE_S)  # the blocks held for the last readers go once no read comes
+        await trio.sleep(3 * loading.HELD_IDLE_S)  # the blocks held for the last readers go once no read comes
         assert rig.engine.counters.loads == 8 and rig.store.pool.used == 0
         n.cancel_scope.cancel()
 

@@ -9,8 +9,10 @@ import threading
 import time
 
 import pytest
-from ckptfs.fs import memory
-from ckptfs.fs.memory import CHUNK, Borrowing, FileData, Loading, MemoryPool, total_ram
+from ckptfs.fs import loading, memory
+from ckptfs.fs.filedata import FileData
+from ckptfs.fs.loading import Borrowing, Loading
+from ckptfs.fs.memory import CHUNK, MemoryPool, total_ram
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -453,7 +455,7 @@ def test_a_load_takes_for_the_last_chunk_what_it_holds(tail):
     more = os.urandom(min(4000, CHUNK - tail))  # (within the chunk)
     f.write(size, more)
     assert f.read(0, size + 4010) == data + more
-    grown = last if tail + len(more) <= last else memory._capacity(tail + len(more))
+    grown = last if tail + len(more) <= last else memory.capacity(tail + len(more))
     assert pool.used == f.allocated == CHUNK + grown
     f.clear()
     assert pool.used == 0 and all(len(c) == CHUNK for c in pool._freed)
@@ -482,7 +484,7 @@ def test_a_written_file_s_last_chunk_takes_what_it_holds_once_sealed(tail):
     if memory.SMALL_MAX < len(fitted) < CHUNK:  # grown where it is (mremap), not copied into a new chunk
         assert f._chunks[1].buf is fitted and len(fitted) == CHUNK
     assert f.read(0, size + len(more)) == data + more
-    assert pool.used == f.allocated == 2 * CHUNK + memory._capacity(100)
+    assert pool.used == f.allocated == 2 * CHUNK + memory.capacity(100)
     f.clear()
     assert pool.used == 0 and all(len(c) == CHUNK for c in pool._freed)
 
@@ -557,9 +559,9 @@ def test_reads_of_a_block_held_for_its_reader_are_views_of_ram(tmp_path, monkeyp
     load waits (`hold` says None) instead of running ahead of its reader.
     The first block a load verifies is not held (its reader waits for it:
     no fresh RAM to fault in first)."""
-    monkeypatch.setattr(memory, "HELD_IDLE_S", 3600.0)  # no block goes for lack of reads here
-    monkeypatch.setattr(memory, "HELD_MAX_S", 3600.0)  # nor for a slow machine's sake
-    monkeypatch.setattr(memory, "HELD_BYTES", 3 * CHUNK)  # three blocks of a chunk each
+    monkeypatch.setattr(loading, "HELD_IDLE_S", 3600.0)  # no block goes for lack of reads here
+    monkeypatch.setattr(loading, "HELD_MAX_S", 3600.0)  # nor for a slow machine's sake
+    monkeypatch.setattr(loading, "HELD_BYTES", 3 * CHUNK)  # three blocks of a chunk each
     content = os.urandom(6 * CHUNK)
     pool, f, b = _borrowed(tmp_path, content)
     blocks = [(i * CHUNK, (i + 1) * CHUNK) for i in range(6)]
@@ -569,7 +571,7 @@ def test_reads_of_a_block_held_for_its_reader_are_views_of_ram(tmp_path, monkeyp
     for block in blocks[1:4]:
         assert b.hold(*_span(block), False) is True
         _load_block(b, *block)
-    assert pool.used == 3 * CHUNK == memory.HELD_BYTES
+    assert pool.used == 3 * CHUNK == loading.HELD_BYTES
     assert b.hold(*_span(blocks[4]), False) is None  # the reader is still at the first block held
     piece = f.read(2 * CHUNK + 5, 100)
     assert isinstance(piece, memoryview) and isinstance(piece.obj, mmap.mmap) and piece == content[2 * CHUNK + 5 : 2 * CHUNK + 105]
@@ -589,16 +591,16 @@ def test_reads_of_a_block_held_for_its_reader_are_views_of_ram(tmp_path, monkeyp
 def test_a_load_in_place_waits_for_a_slow_reader_a_bounded_time_per_block(tmp_path, monkeypatch):
     """Waiting for a reader that keeps reading, slowly, must not use up the
     load's deadline: after HELD_MAX_S a block held that long goes."""
-    monkeypatch.setattr(memory, "HELD_IDLE_S", 3600.0)
-    monkeypatch.setattr(memory, "HELD_MAX_S", 3600.0)
-    monkeypatch.setattr(memory, "HELD_BYTES", 3 * CHUNK)  # three blocks of a chunk each
+    monkeypatch.setattr(loading, "HELD_IDLE_S", 3600.0)
+    monkeypatch.setattr(loading, "HELD_MAX_S", 3600.0)
+    monkeypatch.setattr(loading, "HELD_BYTES", 3 * CHUNK)  # three blocks of a chunk each
     pool, f, b = _borrowed(tmp_path, os.urandom(5 * CHUNK))
     _load_block(b, 0, CHUNK)
     for lo in range(CHUNK, 4 * CHUNK, CHUNK):
         assert b.hold(lo, CHUNK, False) is True
         _load_block(b, lo, lo + CHUNK)
     assert b.hold(4 * CHUNK, CHUNK, False) is None
-    monkeypatch.setattr(memory, "HELD_MAX_S", 0.2)
+    monkeypatch.setattr(loading, "HELD_MAX_S", 0.2)
     time.sleep(0.3)
     f.read(CHUNK, 100)  # the reader is still there
     assert b.hold(4 * CHUNK, CHUNK, False) is True and pool.used == 3 * CHUNK
@@ -609,7 +611,7 @@ def test_a_block_with_a_hole_is_never_answered_from_recycled_chunks(tmp_path, mo
     """A hole is not read into a held block's chunks, and recycled chunks
     hold an earlier file's bytes: such a block is answered from the store
     file instead."""
-    monkeypatch.setattr(memory, "HELD_IDLE_S", 3600.0)
+    monkeypatch.setattr(loading, "HELD_IDLE_S", 3600.0)
     pool = MemoryPool(1 << 30)
     for _ in range(2):  # chunks an earlier file filled, kept for reuse
         chunk = pool.take_chunk()
