@@ -1,8 +1,8 @@
-"""An evicted file's bytes coming back: `Loading` (a load from the store
-into chunks, block by verified block) and `Borrowing` (a file larger than
-RAM can serve, read in place from its file in a local store, through
-verified blocks held for its reader). Nothing here knows about FUSE,
-inodes or paths.
+"""An evicted file's bytes coming back from the store, verified block by
+block: `Loading` puts them into chunks of the file (or a spill file) again;
+`Borrowing` reads the file in place from its file in a local store, with
+nothing of it in RAM for good but the few verified blocks held for its
+reader. Nothing here knows about FUSE, inodes or paths.
 """
 
 from __future__ import annotations
