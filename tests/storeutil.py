@@ -64,9 +64,12 @@ def begin_outage(store: Path) -> Path:
 
 
 def end_outage(store: Path) -> None:
+    """Writes work again. The daemon, retrying, may make the staging
+    directory itself as soon as the file is gone (a directory it finds
+    missing is made), so one made meanwhile is no error."""
     staging = store / ".ckptfs" / "staging"
     staging.unlink()
-    staging.mkdir()
+    staging.mkdir(exist_ok=True)
 
 
 @contextlib.contextmanager
