@@ -43,13 +43,10 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from ckptfs import runtime
 from ckptfs.holes import read_sparse
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger(__name__)
 
