@@ -26,6 +26,7 @@ import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 FORMAT_VERSION = 1
 
@@ -116,6 +117,11 @@ class MountInfo:
     log_file: str
     started: float
     version: int = FORMAT_VERSION
+    # how long the daemon drains after its unmount (--drain-timeout), and a store call's
+    # deadline (--store-timeout): how long `ckptfs umount` may have to wait (these defaults:
+    # a mount.json of a daemon of before, which did not say)
+    drain_timeout: float = 600.0
+    store_timeout: float = 60.0
 
     def write(self) -> Path:
         d = private_dir(self.mountpoint)
@@ -137,8 +143,9 @@ class MountInfo:
             return None
 
     @classmethod
-    def new(cls, mountpoint: str, store_url: str, log_file: str) -> MountInfo:
-        return cls(os.path.abspath(mountpoint), store_url, os.getpid(), log_file, time.time())
+    def new(cls, mountpoint: str, store_url: str, log_file: str, drain_timeout: float, store_timeout: float) -> MountInfo:
+        return cls(os.path.abspath(mountpoint), store_url, os.getpid(), log_file, time.time(),
+                   drain_timeout=drain_timeout, store_timeout=store_timeout)
 
 
 def remove(mountpoint: str | os.PathLike[str], pid: int | None = None) -> None:
@@ -169,13 +176,22 @@ def remove_stale(mountpoint: str) -> str | None:
     return None
 
 
+class ExitReport(NamedTuple):
+    """What a daemon left unpublished when it exited (one line a change), and when."""
+
+    unpublished: list[str]
+    exited: float | None  # None: a report of a daemon of before, which did not say
+
+
 def write_exit_report(mountpoint: str | os.PathLike[str], unpublished: list[str]) -> None:
-    """What a daemon left unpublished when it exited, for `ckptfs umount`."""
+    """What a daemon left unpublished when it exited, for `ckptfs umount`
+    (the one waiting for it, or the next one, if none waited to the end)."""
     d = private_dir(mountpoint)
-    (d / "exit.json").write_text(json.dumps({"version": FORMAT_VERSION, "unpublished": unpublished}))
+    (d / "exit.json").write_text(json.dumps({"version": FORMAT_VERSION, "unpublished": unpublished, "exited": time.time()}))
 
 
-def take_exit_report(mountpoint: str | os.PathLike[str]) -> list[str] | None:
+def take_exit_report(mountpoint: str | os.PathLike[str]) -> ExitReport | None:
+    """The report the mount's last daemon left, removed; None if there is none."""
     d = trusted_dir(mountpoint)
     if d is None:
         return None
@@ -183,8 +199,9 @@ def take_exit_report(mountpoint: str | os.PathLike[str]) -> list[str] | None:
     try:
         data = json.loads(path.read_text())
         path.unlink()
-        return list(data["unpublished"])
-    except (OSError, ValueError, KeyError):
+        exited = data.get("exited")
+        return ExitReport([str(line) for line in data["unpublished"]], float(exited) if isinstance(exited, int | float) else None)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 

@@ -139,7 +139,7 @@ def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
         if node is not None:
             node.leave()
         raise
-    info = runtime.MountInfo.new(mountpoint, config.store_url, str(config.log_file or ""))
+    info = runtime.MountInfo.new(mountpoint, config.store_url, str(config.log_file or ""), config.drain_timeout, config.store_timeout)
     ledger = status.Ledger(tree, engine)
     control = ControlServer(runtime.control_socket(mountpoint), tree, engine, ledger,
                             {"mountpoint": info.mountpoint, "store": config.store_url, "pid": info.pid, "started": info.started,

@@ -45,6 +45,9 @@ from .units import Number, format_size, parse_size
 
 MOUNT_TIMEOUT_S = 60.0
 UMOUNT_PROGRESS_S = 5.0  # while `umount` waits for the drain: a line this often
+EXIT_STORE_CALLS = 4  # store calls a daemon may make after its drain (`exit_wait`)
+EXIT_SLACK_S = 60.0  # and the rest of its exit (`exit_wait`)
+EXIT_REPORT_SHOWN = 10  # files a mount's warning names of those its last daemon left unpublished
 DEFAULT_REUSE_RAM = "25%"  # of the budget: a checkpoint or two kept warm; bounded so that evict returns RAM to the OS
 MIN_MEMORY_LIMIT = 16 << 20  # 4 chunks of 4 MiB: less leaves nothing to work with
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -187,6 +190,7 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, reuse_ram: str, fo
             check_not_in_a_store(store_url)
             runtime.private_dir(mp)  # the daemon's details and default log go there: the user's own, or refused
             check_no_daemon(mp)
+            _warn_of_last_exit(mp)
             if log_file is not None:
                 check_log_file(log_file)
             if daemon:
@@ -420,15 +424,18 @@ def _last_error(log_file: str) -> str:
 
 @main.command()
 @click.argument("mountpoint", type=GivenPath())
-@click.option("--timeout", default=600.0, show_default=True,
-              help="Seconds to wait for the daemon to publish everything and exit (it goes on publishing after; umount again waits again).")
-def umount(mountpoint: str, timeout: float) -> None:
+@click.option("--timeout", type=click.FloatRange(min=0), metavar="S",
+              help="Seconds to wait for the daemon to publish everything and exit [default: as long as it may take: "
+                   "the daemon's --drain-timeout, then its last store calls]. It goes on publishing after; "
+                   "umount again waits again, or says how it ended.")
+def umount(mountpoint: str, timeout: float | None) -> None:
     """Unmount MOUNTPOINT and stop its daemon."""
     try:
         mp = check_mounted_ckptfs(mountpoint)
     except PreflightError as exc:
         draining = Client.draining(mountpoint)
         if draining is None:
+            _say_how_it_ended(mountpoint)  # an umount before gave up waiting: how the daemon's drain ended
             _fail(str(exc), 2)
         # An earlier umount was interrupted (^C, a lost session, a timeout):
         # the daemon, unmounted, still publishes what it holds. Wait with it;
@@ -455,39 +462,90 @@ def umount(mountpoint: str, timeout: float) -> None:
     _wait_until_exited(info, Client.unmounting(mp, timeout=2.0), timeout)
 
 
-def _wait_until_exited(info: runtime.MountInfo, draining: Client, timeout: float) -> None:
+def _wait_until_exited(info: runtime.MountInfo, draining: Client, timeout: float | None) -> None:
     """Until the daemon, told to unmount, has published everything and
-    exited; what it could not publish is an error."""
-    deadline = time.monotonic() + timeout
+    exited (`timeout` None: as long as that may take, `exit_wait`); what it
+    could not publish is an error."""
+    wait = exit_wait(info) if timeout is None else timeout
+    deadline = time.monotonic() + wait
     report_at = time.monotonic() + UMOUNT_PROGRESS_S
     while runtime.pid_alive(info.pid):
         if time.monotonic() > deadline:
-            _fail(f"daemon {info.pid} did not exit within {timeout:.0f}s; see {info.log_file}")
+            left = _left(draining)
+            _fail(f"gave up waiting after {wait:g}s{f': {left[0]} left to publish{left[1]}' if left else ''}; the daemon (pid {info.pid}) "
+                  f"goes on publishing, for at most {info.drain_timeout:.0f}s after the unmount (its --drain-timeout); "
+                  f"`ckptfs umount {info.mountpoint}` again waits for it, or says how it ended; see {info.log_file}")
         if time.monotonic() >= report_at:  # a long drain (a slow or failing store) must not look hung
-            _say_left(draining)
+            if left := _left(draining):
+                click.echo(f"ckptfs: umount: still publishing: {left[0]} left{left[1]}", err=True)
             report_at = time.monotonic() + UMOUNT_PROGRESS_S
         time.sleep(0.05)
-    left = runtime.take_exit_report(info.mountpoint)
-    if left:
-        click.echo(f"ckptfs: error: {len(left)} files were NOT published to the store:", err=True)
-        for line in left:
+    _report(runtime.take_exit_report(info.mountpoint), info.mountpoint)
+
+
+def exit_wait(info: runtime.MountInfo) -> float:
+    """How long a daemon told to unmount may take to exit: its drain, then
+    its last store calls (the manifest index, its retirement), each within
+    its deadline. Waiting less, `umount` gave up just before the daemon's
+    drain did, and never said what it left unpublished."""
+    return info.drain_timeout + EXIT_STORE_CALLS * info.store_timeout + EXIT_SLACK_S
+
+
+def _report(report: runtime.ExitReport | None, mountpoint: str, when: str = "") -> None:
+    """How the daemon's exit went (`when`: said of a report an umount
+    before this one did not wait for)."""
+    if report is not None and report.unpublished:
+        click.echo(printable(f"ckptfs: error: {len(report.unpublished)} files were NOT published to the store{when}:"), err=True)
+        for line in report.unpublished:
             click.echo(f"  {printable(line)}", err=True)
         sys.exit(1)
-    click.echo(printable(f"ckptfs: unmounted {info.mountpoint}; everything is published"))
+    click.echo(printable(f"ckptfs: unmounted {mountpoint}; everything is published{when}"))
 
 
-def _say_left(draining: Client) -> None:
-    """One line on what the draining daemon has left to publish (nothing
-    when it does not answer: it may be exiting)."""
+def _warn_of_last_exit(mountpoint: str) -> None:
+    """At a mount: if the mount point's last daemon left files unpublished
+    and no umount said so (a SIGTERM from a job's end, `fusermount3 -u`,
+    an umount that gave up waiting), a warning: they are lost with it."""
+    report = runtime.take_exit_report(mountpoint)
+    if report is None or not report.unpublished:
+        return
+    click.echo(printable(f"ckptfs: warning: the last daemon of {mountpoint} exited{_at(report)} with {len(report.unpublished)} files NOT "
+                         "published to the store (they went with it; its log says why):"), err=True)
+    for line in report.unpublished[:EXIT_REPORT_SHOWN]:
+        click.echo(f"  {printable(line)}", err=True)
+    if len(report.unpublished) > EXIT_REPORT_SHOWN:
+        click.echo(f"  and {len(report.unpublished) - EXIT_REPORT_SHOWN} more", err=True)
+
+
+def _say_how_it_ended(mountpoint: str) -> None:
+    """At an `umount` of a mount point neither mounted nor draining: if its
+    last daemon's exit report is still there (the umount that sent it off
+    gave up waiting, or none was run: a SIGTERM, `fusermount3 -u`), say how
+    that daemon's drain ended, and exit: 1 if it left files unpublished."""
+    for path in dict.fromkeys((os.path.abspath(mountpoint), runtime.resolved_to_mount(mountpoint))):
+        report = runtime.take_exit_report(path)
+        if report is not None:
+            _report(report, path, f" (its daemon exited{_at(report)}, not waited for by an umount)")
+            sys.exit(0)
+
+
+def _at(report: runtime.ExitReport) -> str:
+    return "" if report.exited is None else f" at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(report.exited))}"
+
+
+def _left(draining: Client) -> tuple[str, str] | None:
+    """What the draining daemon has left to publish, and why it fails if
+    it does ("; failing: ..." or ""); None when it does not answer (it may
+    be exiting)."""
     try:
         t = draining.status()["totals"]
     except CkptfsError:
-        return
+        return None
     left = [c for state, c in t["by_state"].items() if state != "published"]
     n = sum(c["files"] for c in left)
     what = f"{n} files ({format_size(sum(c['bytes'] for c in left))})" if n else f"{t['queue']} namespace changes"
     failing = f"; failing: {printable(t['last_error'])}" if t["failing"] and t["last_error"] else ""
-    click.echo(f"ckptfs: umount: still publishing: {what} left{failing}", err=True)
+    return what, failing
 
 
 EXIT_CORRUPT, EXIT_MISSING, EXIT_EXTRA = 8, 16, 32

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from ckptfs.tools import cli
 
 from ckptfs import runtime
 from tests.mountutil import is_mounted, lazy_unmount, run_cli, start_mount, stop_background_mount, stop_mount
@@ -169,7 +170,7 @@ def test_umount_again_after_an_interrupted_one_waits_for_the_drain(tmp_path):
             m.path("model.pt").write_bytes(b"m" * 100_000)
             wait_until(lambda: "failed (try" in m.log_text(), 30, "a failed publication")
             r = run_cli("umount", str(m.mountpoint), "--timeout", "1")
-            assert r.returncode != 0 and "did not exit" in r.stderr, r.stderr
+            assert r.returncode != 0 and "gave up waiting after 1s: 1 files" in r.stderr, r.stderr
             assert not is_mounted(m.mountpoint) and m.proc.poll() is None  # unmounted, draining
             assert_clean_error(run_cli("mount", str(m.mountpoint), "--store", str(m.store)), "still publishing", f"ckptfs umount {m.mountpoint}")
             # status and flush of the mount point reach the draining daemon (they said "not on a ckptfs mount")
@@ -199,6 +200,63 @@ def test_umount_again_after_an_interrupted_one_waits_for_the_drain(tmp_path):
         assert run_cli("umount", str(m.mountpoint)).returncode == 2  # nothing there now
     finally:
         stop_mount(m)
+
+
+def test_umount_says_how_a_drain_it_gave_up_on_ended(tmp_path):
+    """The drain outlives an umount's wait and ends with a file not
+    published (the store failing past --drain-timeout): the next umount says
+    so, where it said "not a ckptfs mount" and the only word of the lost
+    file was in the daemon's log. An umount waits, by default, as long as
+    the daemon may drain and exit: it gave up after 600 s, when the default
+    drain did, just before the daemon said what it left."""
+    m = start_mount(tmp_path, extra=("--drain-timeout", "3", "--store-timeout", "7"))
+    m.allowed_log_errors += ["failed (try", "retrying", "NOT PUBLISHED", "changes not published"]
+    try:
+        info = runtime.MountInfo.read(m.mountpoint)
+        assert info is not None and (info.drain_timeout, info.store_timeout) == (3, 7)
+        assert cli.exit_wait(info) >= 3 + cli.EXIT_STORE_CALLS * 7
+        begin_outage(m.store)
+        m.path("model.pt").write_bytes(b"m" * 100_000)
+        wait_until(lambda: "failed (try" in m.log_text(), 30, "a failed publication")
+        r = run_cli("umount", str(m.mountpoint), "--timeout", "0.5")
+        assert r.returncode == 1 and "gave up waiting after 0.5s: 1 files" in r.stderr and "--drain-timeout" in r.stderr, r.stderr
+        assert m.proc.wait(timeout=60) == 1  # its drain over, model.pt not published
+        r = run_cli("umount", str(m.mountpoint))
+        assert r.returncode == 1, r.stdout + r.stderr
+        assert "1 files were NOT published" in r.stderr and "not waited for by an umount" in r.stderr, r.stderr
+        assert "model.pt" in r.stderr
+        assert_clean_error(run_cli("umount", str(m.mountpoint)), "not a ckptfs mount")  # said once
+    finally:
+        stop_mount(m)
+
+
+def test_a_mount_warns_of_files_its_last_daemon_left_unpublished(tmp_path):
+    """A daemon told to stop by a signal alone (a job's end) whose drain
+    ends with files not published: the next `ckptfs mount` there says so,
+    once; a clean exit leaves nothing to say."""
+    m = start_mount(tmp_path, extra=("--drain-timeout", "2"))
+    m.allowed_log_errors += ["failed (try", "retrying", "NOT PUBLISHED", "changes not published"]
+    try:
+        begin_outage(m.store)
+        m.path("a.pt").write_bytes(b"a" * 1000)
+        m.path("b.pt").write_bytes(b"b" * 1000)
+        wait_until(lambda: m.log_text().count("failed (try") >= 2, 30, "failed publications")
+        m.proc.send_signal(signal.SIGTERM)
+        assert m.proc.wait(timeout=60) == 1
+    finally:
+        stop_mount(m)
+    end_outage(m.store)
+    try:
+        r = run_cli("mount", str(m.mountpoint), "--store", str(m.store))
+        assert r.returncode == 0, r.stderr
+        assert "warning: the last daemon of" in r.stderr and "with 2 files NOT published" in r.stderr, r.stderr
+        assert "a.pt" in r.stderr and "b.pt" in r.stderr
+        assert run_cli("umount", str(m.mountpoint)).returncode == 0
+        r = run_cli("mount", str(m.mountpoint), "--store", str(m.store))
+        assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
+        assert run_cli("umount", str(m.mountpoint)).returncode == 0
+    finally:
+        stop_background_mount(m.mountpoint)
 
 
 def test_signals_at_once_are_one_request_and_a_later_one_stops_the_drain(tmp_path):
