@@ -177,32 +177,58 @@ def remove_stale(mountpoint: str) -> str | None:
 
 
 class ExitReport(NamedTuple):
-    """What a daemon left unpublished when it exited (one line a change), and when."""
+    """What a daemon left unpublished when it exited (one line a change),
+    when, and whether an `umount` or a `mount` has said so already."""
 
     unpublished: list[str]
     exited: float | None  # None: a report of a daemon of before, which did not say
+    shown: bool = False
 
 
 def write_exit_report(mountpoint: str | os.PathLike[str], unpublished: list[str]) -> None:
     """What a daemon left unpublished when it exited, for `ckptfs umount`
-    (the one waiting for it, or the next one, if none waited to the end)."""
-    d = private_dir(mountpoint)
-    (d / "exit.json").write_text(json.dumps({"version": FORMAT_VERSION, "unpublished": unpublished, "exited": time.time()}))
+    (every one waiting for it, or the next one, if none waited to the end)."""
+    _write_report(private_dir(mountpoint), ExitReport(unpublished, time.time()))
 
 
-def take_exit_report(mountpoint: str | os.PathLike[str]) -> ExitReport | None:
-    """The report the mount's last daemon left, removed; None if there is none."""
+def _write_report(d: Path, report: ExitReport) -> None:
+    tmp = d / "exit.json.tmp"
+    tmp.write_text(json.dumps({"version": FORMAT_VERSION, **report._asdict()}))
+    os.replace(tmp, d / "exit.json")  # whole, for a reader at any moment
+
+
+def read_exit_report(mountpoint: str | os.PathLike[str]) -> ExitReport | None:
+    """The report the mount's last daemon left; None if there is none (it
+    never exited, or was killed: a daemon that exits writes one). It stays:
+    every `umount` waiting for that daemon (every rank of a node may run
+    one) reads it; `mark_shown` once said."""
     d = trusted_dir(mountpoint)
     if d is None:
         return None
-    path = d / "exit.json"
     try:
-        data = json.loads(path.read_text())
-        path.unlink()
+        data = json.loads((d / "exit.json").read_text())
         exited = data.get("exited")
-        return ExitReport([str(line) for line in data["unpublished"]], float(exited) if isinstance(exited, int | float) else None)
+        return ExitReport([str(line) for line in data["unpublished"]], float(exited) if isinstance(exited, int | float) else None,
+                          data.get("shown") is True)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+def mark_shown(mountpoint: str | os.PathLike[str], report: ExitReport) -> None:
+    """`report` has been said: later commands need not say it again."""
+    d = trusted_dir(mountpoint)
+    if d is not None and not report.shown:
+        with contextlib.suppress(OSError):
+            _write_report(d, report._replace(shown=True))
+
+
+def discard_exit_report(mountpoint: str | os.PathLike[str]) -> None:
+    """Before a new daemon serves the mount point, or is told to stop: an
+    earlier daemon's report is not its."""
+    d = trusted_dir(mountpoint)
+    if d is not None:
+        with contextlib.suppress(FileNotFoundError):
+            (d / "exit.json").unlink()
 
 
 def raise_open_files_limit() -> None:

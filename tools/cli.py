@@ -456,7 +456,7 @@ def umount(mountpoint: str, timeout: float | None) -> None:
             _fail(f"{mp}: its daemon is not running, and the stale mount could not be removed: {why}", 1)
         click.echo(f"ckptfs: {printable(mp)}: daemon was not running; removed the stale mount")
         return
-    runtime.take_exit_report(mp)  # a stale one from an earlier daemon
+    runtime.discard_exit_report(mp)  # an earlier daemon's
     os.kill(info.pid, signal.SIGTERM)
     click.echo(printable(f"ckptfs: unmounting {mp}; waiting for write-back to publish everything (see {info.log_file})"))
     _wait_until_exited(info, Client.unmounting(mp, timeout=2.0), timeout)
@@ -480,7 +480,12 @@ def _wait_until_exited(info: runtime.MountInfo, draining: Client, timeout: float
                 click.echo(f"ckptfs: umount: still publishing: {left[0]} left{left[1]}", err=True)
             report_at = time.monotonic() + UMOUNT_PROGRESS_S
         time.sleep(0.05)
-    _report(runtime.take_exit_report(info.mountpoint), info.mountpoint)
+    report = runtime.read_exit_report(info.mountpoint)
+    if report is None:
+        _fail(f"the daemon (pid {info.pid}) exited without saying what it published (killed?): what it had not published "
+              f"is lost; see {info.log_file}")
+    runtime.mark_shown(info.mountpoint, report)
+    _report(report, info.mountpoint)
 
 
 def exit_wait(info: runtime.MountInfo) -> float:
@@ -491,10 +496,10 @@ def exit_wait(info: runtime.MountInfo) -> float:
     return info.drain_timeout + EXIT_STORE_CALLS * info.store_timeout + EXIT_SLACK_S
 
 
-def _report(report: runtime.ExitReport | None, mountpoint: str, when: str = "") -> None:
+def _report(report: runtime.ExitReport, mountpoint: str, when: str = "") -> None:
     """How the daemon's exit went (`when`: said of a report an umount
     before this one did not wait for)."""
-    if report is not None and report.unpublished:
+    if report.unpublished:
         click.echo(printable(f"ckptfs: error: {len(report.unpublished)} files were NOT published to the store{when}:"), err=True)
         for line in report.unpublished:
             click.echo(f"  {printable(line)}", err=True)
@@ -506,8 +511,9 @@ def _warn_of_last_exit(mountpoint: str) -> None:
     """At a mount: if the mount point's last daemon left files unpublished
     and no umount said so (a SIGTERM from a job's end, `fusermount3 -u`,
     an umount that gave up waiting), a warning: they are lost with it."""
-    report = runtime.take_exit_report(mountpoint)
-    if report is None or not report.unpublished:
+    report = runtime.read_exit_report(mountpoint)
+    runtime.discard_exit_report(mountpoint)  # the new daemon's will take its place
+    if report is None or report.shown or not report.unpublished:
         return
     click.echo(printable(f"ckptfs: warning: the last daemon of {mountpoint} exited{_at(report)} with {len(report.unpublished)} files NOT "
                          "published to the store (they went with it; its log says why):"), err=True)
@@ -523,8 +529,9 @@ def _say_how_it_ended(mountpoint: str) -> None:
     gave up waiting, or none was run: a SIGTERM, `fusermount3 -u`), say how
     that daemon's drain ended, and exit: 1 if it left files unpublished."""
     for path in dict.fromkeys((os.path.abspath(mountpoint), runtime.resolved_to_mount(mountpoint))):
-        report = runtime.take_exit_report(path)
-        if report is not None:
+        report = runtime.read_exit_report(path)
+        if report is not None and not report.shown:
+            runtime.mark_shown(path, report)
             _report(report, path, f" (its daemon exited{_at(report)}, not waited for by an umount)")
             sys.exit(0)
 

@@ -230,6 +230,57 @@ def test_umount_says_how_a_drain_it_gave_up_on_ended(tmp_path):
         stop_mount(m)
 
 
+def test_umounts_at_once_each_say_what_the_drain_left(tmp_path):
+    """Every rank of a node runs `ckptfs umount` at once, and the drain ends
+    with a file not published: each of them says so and exits 1 (the first
+    to read the daemon's report took it, and the others said "everything is
+    published")."""
+    m = start_mount(tmp_path, extra=("--drain-timeout", "3"))
+    m.allowed_log_errors += ["failed (try", "retrying", "NOT PUBLISHED", "changes not published"]
+    umounts: list[subprocess.Popen] = []
+    try:
+        begin_outage(m.store)
+        m.path("model.pt").write_bytes(b"m" * 100_000)
+        wait_until(lambda: "failed (try" in m.log_text(), 30, "a failed publication")
+        umounts = [subprocess.Popen([sys.executable, "-m", "ckptfs.tools.cli", "umount", str(m.mountpoint)],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+        for u in umounts:
+            out, err = u.communicate(timeout=120)
+            assert u.returncode == 1 and "1 files were NOT published" in err and "model.pt" in err, out + err
+    finally:
+        for u in umounts:
+            if u.poll() is None:
+                u.kill()
+                u.wait()
+        stop_mount(m)
+
+
+def test_umount_of_a_daemon_killed_while_it_drains_says_so(tmp_path):
+    """The daemon is killed while `umount` waits for its drain (the OOM
+    killer, a job's kill -9): `umount` says what it cannot know, that what
+    was not published is lost, and exits 1; it said "everything is
+    published"."""
+    m = start_mount(tmp_path)
+    m.allowed_log_errors += ["failed (try", "retrying"]
+    umount = None
+    try:
+        begin_outage(m.store)
+        m.path("model.pt").write_bytes(b"m" * 100_000)
+        wait_until(lambda: "failed (try" in m.log_text(), 30, "a failed publication")
+        umount = subprocess.Popen([sys.executable, "-m", "ckptfs.tools.cli", "umount", str(m.mountpoint)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_until(lambda: not is_mounted(m.mountpoint), 30, "the unmount")
+        m.proc.kill()
+        out, err = umount.communicate(timeout=60)
+        assert umount.returncode == 1 and "exited without saying what it published" in err, out + err
+        assert "everything is published" not in out
+    finally:
+        if umount is not None and umount.poll() is None:
+            umount.kill()
+            umount.wait()
+        stop_mount(m)
+
+
 def test_a_mount_warns_of_files_its_last_daemon_left_unpublished(tmp_path):
     """A daemon told to stop by a signal alone (a job's end) whose drain
     ends with files not published: the next `ckptfs mount` there says so,
