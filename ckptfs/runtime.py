@@ -223,8 +223,8 @@ def mark_shown(mountpoint: str | os.PathLike[str], report: ExitReport) -> None:
 
 
 def discard_exit_report(mountpoint: str | os.PathLike[str]) -> None:
-    """Before a new daemon serves the mount point, or is told to stop: an
-    earlier daemon's report is not its."""
+    """Before a new daemon serves the mount point: an earlier daemon's
+    report is not its."""
     d = trusted_dir(mountpoint)
     if d is not None:
         with contextlib.suppress(FileNotFoundError):

@@ -456,7 +456,6 @@ def umount(mountpoint: str, timeout: float | None) -> None:
             _fail(f"{mp}: its daemon is not running, and the stale mount could not be removed: {why}", 1)
         click.echo(f"ckptfs: {printable(mp)}: daemon was not running; removed the stale mount")
         return
-    runtime.discard_exit_report(mp)  # an earlier daemon's
     os.kill(info.pid, signal.SIGTERM)
     click.echo(printable(f"ckptfs: unmounting {mp}; waiting for write-back to publish everything (see {info.log_file})"))
     _wait_until_exited(info, Client.unmounting(mp, timeout=2.0), timeout)
@@ -481,7 +480,7 @@ def _wait_until_exited(info: runtime.MountInfo, draining: Client, timeout: float
             report_at = time.monotonic() + UMOUNT_PROGRESS_S
         time.sleep(0.05)
     report = runtime.read_exit_report(info.mountpoint)
-    if report is None:
+    if report is None or (report.exited is not None and report.exited < info.started):  # none, or an earlier daemon's
         _fail(f"the daemon (pid {info.pid}) exited without saying what it published (killed?): what it had not published "
               f"is lost; see {info.log_file}")
     runtime.mark_shown(info.mountpoint, report)
