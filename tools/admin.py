@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import time
+from typing import NoReturn
 
 import click
 
@@ -23,6 +24,7 @@ from .paths import GivenPath
 from .units import Number, format_duration, format_size
 
 EXIT_INCOMPLETE, EXIT_USAGE, EXIT_UNAVAILABLE = 1, 2, 3
+DAEMON_EXIT_WAIT_S = 10.0  # a daemon that closed its connection to a flush, given this long to exit
 UNSEALED_SHOWN = 5  # files still open for writing that `flush` names
 
 
@@ -226,6 +228,7 @@ def flush(path: str, timeout: float | None, cluster: bool) -> None:
     waited for. Exit 0 once published; 1 on timeout, naming what is left."""
     client = _client(path, draining=True)
     where = os.path.join(client.mountpoint, client.relpath).rstrip("/")
+    daemon = runtime.MountInfo.read(client.mountpoint)  # the daemon waited for: if it exits meanwhile, how that went
     try:
         result = _flush_with_progress(client, timeout, cluster)
     except FlushIncomplete as exc:
@@ -242,6 +245,8 @@ def flush(path: str, timeout: float | None, cluster: bool) -> None:
             click.echo(f"  {printable(f['path'])}: {f['state']}, {format_size(f['size'])}{tail}", err=True)
         sys.exit(EXIT_INCOMPLETE)
     except CkptfsError as exc:
+        if isinstance(exc, DaemonUnavailable) and not exc.hung and daemon is not None and _exited(daemon.pid):
+            _flush_ended_by_exit(daemon, where, cluster)
         _fail(str(exc), _exit_code(exc))
     click.echo(f"ckptfs: flushed {printable(where)}: everything sealed before the flush is published "
                f"({result['files']} files, {format_size(result['bytes'])} waited for)")
@@ -251,6 +256,40 @@ def flush(path: str, timeout: float | None, cluster: bool) -> None:
         shown = ", ".join(printable(p) for p in unsealed[:UNSEALED_SHOWN]) + (f" and {more} more" if more > 0 else "")
         click.echo(f"ckptfs: not included: {len(unsealed)} files still open for writing, their changes sealed (and then published) "
                    f"when they are closed: {shown}", err=True)
+
+
+def _exited(pid: int) -> bool:
+    """Whether the daemon `pid`, whose connection just closed, exits: it
+    closes its control socket a moment before its exit report is written."""
+    deadline = time.monotonic() + DAEMON_EXIT_WAIT_S
+    while runtime.pid_alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _flush_ended_by_exit(daemon: runtime.MountInfo, where: str, cluster: bool) -> NoReturn:
+    """The daemon a flush waited for exited meanwhile (an `umount`, a
+    signal, a kill): its exit report says whether everything it held was
+    published, which holds the flush's barrier too (not for `--cluster`:
+    other nodes' files are theirs)."""
+    report = runtime.read_exit_report(daemon.mountpoint)
+    if report is None or (report.exited is not None and report.exited < daemon.started):
+        _fail(f"the daemon of {daemon.mountpoint} (pid {daemon.pid}) exited while the flush waited, without saying what it published "
+              f"(killed?): what it had not published is lost; see {daemon.log_file}", EXIT_INCOMPLETE)
+    if report.unpublished:
+        click.echo(printable(f"ckptfs: error: the daemon of {daemon.mountpoint} exited while the flush waited, with "
+                             f"{len(report.unpublished)} files NOT published to the store:"), err=True)
+        for line in report.unpublished:
+            click.echo(f"  {printable(line)}", err=True)
+        runtime.mark_shown(daemon.mountpoint, report)
+        sys.exit(EXIT_INCOMPLETE)
+    if cluster:
+        _fail(f"the daemon of {daemon.mountpoint} exited while the flush waited, having published everything it held; "
+              "what other nodes sealed was not waited for", EXIT_INCOMPLETE)
+    click.echo(printable(f"ckptfs: flushed {where}: its daemon published everything and exited (unmounted) while the flush waited"))
+    sys.exit(0)
 
 
 def _flush_with_progress(client: Client, timeout: float | None, cluster: bool = False) -> dict:

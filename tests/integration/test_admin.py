@@ -194,6 +194,59 @@ def test_a_flush_may_take_longer_than_the_client_timeout(fresh_mount):
     assert store_files(m.store) == {"late": b"l" * 1000}
 
 
+def _flush_in_background(path: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "ckptfs.tools.cli", "flush", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_flush_whose_daemon_exits_meanwhile_says_what_it_did_not_publish(tmp_path):
+    """A flush waits; the mount is unmounted meanwhile (another shell's
+    `umount`), and its daemon's drain ends with the file not published
+    (the store down past --drain-timeout): the flush says so, naming it
+    (it said "the daemon closed the connection", exit 3)."""
+    m = start_mount(tmp_path, extra=("--drain-timeout", "2"))
+    m.allowed_log_errors += [*OUTAGE_LOG, "NOT PUBLISHED", "changes not published"]
+    flush = umount = None
+    try:
+        begin_outage(m.store)
+        write(m.path("ck", "model.pt"), b"m" * 10_000)
+        wait_until(lambda: "failed (try" in m.log_text(), 30, "a failed publication")
+        flush = _flush_in_background(m.path("ck"))
+        time.sleep(1)
+        umount = subprocess.Popen([sys.executable, "-m", "ckptfs.tools.cli", "umount", str(m.mountpoint)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = flush.communicate(timeout=120)
+        assert flush.returncode == 1, out + err
+        assert "exited while the flush waited, with 1 files NOT published" in err and "ck/model.pt" in err, err
+        assert umount.wait(timeout=60) == 1
+    finally:
+        for p in (flush, umount):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+        stop_mount(m)
+
+
+def test_a_flush_whose_daemon_is_killed_says_what_is_lost(tmp_path):
+    m = start_mount(tmp_path)
+    m.allowed_log_errors += OUTAGE_LOG
+    flush = None
+    try:
+        begin_outage(m.store)
+        write(m.path("model.pt"), b"m" * 10_000)
+        wait_until(lambda: "failed (try" in m.log_text(), 30, "a failed publication")
+        flush = _flush_in_background(m.mountpoint)
+        time.sleep(1)
+        m.proc.kill()
+        out, err = flush.communicate(timeout=60)
+        assert flush.returncode == 1 and "exited while the flush waited, without saying what it published" in err, out + err
+    finally:
+        if flush is not None and flush.poll() is None:
+            flush.kill()
+            flush.wait()
+        stop_mount(m)
+
+
 def test_flush_is_a_barrier_for_its_path(fresh_mount):
     """flush PATH waits for what was sealed under PATH before the call; the
     store has it when flush returns (C3 makes everything earlier visible too)."""
