@@ -144,7 +144,8 @@ def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
     control = ControlServer(runtime.control_socket(mountpoint), tree, engine, ledger,
                             {"mountpoint": info.mountpoint, "store": config.store_url, "pid": info.pid, "started": info.started,
                              "log_file": info.log_file, "fsync": config.fsync, "memory_limit": config.memory_limit,
-                             "metrics_port": config.metrics_port, "cluster": config.cluster, "node": node.name if node else None},
+                             "metrics_port": config.metrics_port, "cluster": config.cluster, "node": node.name if node else None,
+                             "draining_until": None},
                             cluster=node)
     closed = False
 
@@ -257,6 +258,7 @@ async def _main(config: MountConfig, tree: InodeTree, engine: Engine, control: C
         for inode in tree.open_for_write():  # still open: their bytes now are what we have
             tree.seal(inode)
         deadline = trio.current_time() + config.drain_timeout
+        control.mount["draining_until"] = time.time() + config.drain_timeout  # status, umount: when what is left is given up
         pending = engine.unpublished()  # (again once settled: a second signal may stop the wait before)
         with signals.abort_scope:  # a second signal stops waiting
             if node is not None:  # these seals placed, and what every node sealed before now in the queue

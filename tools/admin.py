@@ -169,6 +169,10 @@ def _print_status(console, r: dict) -> None:
     grid.add_row("since start", f"{c['published_files']} published", f"{c['retries']} retries, {c['failures']} failures")
     if t.get("lost"):
         grid.add_row("lost with their node", f"[red]{t['lost']}[/]", "never published (cluster mode)")
+    if m.get("draining_until") is not None:  # unmounted: what is not published by then is given up (--drain-timeout)
+        left = t["queue"] > 0
+        grid.add_row("unmounted", "[red]draining[/]" if left else "draining",
+                     f"gives up in {format_duration(max(0.0, m['draining_until'] - time.time()))}" if left else "")
     # Why, below the grid: a long reason in a cell would stretch its columns.
     why = []
     if t.get("stalled"):

@@ -15,7 +15,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import NamedTuple, NoReturn
 
 import click
 
@@ -41,7 +41,7 @@ from .preflight import (
     check_port,
     check_spill_dir,
 )
-from .units import Number, format_size, parse_size
+from .units import Number, format_duration, format_size, parse_size
 
 MOUNT_TIMEOUT_S = 60.0
 UMOUNT_PROGRESS_S = 5.0  # while `umount` waits for the drain: a line this often
@@ -471,12 +471,15 @@ def _wait_until_exited(info: runtime.MountInfo, draining: Client, timeout: float
     while runtime.pid_alive(info.pid):
         if time.monotonic() > deadline:
             left = _left(draining)
-            _fail(f"gave up waiting after {wait:g}s{f': {left[0]} left to publish{left[1]}' if left else ''}; the daemon (pid {info.pid}) "
-                  f"goes on publishing, for at most {info.drain_timeout:.0f}s after the unmount (its --drain-timeout); "
+            until = (f"until it gives up on what is left in {format_duration(left.gives_up_in)}" if left and left.gives_up_in is not None
+                     else f"for at most {info.drain_timeout:g}s after the unmount")
+            _fail(f"gave up waiting after {wait:g}s{f': {left.what} left to publish{left.failing}' if left else ''}; the daemon "
+                  f"(pid {info.pid}) goes on publishing, {until} (its --drain-timeout); "
                   f"`ckptfs umount {info.mountpoint}` again waits for it, or says how it ended; see {info.log_file}")
         if time.monotonic() >= report_at:  # a long drain (a slow or failing store) must not look hung
             if left := _left(draining):
-                click.echo(f"ckptfs: umount: still publishing: {left[0]} left{left[1]}", err=True)
+                until = f"; the daemon gives up on it in {format_duration(left.gives_up_in)}" if left.gives_up_in is not None else ""
+                click.echo(f"ckptfs: umount: still publishing: {left.what} left{left.failing}{until}", err=True)
             report_at = time.monotonic() + UMOUNT_PROGRESS_S
         time.sleep(0.05)
     report = runtime.read_exit_report(info.mountpoint)
@@ -539,19 +542,27 @@ def _at(report: runtime.ExitReport) -> str:
     return "" if report.exited is None else f" at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(report.exited))}"
 
 
-def _left(draining: Client) -> tuple[str, str] | None:
-    """What the draining daemon has left to publish, and why it fails if
-    it does ("; failing: ..." or ""); None when it does not answer (it may
-    be exiting)."""
+class _Left(NamedTuple):
+    """What a draining daemon has left to publish."""
+
+    what: str  # "3 files (1.2 GiB)", or namespace changes
+    failing: str  # "; failing: <the last error>", or ""
+    gives_up_in: float | None  # seconds until its --drain-timeout gives up on it (None: not told)
+
+
+def _left(draining: Client) -> _Left | None:
+    """What the draining daemon has left to publish (None when it does not
+    answer: it may be exiting)."""
     try:
-        t = draining.status()["totals"]
+        r = draining.status()
     except CkptfsError:
         return None
+    t, until = r["totals"], r["mount"].get("draining_until")
     left = [c for state, c in t["by_state"].items() if state != "published"]
     n = sum(c["files"] for c in left)
     what = f"{n} files ({format_size(sum(c['bytes'] for c in left))})" if n else f"{t['queue']} namespace changes"
     failing = f"; failing: {printable(t['last_error'])}" if t["failing"] and t["last_error"] else ""
-    return what, failing
+    return _Left(what, failing, None if until is None else max(0.0, until - time.time()))
 
 
 EXIT_CORRUPT, EXIT_MISSING, EXIT_EXTRA = 8, 16, 32

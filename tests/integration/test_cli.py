@@ -151,6 +151,8 @@ def test_umount_says_what_is_left_while_a_failing_store_holds_the_drain(tmp_path
                 umount.wait()
         assert umount.returncode == 0, err
         assert "failing:" in " ".join(lines) and "everything is published" in out
+        said = next(ln for ln in lines if "still publishing" in ln)
+        assert "; the daemon gives up on it in " in said and said.rstrip().endswith(" min"), said  # its --drain-timeout, 600 s
     finally:
         stop_mount(m)
 
@@ -177,8 +179,10 @@ def test_umount_again_after_an_interrupted_one_waits_for_the_drain(tmp_path):
             r = run_cli("status", str(m.mountpoint), "--json")
             assert r.returncode == 0 and "is unmounted; its daemon" in r.stderr, r.stderr
             assert json.loads(r.stdout)["totals"]["queue"] == 1
+            assert time.time() < json.loads(r.stdout)["mount"]["draining_until"] <= time.time() + 600
             r = run_cli("status", str(m.mountpoint), "--files")
             assert r.returncode == 0 and "model.pt" in r.stdout, r.stdout + r.stderr
+            assert "draining" in r.stdout and "gives up in " in r.stdout, r.stdout
             r = run_cli("flush", str(m.mountpoint), "--timeout", "1")
             assert r.returncode == 1 and "is unmounted; its daemon" in r.stderr and "not published after 1s" in r.stderr, r.stderr
             again = subprocess.Popen([sys.executable, "-m", "ckptfs.tools.cli", "umount", str(m.mountpoint)],
