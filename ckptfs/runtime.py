@@ -295,6 +295,29 @@ def ckptfs_mounts() -> list[str]:
     return [mp for mp, _ in _ckptfs_mount_entries()]
 
 
+def unmounted_daemons() -> list[MountInfo]:
+    """This user's daemons that are unmounted and still run: draining what
+    they hold after an unmount (`mountpoint` no longer in the mount table),
+    from their runtime directories."""
+    mounted = set(ckptfs_mounts())
+    try:
+        names = sorted(os.listdir(runtime_root()))
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        try:
+            mountpoint = json.loads((runtime_root() / name / "mount.json").read_text())["mountpoint"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if not isinstance(mountpoint, str) or mountpoint in mounted or mount_dir(mountpoint).name != name:
+            continue
+        info = MountInfo.read(mountpoint)  # in a directory private to the user, or not at all
+        if info is not None and pid_alive(info.pid):
+            out.append(info)
+    return out
+
+
 def resolved_to_mount(path: str | os.PathLike[str], mounts: list[str] | None = None) -> str:
     """`path`, absolute, with the symlinks on its way followed up to the
     first ckptfs mount point it reaches (`/scratch/ckpt` where `/scratch`

@@ -81,7 +81,8 @@ def _console():
 def status(mountpoint: str | None, as_json: bool, files: str | None, watch: bool, interval: float, cluster: bool) -> None:
     """What is durable yet: totals, and per file with --files.
 
-    With no MOUNTPOINT: every ckptfs mount on this machine.
+    With no MOUNTPOINT: every ckptfs mount on this machine, and this user's
+    daemons still publishing after their unmount.
     """
     if cluster and mountpoint is None:
         _fail("--cluster needs a MOUNTPOINT", EXIT_USAGE)
@@ -96,7 +97,7 @@ def status(mountpoint: str | None, as_json: bool, files: str | None, watch: bool
     else:
         if files:
             _fail("--files PATH needs a MOUNTPOINT", EXIT_USAGE)
-        mps = runtime.ckptfs_mounts()
+        mps = _every_mount()
     if not watch:
         code = _show_status(mps, as_json, files, single=client, cluster=cluster)
         sys.exit(code)
@@ -104,11 +105,27 @@ def status(mountpoint: str | None, as_json: bool, files: str | None, watch: bool
         while True:
             if sys.stdout.isatty():
                 click.clear()
-            _show_status(mps if mountpoint is not None else runtime.ckptfs_mounts(), as_json, files, single=client, cluster=cluster)
+            _show_status(mps if mountpoint is not None else _every_mount(), as_json, files, single=client, cluster=cluster)
             sys.stdout.flush()
             time.sleep(interval)
     except KeyboardInterrupt:
         sys.exit(0)
+
+
+def _every_mount() -> list[str]:
+    """Every ckptfs mount point, and those whose daemon (this user's) still
+    publishes after their unmount: what it holds is not durable yet either."""
+    return runtime.ckptfs_mounts() + [info.mountpoint for info in runtime.unmounted_daemons()]
+
+
+def _client_of(mp: str) -> Client:
+    try:
+        return Client(mp)
+    except NotMounted:
+        found = Client.draining(mp)  # unmounted since it was listed: still publishing, or gone
+        if found is None:
+            raise
+        return found[1]
 
 
 def _show_status(mps: list[str], as_json: bool, files: str | None, single: Client | None, cluster: bool = False) -> int:
@@ -116,8 +133,12 @@ def _show_status(mps: list[str], as_json: bool, files: str | None, single: Clien
     reports, code = [], 0
     for mp in mps:
         try:
-            client = single if single is not None else Client(mp)
+            client = single if single is not None else _client_of(mp)
             reports.append(client.status(files=files is not None, path=files or None, cluster=cluster))
+        except NotMounted as exc:
+            if single is not None:
+                _fail(str(exc), _exit_code(exc))
+            continue  # unmounted since it was listed, and its daemon gone: nothing of it left to show
         except CkptfsError as exc:
             if single is not None:
                 _fail(str(exc), _exit_code(exc))
