@@ -260,7 +260,7 @@ def _remove_stale(mountpoint: str) -> None:
     why = runtime.remove_stale(mp)
     if why is not None:
         raise PreflightError(f"{mp} is a ckptfs mount whose daemon is gone, and it could not be removed: {why}")
-    click.echo(printable(f"ckptfs: {mp}: removed the stale mount its dead daemon left"), err=True)
+    click.echo(printable(f"ckptfs: {mp}: removed the stale mount its dead daemon left (killed or crashed: what it had not published went with it)"), err=True)
 
 
 class DaemonLog(logging.handlers.RotatingFileHandler):
@@ -454,7 +454,7 @@ def umount(mountpoint: str, timeout: float | None) -> None:
         why = runtime.remove_stale(mp)
         if why is not None:
             _fail(f"{mp}: its daemon is not running, and the stale mount could not be removed: {why}", 1)
-        click.echo(f"ckptfs: {printable(mp)}: daemon was not running; removed the stale mount")
+        click.echo(f"ckptfs: {printable(mp)}: daemon was not running (killed or crashed: what it had not published went with it); removed the stale mount")
         return
     os.kill(info.pid, signal.SIGTERM)
     click.echo(printable(f"ckptfs: unmounting {mp}; waiting for write-back to publish everything (see {info.log_file})"))
