@@ -4,10 +4,12 @@ by the tests, by pid."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -65,8 +67,9 @@ class S3Server:
                 f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer'] + 10000}",
                 f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3'] + 10000}",
                 "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.volumeSizeLimitMB=64", "-volume.max=0"]
+        # TMPDIR: its glog files go there (weed.INFO, ...), into the test's directory, not /tmp
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=open(self.root / "weed.log", "ab"),
-                                     start_new_session=True)
+                                     start_new_session=True, env={**os.environ, "TMPDIR": str(self.root)})
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             try:
@@ -85,6 +88,13 @@ class S3Server:
         # what it wrote is in files the next start reads.
         stop_group(self.proc, STOP_TIMEOUT_S)
         self.proc = None
+        # Each of its servers listens on a Unix socket too, always in /tmp
+        # (/tmp/seaweedfs-s3-8333.sock, ...-grpc-18333.sock), left behind by a kill.
+        for name, port in self.ports.items():
+            for sock in (f"/tmp/seaweedfs-{name}-{port}.sock", f"/tmp/seaweedfs-{name}-grpc-{port + 10000}.sock"):
+                with contextlib.suppress(FileNotFoundError):
+                    if stat.S_ISSOCK(os.lstat(sock).st_mode):
+                        os.unlink(sock)
 
     def _s3fs(self):
         import s3fs

@@ -299,10 +299,11 @@ def test_redis_problems_at_mount_are_one_line_errors(tmp_path, redis_db, monkeyp
     assert not os.path.ismount(mp)
 
 
-def _torchrun(n: int, *args: str) -> None:
+def _torchrun(tmp: Path, n: int, *args: str) -> None:
     script = Path(__file__).parent / "scripts" / "dcp_ranks.py"
+    # TMPDIR: torchrun's own log directory (torchelastic_*), which it leaves behind, goes into the test's
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", str(script), *args],
-                       capture_output=True, text=True, timeout=240)
+                       capture_output=True, text=True, timeout=240, env={**os.environ, "TMPDIR": str(tmp)})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
 
 
@@ -316,13 +317,13 @@ def test_torchrun_ranks_save_with_dcp_each_into_its_own_node_and_load_after_cras
     shards = {f"dcp/step-1/__{r}_0.distcp" for r in range(3)}
     with nodes(tmp_path, redis_db, "abc") as mounts:
         with watching(store) as seen:
-            _torchrun(3, "save", "1", *(str(m.mountpoint) for m in mounts))
+            _torchrun(tmp_path, 3, "save", "1", *(str(m.mountpoint) for m in mounts))
             wait_until(lambda: shards | {"dcp/step-1/.metadata"} <= set(store_files(store)), 60, "the checkpoint in the store")
         with_marker = [s for s in seen if "dcp/step-1/.metadata" in s]
         assert with_marker and all(shards <= s for s in with_marker), "the store showed .metadata before every rank's shard"
-        _torchrun(3, "load", "1", *(str(m.mountpoint) for m in mounts))  # a new job, the daemons alive
+        _torchrun(tmp_path, 3, "load", "1", *(str(m.mountpoint) for m in mounts))  # a new job, the daemons alive
     with nodes(tmp_path, redis_db, "cab") as mounts:  # every daemon restarted: from the store
-        _torchrun(3, "load", "1", *(str(m.mountpoint) for m in mounts))
+        _torchrun(tmp_path, 3, "load", "1", *(str(m.mountpoint) for m in mounts))
 
 
 def test_a_node_killed_mid_checkpoint_loses_only_its_unpublished_files_loudly(tmp_path, redis_db):
