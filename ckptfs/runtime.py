@@ -214,6 +214,15 @@ def read_exit_report(mountpoint: str | os.PathLike[str]) -> ExitReport | None:
         return None
 
 
+def exit_report_of(daemon: MountInfo) -> ExitReport | None:
+    """The report `daemon` left at its exit; None if it left none (it was
+    killed, or has not exited): an earlier daemon's is not its."""
+    report = read_exit_report(daemon.mountpoint)
+    if report is None or (report.exited is not None and report.exited < daemon.started):
+        return None
+    return report
+
+
 def mark_shown(mountpoint: str | os.PathLike[str], report: ExitReport) -> None:
     """`report` has been said: later commands need not say it again."""
     d = trusted_dir(mountpoint)

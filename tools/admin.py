@@ -283,6 +283,16 @@ def flush(path: str, timeout: float | None, cluster: bool) -> None:
                    f"when they are closed: {shown}", err=True)
 
 
+def echo_unpublished(header: str, lines: list[str], most: int | None = None) -> None:
+    """On stderr: `header`, then the lines of an exit report (the files a
+    daemon left unpublished), at most `most` of them."""
+    click.echo(printable(header), err=True)
+    for line in lines[:most]:
+        click.echo(f"  {printable(line)}", err=True)
+    if most is not None and len(lines) > most:
+        click.echo(f"  and {len(lines) - most} more", err=True)
+
+
 def _exited(pid: int) -> bool:
     """Whether the daemon `pid`, whose connection just closed, exits: it
     closes its control socket a moment before its exit report is written."""
@@ -299,15 +309,13 @@ def _flush_ended_by_exit(daemon: runtime.MountInfo, where: str, cluster: bool) -
     signal, a kill): its exit report says whether everything it held was
     published, which holds the flush's barrier too (not for `--cluster`:
     other nodes' files are theirs)."""
-    report = runtime.read_exit_report(daemon.mountpoint)
-    if report is None or (report.exited is not None and report.exited < daemon.started):
+    report = runtime.exit_report_of(daemon)
+    if report is None:
         _fail(f"the daemon of {daemon.mountpoint} (pid {daemon.pid}) exited while the flush waited, without saying what it published "
               f"(killed?): what it had not published is lost; see {daemon.log_file}", EXIT_INCOMPLETE)
     if report.unpublished:
-        click.echo(printable(f"ckptfs: error: the daemon of {daemon.mountpoint} exited while the flush waited, with "
-                             f"{len(report.unpublished)} files NOT published to the store:"), err=True)
-        for line in report.unpublished:
-            click.echo(f"  {printable(line)}", err=True)
+        echo_unpublished(f"ckptfs: error: the daemon of {daemon.mountpoint} exited while the flush waited, with "
+                         f"{len(report.unpublished)} files NOT published to the store:", report.unpublished)
         runtime.mark_shown(daemon.mountpoint, report)
         sys.exit(EXIT_INCOMPLETE)
     if cluster:

@@ -24,7 +24,7 @@ from ckptfs.client import CkptfsError, Client
 from ckptfs.config import MountConfig, parse_store_options
 from ckptfs.escape import EscapingFormatter, printable
 
-from .admin import COMMANDS
+from .admin import COMMANDS, echo_unpublished
 from .advise import advise
 from .paths import GivenPath, NamePattern, StoreURL
 from .preflight import (
@@ -482,8 +482,8 @@ def _wait_until_exited(info: runtime.MountInfo, draining: Client, timeout: float
                 click.echo(f"ckptfs: umount: still publishing: {left.what} left{left.failing}{until}", err=True)
             report_at = time.monotonic() + UMOUNT_PROGRESS_S
         time.sleep(0.05)
-    report = runtime.read_exit_report(info.mountpoint)
-    if report is None or (report.exited is not None and report.exited < info.started):  # none, or an earlier daemon's
+    report = runtime.exit_report_of(info)
+    if report is None:
         _fail(f"the daemon (pid {info.pid}) exited without saying what it published (killed?): what it had not published "
               f"is lost; see {info.log_file}")
     runtime.mark_shown(info.mountpoint, report)
@@ -502,9 +502,7 @@ def _report(report: runtime.ExitReport, mountpoint: str, when: str = "") -> None
     """How the daemon's exit went (`when`: said of a report an umount
     before this one did not wait for)."""
     if report.unpublished:
-        click.echo(printable(f"ckptfs: error: {len(report.unpublished)} files were NOT published to the store{when}:"), err=True)
-        for line in report.unpublished:
-            click.echo(f"  {printable(line)}", err=True)
+        echo_unpublished(f"ckptfs: error: {len(report.unpublished)} files were NOT published to the store{when}:", report.unpublished)
         sys.exit(1)
     click.echo(printable(f"ckptfs: unmounted {mountpoint}; everything is published{when}"))
 
@@ -517,12 +515,8 @@ def _warn_of_last_exit(mountpoint: str) -> None:
     runtime.discard_exit_report(mountpoint)  # the new daemon's will take its place
     if report is None or report.shown or not report.unpublished:
         return
-    click.echo(printable(f"ckptfs: warning: the last daemon of {mountpoint} exited{_at(report)} with {len(report.unpublished)} files NOT "
-                         "published to the store (they went with it; its log says why):"), err=True)
-    for line in report.unpublished[:EXIT_REPORT_SHOWN]:
-        click.echo(f"  {printable(line)}", err=True)
-    if len(report.unpublished) > EXIT_REPORT_SHOWN:
-        click.echo(f"  and {len(report.unpublished) - EXIT_REPORT_SHOWN} more", err=True)
+    echo_unpublished(f"ckptfs: warning: the last daemon of {mountpoint} exited{_at(report)} with {len(report.unpublished)} files NOT "
+                     "published to the store (they went with it; its log says why):", report.unpublished, EXIT_REPORT_SHOWN)
 
 
 def _say_how_it_ended(mountpoint: str) -> None:
