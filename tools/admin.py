@@ -94,9 +94,14 @@ def status(mountpoint: str | None, as_json: bool, files: str | None, watch: bool
         mps = [client.mountpoint]
         if files:
             files = os.path.join(client.mountpoint, files) if not os.path.isabs(files) else files
+    elif files and os.path.isabs(files):  # `status --files /mnt/ckpt`: the mount that path is on
+        client = _client(files, draining=True)
+        if client.relpath:
+            client = _client(client.mountpoint)
+        mps = [client.mountpoint]
     else:
         if files:
-            _fail("--files PATH needs a MOUNTPOINT", EXIT_USAGE)
+            _fail("--files with a relative PATH needs a MOUNTPOINT", EXIT_USAGE)
         mps = _every_mount()
     if not watch:
         code = _show_status(mps, as_json, files, single=client, cluster=cluster)
@@ -356,40 +361,50 @@ def _flush_with_progress(client: Client, timeout: float | None, cluster: bool = 
 
 
 # -- prefetch / evict ----------------------------------------------------------
-def _request(path: str, method) -> dict:
+def _request_each(paths: tuple[str, ...], method) -> list[dict]:
+    """`method`'s answer for each of `paths` (on one mount or several),
+    every path's mount found before any is asked."""
+    clients = [_client(p) for p in paths]
     try:
-        return method(_client(path))
+        return [method(c) for c in clients]
     except CkptfsError as exc:
         _fail(str(exc), _exit_code(exc))
         raise AssertionError from None
 
 
+def _total(answers: list[dict], key: str) -> int:
+    return sum(a[key] for a in answers)
+
+
 @click.command()
-@click.argument("path", type=GivenPath())
-def prefetch(path: str) -> None:
-    """Load PATH (a file or a directory, recursively) from the store into RAM,
-    verified, ahead of a restart's reads. Files that cannot be loaded (corrupt
-    in the store, the store unreachable) are named, and the rest loaded (exit 1)."""
-    r = _request(path, Client.prefetch)
-    click.echo(f"ckptfs: loaded {r['loaded']} files ({format_size(r['bytes'])}) into RAM")
-    if r["failed"]:
-        click.echo(f"ckptfs: error: {len(r['failed'])} files not loaded:", err=True)
-        for f in r["failed"]:
+@click.argument("paths", nargs=-1, required=True, metavar="PATH...", type=GivenPath())
+def prefetch(paths: tuple[str, ...]) -> None:
+    """Load each PATH (a file or a directory, recursively) from the store
+    into RAM, verified, ahead of a restart's reads. Files that cannot be
+    loaded (corrupt in the store, the store unreachable) are named, and the
+    rest loaded (exit 1)."""
+    answers = _request_each(paths, Client.prefetch)
+    click.echo(f"ckptfs: loaded {_total(answers, 'loaded')} files ({format_size(_total(answers, 'bytes'))}) into RAM")
+    failed = [f for a in answers for f in a["failed"]]
+    if failed:
+        click.echo(f"ckptfs: error: {len(failed)} files not loaded:", err=True)
+        for f in failed:
             click.echo(f"  {printable(f['path'])}: {printable(f['error'])}", err=True)
         sys.exit(EXIT_INCOMPLETE)
 
 
 @click.command()
-@click.argument("path", type=GivenPath())
-def evict(path: str) -> None:
-    """Drop PATH's published files (a file or a directory, recursively) from
-    RAM; they load again from the store on next use. Unpublished files are
-    refused (exit 1): their only copy is in RAM."""
-    r = _request(path, Client.evict)
-    click.echo(f"ckptfs: evicted {r['evicted']} files ({format_size(r['bytes'])}) from RAM")
-    if r["refused"]:
-        click.echo(f"ckptfs: error: {len(r['refused'])} files not evicted, not published yet:", err=True)
-        for f in r["refused"]:
+@click.argument("paths", nargs=-1, required=True, metavar="PATH...", type=GivenPath())
+def evict(paths: tuple[str, ...]) -> None:
+    """Drop the published files of each PATH (a file or a directory,
+    recursively) from RAM; they load again from the store on next use.
+    Unpublished files are refused (exit 1): their only copy is in RAM."""
+    answers = _request_each(paths, Client.evict)
+    click.echo(f"ckptfs: evicted {_total(answers, 'evicted')} files ({format_size(_total(answers, 'bytes'))}) from RAM")
+    refused = [f for a in answers for f in a["refused"]]
+    if refused:
+        click.echo(f"ckptfs: error: {len(refused)} files not evicted, not published yet:", err=True)
+        for f in refused:
             click.echo(f"  {printable(f['path'])}: {f['state']}", err=True)
         sys.exit(EXIT_INCOMPLETE)
 

@@ -68,6 +68,12 @@ def test_status_totals_files_and_all_mounts(fresh_mount):
     assert [f["path"] for f in status_json(m.mountpoint, "--files", "ck")["files"]] == ["ck/a.bin", "ck/b.bin"]
     assert [f["path"] for f in status_json(m.mountpoint, "--files", str(m.path("other")))["files"]] == ["other"]
     assert_clean_error(run_cli("status", str(m.mountpoint), "--files", "nope"), "no such file")
+    # no MOUNTPOINT, an absolute PATH: the mount it is on (`status --files /mnt` listed nothing: an error)
+    r = run_cli("status", "--json", "--files", str(m.mountpoint))
+    assert r.returncode == 0 and json.loads(r.stdout)["mount"]["mountpoint"] == str(m.mountpoint), r.stderr
+    assert {f["path"] for f in json.loads(r.stdout)["files"]} == set(rows)
+    r = run_cli("status", "--json", "--files", str(m.path("ck")))
+    assert [f["path"] for f in json.loads(r.stdout)["files"]] == ["ck/a.bin", "ck/b.bin"], r.stderr
 
     # human output: totals and a table naming each file and its state
     r = run_cli("status", str(m.mountpoint), "--files")
@@ -340,6 +346,15 @@ def test_evict_and_prefetch(fresh_mount):
     t = status_json(m.mountpoint)["totals"]
     assert t["evicted"]["files"] == 2 and t["counters"]["loads"] == 1
     assert run_cli("prefetch", str(m.mountpoint)).stdout.startswith("ckptfs: loaded 2 files")
+
+    # several PATHs (a shell's glob), their totals told together
+    r = run_cli("evict", *(str(m.path(p)) for p in data))
+    assert r.returncode == 0 and "evicted 3 files (3.0 MiB)" in r.stdout, r.stdout + r.stderr
+    r = run_cli("prefetch", str(m.path("ck", "0.bin")), str(m.path("ck", "2.bin")))
+    assert r.returncode == 0 and "loaded 2 files (2.0 MiB)" in r.stdout, r.stdout + r.stderr
+    assert status_json(m.mountpoint)["totals"]["evicted"]["files"] == 1
+    assert_clean_error(run_cli("evict", str(m.path("ck", "1.bin")), str(m.path("nope"))), "no such file")
+    assert status_json(m.mountpoint)["totals"]["evicted"]["files"] == 1  # nothing done when one PATH is wrong
     for p, d in data.items():
         assert m.path(p).read_bytes() == d
 
