@@ -405,7 +405,8 @@ class Operations(pyfuse3.Operations):
         for name, inode, cookie in self.tree.readdir(fh, start_id):
             if not pyfuse3.readdir_reply(token, name, attributes(inode, self.timeout), cookie):
                 break
-            self.tree.ref(inode)  # readdirplus hands the kernel a reference
+            if name not in (b".", b".."):  # (the kernel takes no reference to those)
+                self.tree.ref(inode)  # readdirplus hands the kernel a reference
 
     @_errors
     async def releasedir(self, fh: int) -> None:

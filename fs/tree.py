@@ -44,6 +44,7 @@ XATTR_SIZE_MAX = 65536
 XATTR_TOTAL_MAX = 128 << 10
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
+DOTS = ((b".", 1), (b"..", 2))  # the first entries of every listing, with their offsets; the entries' cookies come after
 LISTINGS_KEPT = 64  # directories whose listing in progress is kept for resuming
 MAX_SYMLINKS = 40  # followed in one path resolution, as Linux allows
 RESERVED = b".ckptfs"  # the store's hidden prefix: no entry's name (below the root, a store's mount refuses it as another store)
@@ -85,7 +86,7 @@ class Inode:
     target: bytes = b""  # symlinks
     children: dict[bytes, int] | None = None  # directories: name -> ino
     cookies: dict[bytes, int] | None = None  # directories: name -> readdir offset
-    next_cookie: int = 1
+    next_cookie: int = len(DOTS) + 1
     parent: int = ROOT  # directories: for rename loop checks
     xattrs: dict[bytes, bytes] | None = None  # made at the first setxattr: few files have any
     refs: int = 0  # references held by the client (kernel lookup count)
@@ -1020,7 +1021,8 @@ class InodeTree:
 
     # -- directories ---------------------------------------------------------
     def readdir(self, ino: int, offset: int) -> Iterator[tuple[bytes, Inode, int]]:
-        """Entries after `offset`, each with the offset to resume after it.
+        """Entries after `offset`, each with the offset to resume after it:
+        "." and ".." first (`DOTS`), as a local file system lists them.
 
         Offsets are per-entry cookies that only grow, so a listing resumed
         after concurrent creates and deletes neither repeats nor skips the
@@ -1028,6 +1030,9 @@ class InodeTree:
         """
         d = self._dir(ino)
         assert d.children is not None and d.cookies is not None
+        for name, cookie in DOTS:
+            if offset < cookie:
+                yield name, (d if name == b"." else self.inodes[d.parent]), cookie
         listing = self._listings.get(ino) if offset else None
         if listing is None:  # a listing starts: the names as they are now, in cookie order
             listing = self._listings[ino] = [(cookie, name) for name, cookie in d.cookies.items()]

@@ -425,6 +425,23 @@ def test_readdir_during_changes(mnt: Path):
     assert sorted(os.listdir(mnt)) == [f"f{i:03d}" for i in range(250)]
 
 
+def test_a_listing_shows_dot_and_dot_dot(mnt: Path):
+    """`ls -a` shows "." and ".." (the directory and its parent), as on a
+    local file system; the kernel takes no reference to either, so the
+    directories listed are freed all the same once removed."""
+    free = os.statvfs(mnt).f_ffree
+    d = mnt / "p" / "d"
+    d.mkdir(parents=True)
+    (d / "f").write_bytes(b"")
+    listed = subprocess.run(["ls", "-a1i", str(d)], capture_output=True, text=True, check=True).stdout.split()
+    assert dict(zip(listed[1::2], map(int, listed[0::2]), strict=True)) == {
+        ".": d.stat().st_ino, "..": d.parent.stat().st_ino, "f": (d / "f").stat().st_ino}
+    assert os.listdir(d) == ["f"]
+    shutil.rmtree(mnt / "p")
+    drop_caches()
+    assert os.statvfs(mnt).f_ffree == free
+
+
 def test_full_length_reads(mnt: Path):
     p = mnt / "big"
     payload = os.urandom(9 << 20)

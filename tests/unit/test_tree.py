@@ -226,8 +226,26 @@ def test_readdir_offsets_survive_concurrent_changes(s):
     new_file(s, b"new")  # created during the listing: may appear, once
     rest = [name for name, _, _ in s.readdir(ROOT, resume)]
     listed = [n for n, _, _ in first] + rest
+    assert listed[:2] == [b".", b".."]
+    listed = listed[2:]
     assert sorted(set(listed) - {b"new"}) == sorted({b"f%d" % i for i in range(10)} - {b"f7"})
     assert len(listed) == len(set(listed))
+
+
+def test_a_listing_starts_with_dot_and_dot_dot(s):
+    """Every directory's listing starts with "." and ".." (the directory and
+    its parent; the root's parent is the root), as on a local file system:
+    `ls -a` showed neither."""
+    d = s.mkdir(ROOT, b"d", 0o755, 0, 0)
+    e = s.mkdir(d.ino, b"e", 0o755, 0, 0)
+    new_file(s, b"f", parent=e.ino)
+    assert [(name, inode.ino) for name, inode, _ in s.readdir(e.ino, 0)] == [(b".", e.ino), (b"..", d.ino), (b"f", s.lookup(e.ino, b"f").ino)]
+    assert [(name, inode.ino) for name, inode, _ in s.readdir(ROOT, 0)][:2] == [(b".", ROOT), (b"..", ROOT)]
+    # resumed after each of them: each comes once
+    dot = next(s.readdir(e.ino, 0))[2]
+    assert [name for name, _, _ in s.readdir(e.ino, dot)] == [b"..", b"f"]
+    dotdot = list(s.readdir(e.ino, 0))[1][2]
+    assert [name for name, _, _ in s.readdir(e.ino, dotdot)] == [b"f"]
 
 
 def test_a_directory_gone_for_good_leaves_no_listing_behind(s):
@@ -237,7 +255,7 @@ def test_a_directory_gone_for_good_leaves_no_listing_behind(s):
     d = s.mkdir(ROOT, b"d", 0o755, 0, 0)
     for i in range(100):
         new_file(s, b"f%d" % i, parent=d.ino)
-    assert len(list(s.readdir(d.ino, 0))) == 100
+    assert len(list(s.readdir(d.ino, 0))) == 2 + 100
     for i in range(100):
         s.unlink(d.ino, b"f%d" % i)
     s.rmdir(ROOT, b"d")
@@ -292,6 +310,8 @@ def test_a_listing_in_batches_sees_every_entry_that_stays_exactly_once(changes, 
                 new_file(t, name)
         if len(got) < batch:
             break
+    assert listed[:2] == [b".", b".."] and b"." not in listed[2:] and b".." not in listed[2:]
+    listed = listed[2:]
     assert all(listed.count(n) <= 1 for n in listed if n not in recreated)  # a name created meanwhile is a new entry
     stayed = {n for n in names if n not in touched}
     assert stayed <= set(listed)
@@ -489,7 +509,7 @@ def test_restore_files_restores_as_restore_does_one_at_a_time():
     assert [sorted(many.paths_of(n.ino)) for n in made] == [["d/e/a"], ["d/e/b"], ["d/e/c"]]
     for path in ("d/e/a", "d/e/b", "d/e/c"):
         assert _as_restored(many, path) == _as_restored(one, path)
-    assert [name for name, _, _ in many.readdir(many.inode_at("d/e").ino, 0)] == [b"c", b"a", b"b"]
+    assert [name for name, _, _ in many.readdir(many.inode_at("d/e").ino, 0)] == [b".", b"..", b"c", b"a", b"b"]
     # the parent is made as needed, in the root too; the root's reserved name is refused
     assert [sorted(many.paths_of(n.ino)) for n in many.restore_files("x/y", [("f", 0o644, 1, 1, None, None)])] == [["x/y/f"]]
     assert many.restore_files("", [("g", 0o644, 1, 1, None, None)])[0].size == 1
