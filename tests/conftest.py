@@ -11,6 +11,11 @@ from hypothesis import settings
 
 from tests.mountutil import Mount, fuse_usable, start_mount, stop_mount
 
+# gs:// stores are tested on an emulator, which has no gRPC control API for
+# gcsfs's bucket-type probe to ask (tests/gcsserver.py): set before gcsfs is
+# first imported, here or in a daemon the tests start.
+os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
+
 # The suite is deterministic: property tests replay the same examples on
 # every run. `pytest --hypothesis-profile=fuzz` explores new ones, many more.
 settings.register_profile("ci", derandomize=True, database=None)
@@ -84,6 +89,20 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory):
         pytest.fail("redis-server is needed for the cluster tests: bash scripts/bootstrap.sh installs it")
     server = RedisServer(tmp_path_factory.mktemp("redis"))
     server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def gcs(tmp_path_factory: pytest.TempPathFactory):
+    """A GCS server (an emulator) on loopback for the whole session."""
+    from tests.gcsserver import have_emulator, start_gcs
+
+    if not have_emulator():
+        pytest.fail("gcsfs and gcp-storage-emulator are needed for the GCS tests: pip install -e '.[test]'")
+    server = start_gcs(tmp_path_factory.mktemp("gcsroot"))
     try:
         yield server
     finally:

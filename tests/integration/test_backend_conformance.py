@@ -1,6 +1,6 @@
 """One conformance suite for the store adapter, run on every kind of store
-(in the style of fsspec's tests/abstract): memory://, file://, and s3:// on a
-real S3 server on loopback."""
+(in the style of fsspec's tests/abstract): memory://, file://, s3:// on a
+real S3 server on loopback and gs:// on a GCS emulator on loopback."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from ckptfs.writeback.backend import open_store
 _n = itertools.count()
 
 
-@pytest.fixture(params=["memory", "file", "s3"])
+@pytest.fixture(params=["memory", "file", "s3", "gcs"])
 def store(request, tmp_path):
     kind = request.param
     if kind == "memory":
@@ -28,9 +28,12 @@ def store(request, tmp_path):
         yield open_store(f"memory://ckptfs-{next(_n)}")
     elif kind == "file":
         yield open_store(str(tmp_path / "store"))
-    else:
+    elif kind == "s3":
         s3 = request.getfixturevalue("s3")
         yield open_store(s3.bucket("conformance") + f"/root-{next(_n)}", s3.options())
+    else:
+        gcs = request.getfixturevalue("gcs")
+        yield open_store(gcs.bucket("conformance") + f"/root-{next(_n)}", gcs.options())
 
 
 def data_of(store, path):

@@ -674,11 +674,11 @@ def test_store_protocol_package_missing(dirs):
     mp, _ = dirs
     pytest.importorskip("fsspec")
     try:
-        import gcsfs  # noqa: F401
-        pytest.skip("gcsfs is installed")
+        import adlfs  # noqa: F401
+        pytest.skip("adlfs is installed")
     except ImportError:
         pass
-    assert_clean_error(run_cli("mount", str(mp), "--store", "gs://bucket/x"), "gcsfs")
+    assert_clean_error(run_cli("mount", str(mp), "--store", "abfs://container/x"), "adlfs")
 
 
 def test_store_path_is_a_file(dirs, tmp_path):

@@ -1,0 +1,109 @@
+"""A GCS server on loopback: gcp-storage-emulator (from PyPI), which
+answers Google Cloud Storage's JSON API as gcsfs speaks it, started and
+stopped by the tests, by pid.
+
+gcsfs (2025.x on) makes `gs://` an `ExtendedGcsFileSystem` that first asks
+Google's gRPC control API what kind of bucket it is: an emulator has none,
+and each such question waits out a 60 s deadline. The tests turn that off
+(`GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`, set in conftest before gcsfs is
+first imported, inherited by the daemons they start)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.ports import free_port
+from tests.s3server import stop_group
+
+START_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 5.0
+PROJECT = "ckptfs-tests"
+LAUNCH = """
+import http.server, sys
+http.server.HTTPServer.request_queue_size = 4096
+from gcp_storage_emulator.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@dataclass
+class GCSServer:
+    root: Path
+    port: int = 0
+    proc: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def options(self) -> dict:
+        return {"endpoint_url": self.endpoint, "token": "anon", "project": PROJECT}
+
+    def cli_options(self) -> list[str]:
+        return [arg for k, v in self.options().items() for arg in ("--store-option", f"{k}={v}")]
+
+    def start(self) -> None:
+        self.port = free_port()
+        # --in-memory: its objects live in the process (a restart of it starts empty).
+        # It serves one connection at a time, behind a listen backlog of 5: the
+        # many requests a store has in flight at once (a restart's reads of its
+        # records) had their connections dropped and retried for a second or
+        # more each (100 concurrent reads took 150 s). A longer backlog queues them.
+        args = [sys.executable, "-c", LAUNCH, "start", "--host=127.0.0.1", f"--port={self.port}", "--in-memory"]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=open(self.root / "emulator.log", "ab"),
+                                     start_new_session=True, cwd=self.root)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                self.fs().ls("")
+                return
+            except Exception:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    self.stop()
+                    raise RuntimeError(f"gcp-storage-emulator did not start: {(self.root / 'emulator.log').read_text()[-2000:]}") from None
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        stop_group(self.proc, STOP_TIMEOUT_S)
+        self.proc = None
+
+    def fs(self):
+        import gcsfs
+
+        return gcsfs.GCSFileSystem(**self.options(), skip_instance_cache=True, use_listings_cache=False)
+
+    def bucket(self, name: str) -> str:
+        fs = self.fs()
+        if not fs.exists(name):
+            fs.mkdir(name)
+        return f"gs://{name}"
+
+    def objects(self, bucket: str) -> dict[str, bytes]:
+        """The bucket's objects (ckptfs's own prefix excluded), as a client reads them."""
+        fs = self.fs()
+        out = {}
+        for full in fs.find(bucket):
+            rel = full[len(bucket) + 1 :]
+            if not rel.startswith(".ckptfs/"):
+                out[rel] = fs.cat_file(full)
+        return out
+
+
+def start_gcs(root: Path) -> GCSServer:
+    root.mkdir(parents=True, exist_ok=True)
+    server = GCSServer(root)
+    server.start()
+    return server
+
+
+def have_emulator() -> bool:
+    try:
+        import gcp_storage_emulator  # noqa: F401
+        import gcsfs  # noqa: F401
+    except ImportError:
+        return False
+    return True
