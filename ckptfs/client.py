@@ -90,8 +90,11 @@ class Client:
         self.mountpoint, self.relpath = find_mount(path)
         self.timeout = timeout
         owner = runtime.mount_owner(self.mountpoint)
-        if owner is not None and os.getuid() not in (0, owner):
-            raise AccessDenied(f"{self.mountpoint} was mounted by uid {owner}; only that user (or root) may control it")
+        if owner is not None and owner != os.getuid():
+            # Its daemon keeps its control socket in that user's runtime directory, which
+            # may be anywhere ($XDG_RUNTIME_DIR): not knowing where, root would call it stale.
+            raise AccessDenied(f"{self.mountpoint} was mounted by uid {owner}: only that user's ckptfs can reach its daemon "
+                               "(its details are in that user's runtime directory)")
         self.socket_path = runtime.control_socket(self.mountpoint)
 
     @classmethod

@@ -144,6 +144,10 @@ def _show_status(mps: list[str], as_json: bool, files: str | None, single: Clien
             if single is not None:
                 _fail(str(exc), _exit_code(exc))
             continue  # unmounted since it was listed, and its daemon gone: nothing of it left to show
+        except AccessDenied as exc:
+            if single is not None:
+                _fail(str(exc), _exit_code(exc))
+            reports.append({"mount": {"mountpoint": mp}, "error": str(exc), "denied": True})  # another user's: not a failure of this one's
         except CkptfsError as exc:
             if single is not None:
                 _fail(str(exc), _exit_code(exc))
@@ -166,6 +170,9 @@ def _print_status(console, r: dict) -> None:
     from rich.text import Text
 
     m = r["mount"]
+    if r.get("denied"):
+        console.print(Text.assemble((printable(m["mountpoint"]), "bold"), ": ", ("another user's", "dim"), f": {printable(r['error'])}"))
+        return
     if "error" in r:
         console.print(Text.assemble((printable(m["mountpoint"]), "bold"), ": ", ("unavailable", "red"), f": {printable(r['error'])}"))
         return

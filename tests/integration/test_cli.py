@@ -185,11 +185,13 @@ def test_umount_again_after_an_interrupted_one_waits_for_the_drain(tmp_path):
             assert "draining" in r.stdout and "gives up in " in r.stdout, r.stdout
             # and among every mount's, with no MOUNTPOINT (it was left out: unmounted)
             r = run_cli("status", "--json")
-            assert r.returncode == 0, r.stderr
-            listed = [x for x in json.loads(r.stdout)["mounts"] if x["mount"]["mountpoint"] == str(m.mountpoint)]
+            mounts = json.loads(r.stdout)["mounts"]
+            listed = [x for x in mounts if x["mount"]["mountpoint"] == str(m.mountpoint)]
             assert len(listed) == 1 and listed[0]["totals"]["queue"] == 1 and listed[0]["mount"]["draining_until"], r.stdout
+            unreachable = any("error" in x and not x.get("denied") for x in mounts)  # (another mount of the machine's, out of its runtime directory)
+            assert r.returncode == (3 if unreachable else 0), r.stdout + r.stderr
             r = run_cli("status")
-            assert r.returncode == 0 and str(m.mountpoint) in r.stdout and "draining" in r.stdout, r.stdout + r.stderr
+            assert r.returncode == (3 if unreachable else 0) and str(m.mountpoint) in r.stdout and "draining" in r.stdout, r.stdout + r.stderr
             r = run_cli("flush", str(m.mountpoint), "--timeout", "1")
             assert r.returncode == 1 and "is unmounted; its daemon" in r.stderr and "not published after 1s" in r.stderr, r.stderr
             again = subprocess.Popen([sys.executable, "-m", "ckptfs.tools.cli", "umount", str(m.mountpoint)],

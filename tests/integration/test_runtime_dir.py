@@ -100,3 +100,31 @@ def test_only_the_owner_can_unmount(tmp_path):
         assert is_mounted(m.mountpoint) and m.proc.poll() is None  # untouched
     finally:
         stop_mount(m)
+
+
+def test_another_users_mount_is_named_as_such_and_fails_no_listing(tmp_path):
+    """`ckptfs status` lists every ckptfs mount on the machine: another
+    user's is shown as such ("mounted by uid 0"), not as unavailable, and
+    does not make the listing fail (exit 3); asked for by name, it is a
+    clear error. (It said "its daemon is not running (stale mount?)": a
+    daemon running as another user keeps its details where this user's
+    ckptfs does not look.)"""
+    import json
+
+    m = start_mount(tmp_path)
+    try:
+        def as_nobody(*args: str) -> subprocess.CompletedProcess:
+            return subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+                                   sys.executable, "-m", "ckptfs.tools.cli", *args],
+                                  capture_output=True, text=True, timeout=60, cwd="/", env={**os.environ, "CKPTFS_RUNTIME_DIR": "/nonexistent"})
+
+        r = as_nobody("status", "--json")
+        assert r.returncode == 0, r.stdout + r.stderr
+        listed = {x["mount"]["mountpoint"]: x for x in json.loads(r.stdout)["mounts"]}
+        assert listed[str(m.mountpoint)]["denied"] and "mounted by uid 0" in listed[str(m.mountpoint)]["error"], r.stdout
+        assert all(x.get("denied") for x in listed.values()), r.stdout  # (every mount here is root's)
+        r = as_nobody("status")
+        assert r.returncode == 0 and f"{m.mountpoint}: another user's: " in r.stdout and "stale" not in r.stdout, r.stdout + r.stderr
+        one_line_error(as_nobody("status", str(m.mountpoint)), 2, "mounted by uid 0")
+    finally:
+        stop_mount(m)
