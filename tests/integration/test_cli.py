@@ -157,6 +157,33 @@ def test_umount_says_what_is_left_while_a_failing_store_holds_the_drain(tmp_path
         stop_mount(m)
 
 
+def test_umount_says_when_only_the_daemons_last_store_calls_are_left(tmp_path):
+    """Everything published, the store frozen: the daemon's exit still makes
+    its last store calls (the manifest index, its retirement), each up to
+    --store-timeout. `umount` said "still publishing: 0 namespace changes
+    left; the daemon gives up on it in 9.9 min" meanwhile."""
+    from tests.gcsserver import start_gcs
+
+    gcs = start_gcs(tmp_path / "gcs")  # a store of this test's own, to freeze (SIGSTOP)
+    m = start_mount(tmp_path, extra=("--store", gcs.bucket("frozen"), *gcs.cli_options(), "--store-timeout", "6"))
+    m.allowed_log_errors += ["gave no answer", "cannot write this daemon's heartbeat", "cannot leave the manifest index"]
+    try:
+        m.path("model.pt").write_bytes(b"m" * 1000)
+        assert run_cli("flush", str(m.mountpoint)).returncode == 0
+        os.killpg(gcs.proc.pid, signal.SIGSTOP)
+        try:
+            r = run_cli("umount", str(m.mountpoint))
+        finally:
+            os.killpg(gcs.proc.pid, signal.SIGCONT)
+        assert r.returncode == 0 and "everything is published" in r.stdout, r.stdout + r.stderr
+        assert "umount: everything is published; the daemon's last store calls (the manifest index, its retirement) are under way, " \
+               "each given at most 6s" in r.stderr, r.stderr
+        assert "still publishing" not in r.stderr, r.stderr
+    finally:
+        stop_mount(m)
+        gcs.stop()
+
+
 def test_umount_again_after_an_interrupted_one_waits_for_the_drain(tmp_path):
     """An umount cut short (^C, a lost session, its --timeout) leaves the
     daemon unmounted and publishing what it holds. Running umount again
