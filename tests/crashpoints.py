@@ -8,8 +8,9 @@ import functools
 import os
 import random
 import shutil
+from collections.abc import Callable
 
-from tests.mountutil import run_cli
+from tests.mountutil import run_cli, start_mount, stop_mount
 
 
 @functools.cache
@@ -69,3 +70,80 @@ def consistent(files: dict[str, bytes], step1_was_complete: bool = True, big: in
     if step2 and not step1 and "2/commit" not in files and step1_was_complete:
         bad.append("checkpoint 1 removed before checkpoint 2 was complete")
     return bad
+
+
+def killed_at_a_store_call(tmp_path, opts: tuple[str, ...], call: str, when: str, big: int,
+                           objects: Callable[[], dict[str, bytes]], store: Callable[[], object]) -> None:
+    """The workload (`checkpoint_workload`, with a large file of `big`
+    bytes) on a mount over the object store `opts` name, its daemon killed
+    (SIGKILL) `when` ("before" or "after") its first store call described
+    as `call`; then a remount: the store's files (`objects()`: name ->
+    bytes) a consistent prefix, `verify` of `store()` clean, and the mount
+    publishes the rest and unmounts cleanly."""
+    from ckptfs.writeback.verify import verify
+
+    m = start_mount(tmp_path, env={"CKPTFS_TEST_CRASH_AT": f"{call}:{when}"}, extra=opts)
+    try:
+        checkpoint_workload(m, big)
+        assert f"crash-point test: SIGKILL {when} store call" in m.log_text() and f"({call}" in m.log_text()
+        # Step 1 whole in the store: its marker was published, after its data (C3). (On object stores its
+        # small files may be published at 1.tmp/ and moved: no "published 1/a" line to look for.)
+        step1_was_complete = "published 1/commit " in m.log_text()
+        assert step1_was_complete  # (every case crashes after step 1's flush)
+    finally:
+        stop_mount(m)
+    again = start_mount(tmp_path, extra=opts)
+    again.allowed_log_errors += ["crash-point test"]  # (the killed daemon's line, in the same log)
+    try:
+        files = objects()
+        assert consistent(files, step1_was_complete, big) == [], sorted(files)
+        assert verify(store()).clean
+        assert run_cli("umount", str(again.mountpoint)).returncode == 0
+    finally:
+        stop_mount(again)
+    assert again.unexpected_log_errors() == []
+
+
+def killed_after_changes_since_the_image(tmp_path, opts: tuple[str, ...], store: Callable[[], object], n: int = 30) -> None:
+    """`n` files published and a clean exit; a daemon that changed two of
+    them (f1 rewritten, f2 deleted) then killed (SIGKILL): the mount after it
+    reads only the records changed since the image its claim left (f1's and
+    the root's; the store's own times tell which), shows the changes, and
+    unmounts cleanly over a store `verify` finds clean."""
+    import re
+    import signal
+    import time
+
+    from ckptfs.writeback import manifest
+    from ckptfs.writeback.verify import verify
+
+    m = start_mount(tmp_path, extra=opts)
+    try:
+        for i in range(n):
+            m.path(f"f{i}").write_bytes(bytes([i]) * 100)
+        assert run_cli("flush", str(m.mountpoint)).returncode == 0
+        time.sleep(manifest.CLOCK_MARGIN_S + 1.5)  # records changed within the margin before an image are read again (S3's times: whole seconds)
+        assert run_cli("umount", str(m.mountpoint)).returncode == 0
+    finally:
+        stop_mount(m)
+    m = start_mount(tmp_path, extra=opts)
+    try:
+        m.path("f1").write_bytes(b"new")
+        m.path("f2").unlink()
+        assert run_cli("flush", str(m.mountpoint)).returncode == 0
+        os.kill(m.pid, signal.SIGKILL)
+        m.proc.wait(timeout=30)
+    finally:
+        stop_mount(m)
+    again = start_mount(tmp_path, extra=opts)
+    again.allowed_log_errors.append("heartbeat")
+    try:
+        found = re.search(r"reading (\d+) of (\d+) records", again.log_text())
+        assert found is not None and int(found[1]) <= 2 and int(found[2]) >= n - 1, found  # f1's and the root's
+        assert sorted(p.name for p in again.mountpoint.iterdir()) == sorted(f"f{i}" for i in range(n) if i != 2)
+        assert again.path("f1").read_bytes() == b"new"
+        assert again.path("f7").read_bytes() == bytes([7]) * 100
+        assert run_cli("umount", str(again.mountpoint)).returncode == 0
+    finally:
+        stop_mount(again)
+    assert manifest.read_all(store())[1] == [] and verify(store()).clean

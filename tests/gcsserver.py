@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from tests.ports import free_port
-from tests.s3server import stop_group
+from tests.servers import objects_in, stop_group, wait_started
 
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 5.0
@@ -56,16 +55,7 @@ class GCSServer:
         args = [sys.executable, "-c", LAUNCH, "start", "--host=127.0.0.1", f"--port={self.port}", "--in-memory"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=open(self.root / "emulator.log", "ab"),
                                      start_new_session=True, cwd=self.root)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            try:
-                self.fs().ls("")
-                return
-            except Exception:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    self.stop()
-                    raise RuntimeError(f"gcp-storage-emulator did not start: {(self.root / 'emulator.log').read_text()[-2000:]}") from None
-                time.sleep(0.2)
+        wait_started(self.proc, lambda: self.fs().ls(""), START_TIMEOUT_S, self.stop, "gcp-storage-emulator", self.root / "emulator.log")
 
     def stop(self) -> None:
         stop_group(self.proc, STOP_TIMEOUT_S)
@@ -84,13 +74,7 @@ class GCSServer:
 
     def objects(self, bucket: str) -> dict[str, bytes]:
         """The bucket's objects (ckptfs's own prefix excluded), as a client reads them."""
-        fs = self.fs()
-        out = {}
-        for full in fs.find(bucket):
-            rel = full[len(bucket) + 1 :]
-            if not rel.startswith(".ckptfs/"):
-                out[rel] = fs.cat_file(full)
-        return out
+        return objects_in(self.fs(), bucket)
 
 
 def start_gcs(root: Path) -> GCSServer:

@@ -8,12 +8,11 @@ from __future__ import annotations
 import secrets
 import shutil
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from tests.ports import free_port
-from tests.s3server import stop_group
+from tests.servers import stop_group, wait_started
 
 START_TIMEOUT_S = 20.0
 
@@ -49,8 +48,6 @@ class RedisServer:
         return self.root / "password"
 
     def start(self) -> None:
-        import redis
-
         self.root.mkdir(parents=True, exist_ok=True)
         if not self.port:
             self.port = free_port()
@@ -67,17 +64,7 @@ class RedisServer:
         conf.chmod(0o600)
         self.proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", str(conf)], stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            try:
-                self.client(timeout=1).ping()
-                return
-            except redis.RedisError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    self.stop()
-                    log = self.root / "redis.log"
-                    raise RuntimeError(f"redis-server did not start: {log.read_text()[-2000:] if log.exists() else ''}") from None
-                time.sleep(0.05)
+        wait_started(self.proc, lambda: self.client(timeout=1).ping(), START_TIMEOUT_S, self.stop, "redis-server", self.root / "redis.log", 0.05)
 
     def client(self, timeout: float = 5):
         import redis

@@ -8,16 +8,15 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import stat
 import subprocess
 import sys
-import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.ports import free_port
+from tests.servers import objects_in, stop_group, wait_started
 
 KEY, SECRET = "CKPTFSTESTACCESSKEY1", "ckptfs-test-secret-key-0123456789abcdef"
 START_TIMEOUT_S = 60.0
@@ -70,16 +69,8 @@ class S3Server:
         # TMPDIR: its glog files go there (weed.INFO, ...), into the test's directory, not /tmp
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=open(self.root / "weed.log", "ab"),
                                      start_new_session=True, env={**os.environ, "TMPDIR": str(self.root)})
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            try:
-                self._s3fs().ls("")  # answers only once master, volume, filer and gateway are up
-                return
-            except Exception:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    self.stop()
-                    raise RuntimeError(f"weed server -s3 did not start: {(self.root / 'weed.log').read_text()[-2000:]}") from None
-                time.sleep(0.2)
+        # `ls` answers only once master, volume, filer and gateway are up
+        wait_started(self.proc, lambda: self._s3fs().ls(""), START_TIMEOUT_S, self.stop, "weed server -s3", self.root / "weed.log")
 
     def stop(self) -> None:
         # weed's graceful stop waits for its own gRPC streams (the volume
@@ -122,30 +113,12 @@ class S3Server:
 
     def objects(self, bucket: str) -> dict[str, bytes]:
         """The bucket's objects (ckptfs's own prefix excluded), as a client reads them."""
-        fs = self._s3fs()
-        out = {}
-        for full in fs.find(bucket):
-            rel = full[len(bucket) + 1 :]
-            if not rel.startswith(".ckptfs/"):
-                out[rel] = fs.cat_file(full)
-        return out
+        return objects_in(self._s3fs(), bucket)
 
     def uploads(self, bucket: str) -> list[str]:
         """Keys of the bucket's incomplete multipart uploads."""
         page = self._s3fs().call_s3("list_multipart_uploads", Bucket=bucket)
         return [u["Key"] for u in page.get("Uploads", [])]
-
-
-def stop_group(proc: subprocess.Popen | None, timeout: float) -> None:
-    """Stop a server started in a session of its own: SIGTERM to its process
-    group, SIGKILL if it is not gone within `timeout`."""
-    if proc is not None and proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def start_s3(root: Path) -> S3Server:

@@ -4,10 +4,7 @@ adapter's conformance suite checks call by call, here through a daemon."""
 from __future__ import annotations
 
 import os
-import re
 import shutil
-import signal
-import time
 
 import pytest
 from ckptfs.writeback.backend import open_store
@@ -20,8 +17,8 @@ torch = pytest.importorskip("torch")
 
 def test_mount_over_gcs_save_rotate_umount_remount_load(gcs, tmp_path):
     """Checkpoints saved as Orbax does (a temporary directory renamed once
-    complete), one of them rotated away, a file larger than one PUT staged
-    ahead: after the unmount the bucket holds the newest checkpoint at its
+    complete), one of them rotated away, a large file staged while it is
+    written: after the unmount the bucket holds the newest checkpoint at its
     final names only, verified; a remount loads it back."""
     url = gcs.bucket("mount-roundtrip")
     opts = ("--store", url, *gcs.cli_options())
@@ -58,45 +55,14 @@ def test_mount_over_gcs_save_rotate_umount_remount_load(gcs, tmp_path):
         stop_mount(again)
 
 
-def test_after_a_crash_on_gcs_the_next_mount_shows_what_was_published(gcs, tmp_path):
-    """A daemon killed after publishing changes: the next mount reads the
-    records changed since the image its claim left (the store's times are
-    GCS's `updated`) and shows those changes; nothing it published is lost."""
-    from ckptfs.writeback import manifest
+def test_after_a_crash_on_gcs_the_next_mount_reads_only_the_records_changed_since_the_image(gcs, tmp_path):
+    """The store's times are GCS's `updated`: after a clean exit and a daemon
+    killed after changing two files, the mount after it reads only their
+    records (and the root's), and shows the changes."""
+    from tests.crashpoints import killed_after_changes_since_the_image
 
     url = gcs.bucket("crash")
-    opts = ("--store", url, *gcs.cli_options())
-    m = start_mount(tmp_path, extra=opts)
-    try:
-        for i in range(20):
-            m.path(f"f{i}").write_bytes(bytes([i]) * 100)
-        assert run_cli("flush", str(m.mountpoint)).returncode == 0
-        time.sleep(manifest.CLOCK_MARGIN_S + 1)  # records changed within the margin before an image are read again
-        assert run_cli("umount", str(m.mountpoint)).returncode == 0
-    finally:
-        stop_mount(m)
-    m = start_mount(tmp_path, extra=opts)
-    try:
-        m.path("f1").write_bytes(b"new")
-        m.path("f2").unlink()
-        assert run_cli("flush", str(m.mountpoint)).returncode == 0
-        os.kill(m.pid, signal.SIGKILL)
-        m.proc.wait(timeout=30)
-    finally:
-        stop_mount(m)
-    again = start_mount(tmp_path, extra=opts)
-    again.allowed_log_errors.append("heartbeat")
-    try:
-        found = re.search(r"reading (\d+) of (\d+) records", again.log_text())
-        assert found is not None and int(found[1]) <= 2 and int(found[2]) >= 19, again.log_text()  # f1's and the root's
-        assert sorted(p.name for p in again.mountpoint.iterdir()) == sorted(f"f{i}" for i in range(20) if i != 2)
-        assert again.path("f1").read_bytes() == b"new"
-        assert again.path("f7").read_bytes() == bytes([7]) * 100
-        assert run_cli("umount", str(again.mountpoint)).returncode == 0
-    finally:
-        stop_mount(again)
-    assert manifest.read_all(open_store(url, gcs.options()))[1] == []
-    assert verify(open_store(url, gcs.options())).clean
+    killed_after_changes_since_the_image(tmp_path, ("--store", url, *gcs.cli_options()), lambda: open_store(url, gcs.options()))
 
 
 # Store calls of the crash-point workload on GCS, by what they do (every call of it, 3 to 29, before
@@ -113,28 +79,10 @@ def test_kill9_at_a_store_call_on_gcs_leaves_a_verifiable_prefix(gcs, tmp_path, 
     workload with a large file: after a remount the bucket is a consistent
     prefix, every object whole, `verify` passes; the mount then publishes
     the rest, and no hidden object is left behind."""
-    from tests.crashpoints import checkpoint_workload, consistent
+    from tests.crashpoints import killed_at_a_store_call
 
-    big = 20 << 20
     bucket = f"crash-{GCS_CRASH_POINTS.index((call, when))}"
     url = gcs.bucket(bucket)
-    opts = ("--store", url, *gcs.cli_options())
-    m = start_mount(tmp_path, env={"CKPTFS_TEST_CRASH_AT": f"{call}:{when}"}, extra=opts)
-    try:
-        checkpoint_workload(m, big)
-        assert f"crash-point test: SIGKILL {when} store call" in m.log_text() and f"({call}" in m.log_text()
-        step1_was_complete = "published 1/commit " in m.log_text()
-        assert step1_was_complete  # (every case here crashes after step 1's flush)
-    finally:
-        stop_mount(m)
-    again = start_mount(tmp_path, extra=opts)
-    again.allowed_log_errors += ["crash-point test"]  # (the killed daemon's line, in the same log)
-    try:
-        files = gcs.objects(bucket)
-        assert consistent(files, step1_was_complete, big) == [], sorted(files)
-        assert verify(open_store(url, gcs.options())).clean
-        assert run_cli("umount", str(again.mountpoint)).returncode == 0
-    finally:
-        stop_mount(again)
+    killed_at_a_store_call(tmp_path, ("--store", url, *gcs.cli_options()), call, when, 20 << 20,
+                           lambda: gcs.objects(bucket), lambda: open_store(url, gcs.options()))
     assert [p for p in gcs.fs().find(bucket) if "/.ckptfs/staging" in p] == []
-    assert again.unexpected_log_errors() == []

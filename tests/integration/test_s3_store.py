@@ -300,43 +300,10 @@ def test_after_a_crash_on_s3_the_next_mount_reads_only_the_records_changed_since
     """The store's times are the objects' LastModified: after a clean exit
     and a daemon killed after changing two files, the mount after it reads
     only their records (and the root's), and shows the changes."""
-    import os
-    import re
-    import signal
-    import time
-
-    from ckptfs.writeback import manifest
+    from tests.crashpoints import killed_after_changes_since_the_image
 
     url = s3.bucket("image")
-    opts = ("--store", url, *s3.cli_options())
-    m = start_mount(tmp_path, extra=opts)
-    try:
-        for i in range(30):
-            m.path(f"f{i}").write_bytes(bytes([i]) * 100)
-        assert run_cli("flush", str(m.mountpoint)).returncode == 0
-        time.sleep(manifest.CLOCK_MARGIN_S + 1.5)  # LastModified is in whole seconds
-        assert run_cli("umount", str(m.mountpoint)).returncode == 0
-    finally:
-        stop_mount(m)
-    m = start_mount(tmp_path, extra=opts)
-    try:
-        m.path("f1").write_bytes(b"new")
-        m.path("f2").unlink()
-        assert run_cli("flush", str(m.mountpoint)).returncode == 0
-        os.kill(m.pid, signal.SIGKILL)
-        m.proc.wait(timeout=30)
-    finally:
-        stop_mount(m)
-    again = start_mount(tmp_path, extra=opts)
-    again.allowed_log_errors.append("heartbeat")
-    try:
-        found = re.search(r"reading (\d+) of (\d+) records", again.log_text())
-        assert found is not None and int(found[1]) <= 2 and int(found[2]) >= 29, found  # f1's and the root's
-        assert sorted(p.name for p in again.mountpoint.iterdir()) == sorted(f"f{i}" for i in range(30) if i != 2)
-        assert again.path("f1").read_bytes() == b"new"
-        assert again.path("f7").read_bytes() == bytes([7]) * 100
-    finally:
-        stop_mount(again)
+    killed_after_changes_since_the_image(tmp_path, ("--store", url, *s3.cli_options()), lambda: open_store(url, s3.options()))
 
 
 def test_s3_listings_read_their_times_without_dateutil_and_give_the_same_times(s3):
@@ -631,30 +598,10 @@ def test_kill9_at_a_store_call_on_s3_leaves_a_verifiable_prefix(s3, tmp_path, ca
     workload with a large file (a multipart upload): after a remount the
     bucket is a consistent prefix, every object whole, `verify` passes; the
     mount then publishes the rest and no upload is left open."""
-    from tests.crashpoints import checkpoint_workload, consistent
+    from tests.crashpoints import killed_at_a_store_call
 
-    big = 40 << 20
     bucket = f"crash-{S3_CRASH_POINTS.index((call, when))}"
     url = s3.bucket(bucket)
-    opts = ("--store", url, *s3.cli_options())
-    m = start_mount(tmp_path, env={"CKPTFS_TEST_CRASH_AT": f"{call}:{when}"}, extra=opts)
-    try:
-        checkpoint_workload(m, big)
-        assert f"crash-point test: SIGKILL {when} store call" in m.log_text() and f"({call}" in m.log_text()
-        # Step 1 whole in the bucket: its marker was published, after its data (C3). (On S3 its small
-        # files are published at 1.tmp/ and moved: no "published 1/a" line to look for.)
-        step1_was_complete = "published 1/commit " in m.log_text()
-        assert step1_was_complete  # (every case here crashes after step 1's flush)
-    finally:
-        stop_mount(m)
-    again = start_mount(tmp_path, extra=opts)
-    again.allowed_log_errors += ["crash-point test"]  # (the killed daemon's line, in the same log)
-    try:
-        files = objects(s3, bucket)
-        assert consistent(files, step1_was_complete, big) == [], sorted(files)
-        assert verify(open_store(url, s3.options())).clean
-        assert run_cli("umount", str(again.mountpoint)).returncode == 0
-    finally:
-        stop_mount(again)
+    killed_at_a_store_call(tmp_path, ("--store", url, *s3.cli_options()), call, when, 40 << 20,
+                           lambda: objects(s3, bucket), lambda: open_store(url, s3.options()))
     assert s3.uploads(bucket) == []
-    assert again.unexpected_log_errors() == []
