@@ -65,8 +65,8 @@ def test_after_a_crash_on_gcs_the_next_mount_reads_only_the_records_changed_sinc
     killed_after_changes_since_the_image(tmp_path, ("--store", url, *gcs.cli_options()), lambda: open_store(url, gcs.options()))
 
 
-# Store calls of the crash-point workload on GCS, by what they do (every call of it, 3 to 29, before
-# and after, with and without the large file, was checked by hand on 2026-11-30: each time consistent):
+# Store calls of the crash-point workload on GCS, by what they do (every call of it, before and after:
+# 3 to 29 with the large file, 3 to 27 without, was checked by hand on 2026-11-30: each time consistent):
 # the large file staged to its hidden object and not yet published, the renamed directory's files
 # published (each a server-side copy from its hidden object) and its old name not yet removed, the
 # marker, the rotation's deletes.
