@@ -383,6 +383,17 @@ def _total(answers: list[dict], key: str) -> int:
     return sum(a[key] for a in answers)
 
 
+def _fail_with(answers: list[dict], key: str, header: str, why: str) -> None:
+    """The files every answer lists under `key` (each with its path and
+    `why`), under `header`, then exit 1; nothing if there are none."""
+    rows = [f for a in answers for f in a[key]]
+    if rows:
+        click.echo(f"ckptfs: error: {len(rows)} files {header}:", err=True)
+        for f in rows:
+            click.echo(f"  {printable(f['path'])}: {printable(str(f[why]))}", err=True)
+        sys.exit(EXIT_INCOMPLETE)
+
+
 @click.command()
 @click.argument("paths", nargs=-1, required=True, metavar="PATH...", type=GivenPath())
 def prefetch(paths: tuple[str, ...]) -> None:
@@ -392,12 +403,7 @@ def prefetch(paths: tuple[str, ...]) -> None:
     rest loaded (exit 1)."""
     answers = _request_each(paths, Client.prefetch)
     click.echo(f"ckptfs: loaded {_total(answers, 'loaded')} files ({format_size(_total(answers, 'bytes'))}) into RAM")
-    failed = [f for a in answers for f in a["failed"]]
-    if failed:
-        click.echo(f"ckptfs: error: {len(failed)} files not loaded:", err=True)
-        for f in failed:
-            click.echo(f"  {printable(f['path'])}: {printable(f['error'])}", err=True)
-        sys.exit(EXIT_INCOMPLETE)
+    _fail_with(answers, "failed", "not loaded", "error")
 
 
 @click.command()
@@ -408,12 +414,7 @@ def evict(paths: tuple[str, ...]) -> None:
     Unpublished files are refused (exit 1): their only copy is in RAM."""
     answers = _request_each(paths, Client.evict)
     click.echo(f"ckptfs: evicted {_total(answers, 'evicted')} files ({format_size(_total(answers, 'bytes'))}) from RAM")
-    refused = [f for a in answers for f in a["refused"]]
-    if refused:
-        click.echo(f"ckptfs: error: {len(refused)} files not evicted, not published yet:", err=True)
-        for f in refused:
-            click.echo(f"  {printable(f['path'])}: {f['state']}", err=True)
-        sys.exit(EXIT_INCOMPLETE)
+    _fail_with(answers, "refused", "not evicted, not published yet", "state")
 
 
 COMMANDS = (status, flush, prefetch, evict)
