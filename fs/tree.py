@@ -1033,8 +1033,8 @@ class InodeTree:
         for name, cookie in DOTS:
             if offset < cookie:
                 yield name, (d if name == b"." else self.inodes[d.parent]), cookie
-        listing = self._listings.get(ino) if offset else None
-        if listing is None:  # a listing starts: the names as they are now, in cookie order
+        listing = self._listings.get(ino) if offset > DOTS[-1][1] else None
+        if listing is None:  # a listing starts (past the dots): the names as they are now, in cookie order
             listing = self._listings[ino] = [(cookie, name) for name, cookie in d.cookies.items()]
             while len(self._listings) > LISTINGS_KEPT:
                 del self._listings[next(iter(self._listings))]

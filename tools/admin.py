@@ -87,6 +87,8 @@ def status(mountpoint: str | None, as_json: bool, files: str | None, watch: bool
     if cluster and mountpoint is None:
         _fail("--cluster needs a MOUNTPOINT", EXIT_USAGE)
     client = None
+    if mountpoint is None and files and os.path.isabs(files):  # `status --files /mnt/ckpt`: the mount that path is on
+        mountpoint = files
     if mountpoint is not None:
         client = _client(mountpoint, draining=True)
         if client.relpath:  # a path on the mount: the status is the whole mount's
@@ -94,11 +96,6 @@ def status(mountpoint: str | None, as_json: bool, files: str | None, watch: bool
         mps = [client.mountpoint]
         if files:
             files = os.path.join(client.mountpoint, files) if not os.path.isabs(files) else files
-    elif files and os.path.isabs(files):  # `status --files /mnt/ckpt`: the mount that path is on
-        client = _client(files, draining=True)
-        if client.relpath:
-            client = _client(client.mountpoint)
-        mps = [client.mountpoint]
     else:
         if files:
             _fail("--files with a relative PATH needs a MOUNTPOINT", EXIT_USAGE)

@@ -472,7 +472,7 @@ def _wait_until_exited(info: runtime.MountInfo, draining: Client, timeout: float
         if time.monotonic() > deadline:
             left = _left(draining)
             again = f"`ckptfs umount {info.mountpoint}` again waits for it, or says how it ended; see {info.log_file}"
-            if left and left.none:
+            if left and left.nothing:
                 _fail(f"gave up waiting after {wait:g}s: everything is published; the daemon (pid {info.pid}) is at its last store "
                       f"calls (the manifest index, its retirement), each given at most {info.store_timeout:g}s{left.failing}; {again}")
             until = (f"until it gives up on what is left in {format_duration(left.gives_up_in)}" if left and left.gives_up_in is not None
@@ -480,7 +480,7 @@ def _wait_until_exited(info: runtime.MountInfo, draining: Client, timeout: float
             _fail(f"gave up waiting after {wait:g}s{f': {left.what} left to publish{left.failing}' if left else ''}; the daemon "
                   f"(pid {info.pid}) goes on publishing, {until} (its --drain-timeout); {again}")
         if time.monotonic() >= report_at:  # a long drain (a slow or failing store) must not look hung
-            if (left := _left(draining)) and left.none:  # (it said "still publishing: 0 namespace changes left", for a minute)
+            if (left := _left(draining)) and left.nothing:  # (it said "still publishing: 0 namespace changes left", for a minute)
                 click.echo(f"ckptfs: umount: everything is published; the daemon's last store calls (the manifest index, its "
                            f"retirement) are under way, each given at most {info.store_timeout:g}s{left.failing}", err=True)
             elif left:
@@ -546,7 +546,7 @@ class _Left(NamedTuple):
     """What a draining daemon has left to publish."""
 
     what: str  # "3 files (1.2 GiB)", or namespace changes
-    none: bool  # nothing is left: the daemon is at its last store calls (the manifest index, its retirement)
+    nothing: bool  # nothing is left: the daemon is at its last store calls (the manifest index, its retirement)
     failing: str  # "; failing: <the last error>", or ""
     gives_up_in: float | None  # seconds until its --drain-timeout gives up on it (None: not told)
 
