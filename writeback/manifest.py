@@ -257,10 +257,15 @@ def delete_many(backend: Backend, paths: list[str]) -> None:
 
 
 def read(backend: Backend, path: str) -> Record | None:
+    """`path`'s record; raises one of UNREADABLE where its object holds
+    something else (garbage, or another path's record)."""
     try:
-        return Record.decode(backend.read_all(record_path(path)))
+        rec = Record.decode(backend.read_all(record_path(path)))
     except FileNotFoundError:
         return None
+    if rec.path != path:
+        raise ValueError(f"the record object of {path!r:.200} holds the record of {rec.path!r:.200}")
+    return rec
 
 
 def delete(backend: Backend, path: str) -> None:
@@ -354,7 +359,7 @@ class Image:
         if base is not None:
             log.info("reading %d of %d records: changed since the manifest image, or not in it", len(unread), len(stamps))
         for objpath, raw in backend.read_many(unread):
-            objects[objpath] = decoded(raw)
+            objects[objpath] = decoded(raw, objpath)
         image = cls(objects, since=base.since if base is not None and base.since is not None else None)
         if base is not None and base._packed is not None and taken:
             image._from = (base._packed, taken)
@@ -452,7 +457,7 @@ class Image:
         settled = {objpath: left for objpath, left in changed.items() if objpath not in unsettled}
         fresh = [_line(objpath, left) for objpath, left in settled.items() if isinstance(left, Record)]
         unknown = sorted(objpath for objpath, left in settled.items() if left is UNKNOWN)
-        fresh += [_line(objpath, decoded(raw)) for objpath, raw in backend.read_many(unknown)]
+        fresh += [_line(objpath, decoded(raw, objpath)) for objpath, raw in backend.read_many(unknown)]
         gone = {objpath.encode() for objpath in changed.keys() | unsettled}
         _, lines = _lines(packed)
         kept = [line for line in lines if line.partition(b"\t")[0] not in gone]
@@ -488,12 +493,16 @@ def image_time(backend: Backend) -> float | None:
     return backend.stamp(IMAGE_BEGUN)
 
 
-def decoded(raw: bytes) -> Record | None:
-    """A record object's bytes decoded; None if they are not a record (garbage where one goes)."""
+def decoded(raw: bytes, objpath: str) -> Record | None:
+    """The bytes of record object `objpath` decoded; None if they are not
+    a record (garbage where one goes), or the record of a path whose object
+    `objpath` is not (never written there: ckptfs writes a record only at
+    its path's object)."""
     try:
-        return Record.decode(raw)
+        rec = Record.decode(raw)
     except UNREADABLE:
         return None
+    return rec if record_path(rec.path) == objpath else None
 
 
 def _row(rec: Record) -> list:

@@ -115,7 +115,7 @@ def publish_group(backend: Backend, items: list[tuple[Record, Staged, str, Calla
         there = dict(backend.read_many(objpaths))  # side by side on object stores
         for objpath, (rec, _staged, _path, _pieces) in zip(objpaths, items, strict=True):
             if objpath in there:
-                _refuse_newer(rec, manifest.decoded(there[objpath]))
+                _refuse_newer(rec, manifest.decoded(there[objpath], objpath))
         now = _staged_now(backend, [(rec, staged, pieces) for rec, staged, _path, pieces in items])
         items = [(rec, staged, path, pieces) for (rec, staged), (_rec, _staged, path, pieces) in zip(now, items, strict=True)]
     recs = [rec for rec, _, _, _ in items] if recorded else []
@@ -379,8 +379,8 @@ def _left_out_of_the_index(backend: Backend, image: manifest.Image, records: dic
         return
     found = 0
     for objpath, raw in backend.read_many(sorted(manifest.record_path(p) for p in unrecorded)):
-        rec = manifest.decoded(raw)
-        if rec is None or rec.kind != "file" or rec.path not in unrecorded or manifest.record_path(rec.path) != objpath:
+        rec = manifest.decoded(raw, objpath)
+        if rec is None or rec.kind != "file" or rec.path not in unrecorded:
             continue  # garbage, or not this file's: it stays with no record (a load looks again)
         records[rec.path] = rec
         image.learn(objpath, rec)

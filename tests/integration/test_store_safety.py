@@ -3,6 +3,7 @@ symlink in the store is ever followed, for reading or for writing."""
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 
@@ -203,3 +204,46 @@ def test_what_is_planted_in_the_way_of_a_file_parks_it_and_leaves_no_record_of_i
     assert not backend.exists("d2/f")
     backend.delete("d2/f")
     assert (store / "after").read_bytes() == b"b" and (store / "d2").read_bytes() == b"planted"
+
+
+def test_a_record_object_holding_garbage_or_another_paths_record_fails_only_its_file(tmp_path):
+    """A record object whose bytes are not the record of the path its name
+    is made from (garbage; another file's record; a record of a path with
+    `..` in it, copied or planted there) is that file's record unreadable:
+    its loads fail, `verify` reports it and goes on to the rest (it stopped
+    at the `..` path: "the store failed while it was verified")."""
+    from ckptfs.writeback import manifest, storeio
+    from ckptfs.writeback.backend import open_store
+
+    root = tmp_path / "store"
+    store = open_store(str(root))
+    for name in ("garbage.bin", "other.bin", "dots.bin", "fine.bin"):
+        storeio.write_file(store, name, name.encode() * 1000)
+
+    def slot(path: str):
+        return root / manifest.record_path(path)
+
+    slot("garbage.bin").write_bytes(b'{"kind": "file", "path": ')
+    slot("other.bin").write_bytes(slot("fine.bin").read_bytes())
+    planted = manifest.read(store, "dots.bin")._replace(path="../../etc/passwd")
+    slot("dots.bin").write_bytes(planted.encode())
+
+    r = run_cli("verify", str(root))
+    assert r.returncode == 8, (r.stdout, r.stderr)  # corrupt files found
+    assert "Traceback" not in r.stderr and "failed while it was verified" not in r.stderr, r.stderr
+    for name in ("garbage.bin", "other.bin", "dots.bin"):
+        assert f"{name}: its record cannot be read" in r.stdout, r.stdout
+    assert "1 ok, 3 corrupt, 0 missing, 0 extra" in r.stdout, r.stdout
+
+    m = start_mount(tmp_path)
+    try:
+        m.allowed_log_errors += ["cannot load"]
+        assert sorted(os.listdir(m.mountpoint)) == ["dots.bin", "fine.bin", "garbage.bin", "other.bin"]
+        assert (m.mountpoint / "fine.bin").read_bytes() == b"fine.bin" * 1000
+        for name in ("garbage.bin", "other.bin", "dots.bin"):
+            with pytest.raises(OSError) as failed:
+                (m.mountpoint / name).read_bytes()
+            assert failed.value.errno == errno.EIO, name
+            assert f"cannot load {name} from the store: its record in the store cannot be read" in m.log_text()
+    finally:
+        stop_mount(m)
