@@ -1068,6 +1068,8 @@ class Engine:
         if self.pending.get(gen.ino) is gen:
             del self.pending[gen.ino]
         self.publisher.parked.discard(gen)
+        if gen.tried:
+            self.publisher.taking_back.append(gen)
         if self.link is not None:
             self.link.released(gen)
         reported = self.link is not None and not self.link.publishes and gen.owner is None  # staged here: reported as soon as staged

@@ -70,6 +70,7 @@ class FileGen(Op):
     owner: str | None = None  # cluster mode: the node whose RAM holds it (None: this one), which stages it
     hidden: bool = False  # cluster mode: staged again under a hidden key, never at a name (`Publisher._staged_again`)
     shown_at: str = ""  # the name it was first shown at (published there: by this node, or by the publishing node, which said so)
+    tried: set[str] = field(default_factory=set)  # store paths where a try to show it failed, and may have landed all the same
     # Called after each change of `state` (by the engine: `status` counts
     # the file again, and needs to look at no generation that did not change).
     on_state: Callable[[FileGen], None] | None = field(default=None, repr=False)

@@ -74,6 +74,13 @@ class _Late:
     ended: trio.Event
 
 
+def _stage_snapshot(backend, gen: FileGen, name: str) -> tuple[Staged, Digest]:
+    """Stage `gen`'s sealed bytes, read from its snapshot anew: each try of
+    a step retried in place (`Publisher.call`) needs its own reader (the one
+    a failed try read to its end gives the next nothing)."""
+    return storeio.stage(backend, gen.pieces(), gen.size, None, name)
+
+
 def _overlap(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
     """Whether two sets of store paths share a path, or one holds the other."""
     return any(x == y or x.startswith(y + "/") or y.startswith(x + "/") for x in a for y in b)
@@ -122,6 +129,7 @@ class Publisher:
         self.not_held: list[int] = []
         self._removals_held: tuple[object, HeldBack] | None = None  # the last `removals_held`, while neither list changed
         self.parked: set[FileGen] = set()
+        self.taking_back: collections.deque[FileGen] = collections.deque()  # dropped where a failed try may have shown them (`_take_back`)
         self.late: list[_Late] = []  # abandoned steps not finished yet
         self.waiting_markers: set[File] = set()  # held: they would vouch for a file the store does not show yet
         self.unreported = Unreported()  # cluster mode: what changed since the progress last reached the other nodes
@@ -240,6 +248,9 @@ class Publisher:
         if there is nothing to do until something changes."""
         e = self.e
         await self._release_deferred()
+        while self.taking_back:
+            await self._take_back(self.taking_back[0])
+            self.taking_back.popleft()
         if self.parked and trio.current_time() >= self.retry_parked_at:
             await self._retry_parked()
         await self._show_waiting_markers()  # also after a step that returned early (`_remove_group`)
@@ -478,7 +489,7 @@ class Publisher:
             return False
         held = [(gen, *self._hold(gen, gen.names)[0]) for gen in group]
         items = [(self._record(name, gen, node), gen.staged, name, gen.pieces) for gen, name, node in held]
-        if not await self._in_one_call(f"publish {len(group)} files", items, group):
+        if not await self._in_one_call(f"publish {len(group)} files", items, [gen for gen, _, _ in held]):
             # Its files go one at a time (each retried in place, a permanent
             # failure parked): a failing group is never tried again whole.
             self.single_until = group[-1].seq
@@ -499,7 +510,8 @@ class Publisher:
     async def _in_one_call(self, what: str, items: list[tuple[Record, Staged, str, Callable[[], Iterable]]], gens: list[FileGen],
                            recorded: bool = True) -> bool:
         """Publish a group of generations with one store call
-        (`storeio.publish_group`); False if it failed (logged)."""
+        (`storeio.publish_group`; `gens`: each item's); False if it failed
+        (logged: each item may have landed all the same, `_take_back`)."""
         for gen in gens:
             gen.publishing = True
         try:
@@ -507,7 +519,9 @@ class Publisher:
                                at=tuple(path for _, _, path, _ in items))
         except Exception as exc:
             log.debug("%s: not done together (%s): one at a time", what, exc)
-            for gen in gens:
+            for gen, (_, _, path, _) in zip(gens, items, strict=True):
+                gen.tried.add(path)
+            for gen in dict.fromkeys(gens):
                 gen.publishing = False
                 self.e.publication_ended(gen)
             return False
@@ -558,6 +572,8 @@ class Publisher:
             node.held = None
             return False
         if gen.state is State.PARKED or not self.live_at(path, gen.ino):
+            if gen.state is not State.PARKED:
+                await self._take_back(gen, into or path)
             return False
         if self._marker_blocked(path) or self._vouches_for_held(path, gen):
             log.debug("%s waits: a file in its directory tree is not in the store yet", path)
@@ -582,10 +598,8 @@ class Publisher:
                                 gen.pieces, gen.meta.mode, nbytes=gen.size, reading=gen, at=(at,), still=lambda: self.live_at(path, gen.ino))
             except Stale:
                 gen.publishing = False
-                if rec is not None and node.shown is None:
-                    # A failed try may have left its record with no file under it (with one, the
-                    # record names the file's bytes as its previous digest: still true)
-                    await self.call(f"record {at}", manifest.delete, self.e.backend, at, at=(at,))
+                gen.tried.add(at)  # (Stale comes only after a failed try)
+                await self._take_back(gen, at)
                 if gen.state is State.FAILED:
                     gen.move(State.STAGED)  # held under the name it left, shown at its rename's turn
                 self.e.publication_ended(gen)
@@ -599,10 +613,13 @@ class Publisher:
                 node.held = None
                 self.e.superseded_in_store(gen)
                 return False
+            except GiveUp:
+                gen.tried.add(at)
+                raise
             except storeio.StagingLost as lost:  # this node's own generation (see `call`)
                 gen.publishing = False
                 log.warning("%s: %s: staging generation %d again from its snapshot", path, lost.strerror, gen.generation)
-                staged, digest = await self.call(f"stage {at} again", storeio.stage, self.e.backend, gen.pieces(), gen.size, None, at,
+                staged, digest = await self.call(f"stage {at} again", _stage_snapshot, self.e.backend, gen, at,
                                                  nbytes=gen.size, reading=gen, at=(at,))
                 if digest != gen.digest:  # never: a snapshot does not change
                     raise OSError(errno.EIO, f"{at}: its snapshot read back as {digest}, sealed as {gen.digest}") from lost
@@ -627,10 +644,36 @@ class Publisher:
             return False
         node.shown = Shown(gen.ino, gen.generation, gen.digest, gen.meta)
         node.held = None
+        gen.tried.discard(at)
         if not at.startswith(META + "/"):
             self._made_parents(at)  # where the bytes landed: their directories exist in the store now
         self.e.published(gen, path)
         return True
+
+    async def _take_back(self, gen: FileGen, at: str | None = None) -> None:
+        """A try to show `gen` at `at` (at every such path if None) failed,
+        and may have landed all the same (its answer lost: a call that timed
+        out after the store carried it out), or left only its record, and
+        the file has moved on since. Where the replica shows nothing, neither
+        may the store: the removal or rename that follows would leave it
+        there for good. Where it shows another generation, the store may
+        hold this one instead, a generation the file did have at that name:
+        the replica then says so, so that what follows (a removal, a rename,
+        an exchange) moves and records the bytes the store holds. (Left as it
+        was, the record a try wrote names both, its previous digest the one
+        shown.) Store calls at the turn of an op that applies where it was
+        tried, or of the first op after the file was dropped."""
+        for path in [at] if at is not None else sorted(gen.tried):
+            if path not in gen.tried:
+                continue
+            node = self.replica.lookup(path)
+            if node is None or (isinstance(node, File) and node.shown is None):
+                shown = None if path.startswith(META + "/") else Shown(gen.ino, gen.generation, gen.digest, gen.meta)
+                await self.call(f"take back {path}", storeio.delete, self.e.backend, path, shown, at=(path,))
+            elif (isinstance(node, File) and node.shown.digest != gen.digest
+                    and await self.call(f"look at {path}", storeio.holds, self.e.backend, path, gen.digest)):
+                node.shown = Shown(gen.ino, gen.generation, gen.digest, gen.meta)
+            gen.tried.discard(path)
 
     async def _staged_again(self, gen: FileGen, path: str) -> bool:
         """Cluster mode: another node's generation that cannot be shown at

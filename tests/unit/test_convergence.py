@@ -13,6 +13,7 @@ import json
 import os
 import random
 import stat
+import threading
 import time
 
 import pytest
@@ -231,14 +232,17 @@ async def _started(tmp_path, kind: str, monkeypatch) -> Rig:
     return rig
 
 
-@pytest.mark.parametrize("faults", [0.0, 0.2], ids=["sound store", "faulty store"])
+@pytest.mark.parametrize("faults", ["none", "failed", "lost"], ids=["sound store", "faulty store", "answers lost"])
 @pytest.mark.parametrize("kind", ["local", "object"])
 @pytest.mark.parametrize("seed", range(int(os.environ.get("CKPTFS_CONVERGENCE_SEEDS", "6"))))
 async def test_after_a_flush_the_store_and_a_restart_show_what_the_mount_shows(tmp_path, seed, kind, faults, monkeypatch):
+    """`failed`: a fifth of the store calls fail before they reach it;
+    `lost`: as many reach it and are reported failed all the same."""
     rig = await _started(tmp_path, kind, monkeypatch)
-    if faults:
-        rig.engine.backend = FaultyBackend(rig.backend, error_rate=faults, latency_s=0.001, seed=seed)
-    work = Workload(rig, seed, faulty=bool(faults))
+    if faults != "none":
+        rig.engine.backend = FaultyBackend(rig.backend, error_rate=0.2 if faults == "failed" else 0.0, latency_s=0.001, seed=seed,
+                                           lost_rate=0.2 if faults == "lost" else 0.0)
+    work = Workload(rig, seed, faulty=faults != "none")
     for d in DIRS[1:]:
         rig.mkdir(d)
 
@@ -292,6 +296,104 @@ async def test_a_directory_whose_record_failed_to_be_written_leaves_no_record_wh
     view = await _flushed_view(rig)
     assert view == {} and manifest.read(rig.backend, "d") is None
     assert await _restarted_view(tmp_path) == {}
+
+
+@pytest.mark.parametrize("then", ["removed", "renamed"])
+@pytest.mark.parametrize("how", ["publish", "publish_group"], ids=["one file", "a group"])
+@pytest.mark.parametrize("kind", ["local", "object"])
+async def test_a_publication_that_landed_though_it_failed_is_taken_back_when_its_file_moves_on(tmp_path, kind, how, then):
+    """A publication (of one file, or of a group in one call) lands and is
+    reported failed all the same (its answer lost: a call that timed out);
+    the store stays down, and the files are removed or renamed in the mount
+    before a try succeeds. The store kept them at their old names for
+    good: the replica took them for never shown there (only a record left
+    with no file was deleted)."""
+    rig = Rig(_store(tmp_path, kind))
+    names = ["f", "g", "h"]
+    landed: list[str] = []
+    down = {"on": True}
+
+    def lossy(name: str):
+        real = getattr(rig.backend, name)
+
+        def call(*args, **kwargs):
+            paths = [args[1]] if name == "publish" else [path for _, path, _, _ in args[1]]
+            # Not these files' (a directory's record), or a step of a group's call (an object store's, in threads of its own)
+            if not (down["on"] and set(paths) & set(names)) or threading.current_thread().name.startswith("ckptfs-group"):
+                return real(*args, **kwargs)
+            if landed or name != how:
+                raise ConnectionError(f"injected: {name} did not reach the store")
+            real(*args, **kwargs)
+            landed.append(name)
+            raise ConnectionError(f"injected: the answer of {name} was lost")
+
+        setattr(rig.backend, name, call)
+
+    lossy("publish")
+    lossy("publish_group")
+
+    for n in names:  # sealed before the engine starts: one group
+        rig.write(n, n.encode() * 100)
+
+    async def body():
+        with trio.fail_after(10):
+            while not landed:
+                await trio.sleep(0.01)
+        assert set(_store_files(rig.root, rig.backend)) >= ({"f"} if how == "publish" else set(names))  # it landed
+        for n in names:
+            rig.unlink(n) if then == "removed" else rig.rename(n, f"{n}.moved")
+        down["on"] = False
+
+    await run_until_flushed(rig, body)
+    assert landed == [how]
+    want = {} if then == "removed" else {f"{n}.moved": n.encode() * 100 for n in names}
+    assert _store_files(rig.root, rig.backend) == want
+    assert set(await _restarted_view(tmp_path, rig.url)) == set(want)
+
+
+async def test_an_exchange_after_a_rewrite_that_landed_though_it_failed_moves_the_bytes_the_store_holds(tmp_path):
+    """A file shown in the store is written again; that generation's
+    publication lands and is reported failed (its answer lost), and the
+    file is exchanged with another before a try succeeds. The replica still
+    took the store for holding the generation before: the exchange's move
+    from its hidden name, whose answer was lost in turn, was tried again for
+    ever (the bytes there were not the ones it looked for)."""
+    rig = Rig(_store(tmp_path, "object"))
+    rig.write("e", b"E" * 100)
+    rig.write("f", b"one" * 100)
+    await run_until_flushed(rig)
+    failing = {"publish": True, "move": False}
+    real_publish, real_move = rig.backend.publish, rig.backend.move
+
+    def publish(staged, path, *args, **kwargs):
+        if path != "f" or not failing["publish"]:
+            return real_publish(staged, path, *args, **kwargs)
+        if failing["publish"] == "landed":
+            raise ConnectionError("injected: the store is down")
+        real_publish(staged, path, *args, **kwargs)
+        failing["publish"] = "landed"
+        raise ConnectionError("injected: the answer of publish was lost")
+
+    def move(src, dst):
+        real_move(src, dst)
+        if src.startswith(".ckptfs/") and failing["move"] is True:  # from an exchange's hidden name (armed once the file is exchanged)
+            failing["move"] = "lost"
+            raise ConnectionError("injected: the answer of move was lost")
+
+    rig.backend.publish, rig.backend.move = publish, move
+
+    async def body():
+        rig.write("f", b"two" * 100)
+        with trio.fail_after(10):
+            while failing["publish"] != "landed":
+                await trio.sleep(0.01)
+        rig.store.rename(ROOT, b"f", ROOT, b"e", RENAME_EXCHANGE)
+        failing["publish"], failing["move"] = False, True
+
+    await run_until_flushed(rig, body)
+    assert failing["move"] == "lost"  # an exchange's move lost its answer
+    assert _store_files(rig.root, rig.backend) == {"e": b"two" * 100, "f": b"E" * 100}
+    assert set(await _restarted_view(tmp_path, rig.url)) == {"e", "f"}
 
 
 async def test_a_directory_exchanged_with_one_whose_record_write_failed_then_removed_leaves_no_record(tmp_path):

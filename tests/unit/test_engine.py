@@ -207,15 +207,19 @@ async def test_restart_scan_shows_files_and_loads_verified(tmp_path):
     assert rig2.store.readlink(rig2.store.inode_at("last").ino) == b"ckpt/model"
 
 
-async def test_a_staged_copy_gone_from_the_store_is_staged_again(tmp_path, caplog):
+@pytest.mark.parametrize("again", ["at once", "after a try that failed midway"])
+async def test_a_staged_copy_gone_from_the_store_is_staged_again(tmp_path, caplog, again):
     """A publication whose staged copy is gone (cleaned away; on S3, an open
     upload consumed by an attempt whose answer was lost) while the store
     does not hold its bytes was tried again with the same dead copy for
     ever, and every change after it waited (seen over SeaweedFS: 15 changes
-    unpublished at unmount)."""
+    unpublished at unmount). Staging it again is retried in place: a try
+    that failed after reading the bytes (a connection reset midway, an
+    answer lost) left the next one the spent reader of the snapshot, which
+    failed every try after for ever ("snapshot yielded 0 bytes")."""
     rig = Rig(tmp_path / "store")
-    real = rig.backend.publish
-    lost = []
+    real, real_stage = rig.backend.publish, rig.backend.stage
+    lost, failed = [], []
 
     def publish(staged, path, pieces=(), mode=None):
         if not lost and path == "model.pt":
@@ -223,12 +227,19 @@ async def test_a_staged_copy_gone_from_the_store_is_staged_again(tmp_path, caplo
             rig.backend.discard(staged)  # gone before this attempt
         return real(staged, path, pieces, mode=mode)
 
-    rig.backend.publish = publish
+    def stage(pieces, size, name=None, elsewhere=False):
+        if lost and not failed and again != "at once":
+            failed.append(sum(len(p) for p in pieces))
+            raise ConnectionError("injected: the connection was reset once every byte was sent")
+        return real_stage(pieces, size, name, elsewhere)
+
+    rig.backend.publish, rig.backend.stage = publish, stage
     data = os.urandom(5 << 20)  # staged ahead, then published from its staged copy
     rig.write("model.pt", data)
     await run_until_flushed(rig)
     assert lost and rig.files() == {"model.pt": data}
     assert "is gone from the store: staging generation 1 again" in caplog.text
+    assert failed == ([] if again == "at once" else [len(data)])
 
 
 async def test_every_name_of_a_hard_linked_symlink_comes_back_after_a_restart(tmp_path):
@@ -562,12 +573,14 @@ async def test_mode_changes_reach_the_manifest_and_come_back(tmp_path):
 
 class FaultyBackend:
     """Wraps a backend: fails a share of calls at random, adds latency, and
-    can be switched fully off (an outage)."""
+    can be switched fully off (an outage). `lost_rate`: a share of the calls
+    that do reach the store are reported failed all the same (their answer
+    lost, as a call that timed out after the store carried it out)."""
 
-    def __init__(self, inner, error_rate: float, latency_s: float, seed: int = 0):
+    def __init__(self, inner, error_rate: float, latency_s: float, seed: int = 0, lost_rate: float = 0.0):
         import random
 
-        self.inner, self.error_rate, self.latency_s = inner, error_rate, latency_s
+        self.inner, self.error_rate, self.latency_s, self.lost_rate = inner, error_rate, latency_s, lost_rate
         self.rng = random.Random(seed)
         self.down = False
         self.calls = self.failures = 0
@@ -585,7 +598,11 @@ class FaultyBackend:
             if self.down or self.rng.random() < self.error_rate:
                 self.failures += 1
                 raise ConnectionError(f"injected fault in {name}")
-            return attr(*args, **kwargs)
+            out = attr(*args, **kwargs)
+            if self.lost_rate and self.rng.random() < self.lost_rate:
+                self.failures += 1
+                raise ConnectionError(f"injected: the answer of {name} was lost")
+            return out
 
         return call
 
