@@ -951,8 +951,20 @@ class Engine:
         self._nursery.start_soon(later)
 
     def failed(self, op: Op, step: str, exc: Exception) -> bool:
-        """Count a failed step of `op`; True if that parked it."""
-        if isinstance(op, FileGen) and op.state in (State.DROPPED, State.PUBLISHED):
+        """Count a failed step of `op`; True if that parked it (a dropped
+        generation's step, which takes back what a failed try of it may have
+        left in the store: given up, left as it is)."""
+        if isinstance(op, FileGen) and op.state is State.PUBLISHED:
+            return False
+        if isinstance(op, FileGen) and op.state is State.DROPPED:
+            op.tries += 1
+            op.error = f"{type(exc).__name__}: {exc}"
+            if permanent(exc) and op.tries >= self.retry.park_after:
+                log.error("taking back what a failed try left of %s in the store failed for good (%s): it stays there", op.path, op.error)
+                return True
+            log.log(logging.ERROR if op.tries == self.retry.failed_after else logging.WARNING,
+                    "taking back what a failed try left of %s in the store failed (try %d), retrying in %.1fs: %s",
+                    op.path, op.tries, self.retry.delay(op.tries), op.error)
             return False
         if isinstance(op, FileGen) and op.owner in self.gone and isinstance(exc, FileNotFoundError):
             self._lose(op)  # its staged copy went with its node (a new daemon cleared it): nothing can stage it again

@@ -151,7 +151,7 @@ class Publisher:
 
     # -- store steps -------------------------------------------------------------
     async def call(self, what: str, fn, *args, nbytes: int = 0, reading: FileGen | None = None, at: tuple[str, ...] = (),
-                   still: Callable[[], bool] | None = None):
+                   still: Callable[[], bool] | None = None, undoing: bool = False):
         """One store step of the op being applied, retried in place until it
         succeeds, so an op of many steps makes progress through transient
         errors instead of starting over (every step is idempotent). A
@@ -165,13 +165,16 @@ class Publisher:
 
         `still`: checked before each retry; False ends the step with `Stale`
         (what it would do is no longer wanted: the file left that name while
-        the store was failing, and C4 wants it shown under its new name only)."""
+        the store was failing, and C4 wants it shown under its new name only).
+
+        `undoing`: the step undoes what an abandoned step of the same op may
+        do late (`_take_back`): it waits for those too."""
         attempt = 0
         while True:
             if attempt and still is not None and not still():
                 raise Stale(what)
             try:
-                return await self._fenced(what, fn, *args, nbytes=nbytes, reading=reading, at=at)
+                return await self._fenced(what, fn, *args, nbytes=nbytes, reading=reading, at=at, undoing=undoing)
             except storeio.NewerInStore:
                 raise
             except Exception as exc:
@@ -185,22 +188,23 @@ class Publisher:
                 attempt += 1  # the backoff follows this step's failures in a row, not the op's total
                 await trio.sleep(self.e.retry.delay(attempt))
 
-    async def _after_late_steps(self, at: tuple[str, ...]) -> None:
-        """Wait while an abandoned step of another op may still change `at`."""
+    async def _after_late_steps(self, at: tuple[str, ...], undoing: bool = False) -> None:
+        """Wait while an abandoned step of another op (of any op, `undoing`) may still change `at`."""
         while True:
             self.late = [x for x in self.late if not x.ended.is_set()]
-            late = next((x for x in self.late if not any(op is self.current for op in x.ops) and _overlap(x.at, at)), None)
+            late = next((x for x in self.late if (undoing or not any(op is self.current for op in x.ops)) and _overlap(x.at, at)), None)
             if late is None:
                 return
             log.warning("waiting for the abandoned store call %s to finish before changing %s again", late.what, ", ".join(at))
             await late.ended.wait()
 
-    async def _fenced(self, what: str, fn, *args, nbytes: int = 0, reading: FileGen | list[FileGen] | None = None, at: tuple[str, ...] = ()):
+    async def _fenced(self, what: str, fn, *args, nbytes: int = 0, reading: FileGen | list[FileGen] | None = None, at: tuple[str, ...] = (),
+                      undoing: bool = False):
         """One try of a store step that changes `at`: after any abandoned step
         of another op on those paths is done, and recorded as late if this
         one is abandoned in turn (a group's step: late for each generation
         in it, whose own retries may go on: they do the same thing)."""
-        await self._after_late_steps(at)
+        await self._after_late_steps(at, undoing)
         self.e.residency.disturb(at)
         link, op = self.e.link, self.current
         if link is not None:
@@ -249,7 +253,13 @@ class Publisher:
         e = self.e
         await self._release_deferred()
         while self.taking_back:
-            await self._take_back(self.taking_back[0])
+            gen = self.current = self.taking_back[0]  # its failures count on it (`Engine.failed`)
+            try:
+                await self._take_back(gen)
+            except GiveUp:
+                pass  # logged
+            finally:
+                self.current = None
             self.taking_back.popleft()
         if self.parked and trio.current_time() >= self.retry_parked_at:
             await self._retry_parked()
@@ -669,9 +679,9 @@ class Publisher:
             node = self.replica.lookup(path)
             if node is None or (isinstance(node, File) and node.shown is None):
                 shown = None if path.startswith(META + "/") else Shown(gen.ino, gen.generation, gen.digest, gen.meta)
-                await self.call(f"take back {path}", storeio.delete, self.e.backend, path, shown, at=(path,))
+                await self.call(f"take back {path}", storeio.delete, self.e.backend, path, shown, at=(path,), undoing=True)
             elif (isinstance(node, File) and node.shown.digest != gen.digest
-                    and await self.call(f"look at {path}", storeio.holds, self.e.backend, path, gen.digest)):
+                    and await self.call(f"look at {path}", storeio.holds, self.e.backend, path, gen.digest, at=(path,), undoing=True)):
                 node.shown = Shown(gen.ino, gen.generation, gen.digest, gen.meta)
             gen.tried.discard(path)
 

@@ -22,6 +22,7 @@ import xxhash
 from ckptfs.fs.tree import RENAME_EXCHANGE, ROOT
 from ckptfs.writeback import exchange, manifest
 from ckptfs.writeback.backend import DAEMONS, IMAGE, new_daemon_id
+from ckptfs.writeback.calls import Deadlines
 from ckptfs.writeback.manifest import Meta, Record
 from ckptfs.writeback.verify import verify
 
@@ -298,17 +299,21 @@ async def test_a_directory_whose_record_failed_to_be_written_leaves_no_record_wh
     assert await _restarted_view(tmp_path) == {}
 
 
+@pytest.mark.parametrize("answer", ["lost", "late"])
 @pytest.mark.parametrize("then", ["removed", "renamed"])
 @pytest.mark.parametrize("how", ["publish", "publish_group"], ids=["one file", "a group"])
 @pytest.mark.parametrize("kind", ["local", "object"])
-async def test_a_publication_that_landed_though_it_failed_is_taken_back_when_its_file_moves_on(tmp_path, kind, how, then):
+async def test_a_publication_that_landed_though_it_failed_is_taken_back_when_its_file_moves_on(tmp_path, kind, how, then, answer, caplog):
     """A publication (of one file, or of a group in one call) lands and is
-    reported failed all the same (its answer lost: a call that timed out);
-    the store stays down, and the files are removed or renamed in the mount
-    before a try succeeds. The store kept them at their old names for
-    good: the replica took them for never shown there (only a record left
-    with no file was deleted)."""
-    rig = Rig(_store(tmp_path, kind))
+    reported failed all the same (its answer lost), or is abandoned at its
+    deadline and lands later; the store stays down, and the files are
+    removed or renamed in the mount before a try succeeds. The store kept
+    them at their old names for good: the replica took them for never shown
+    there (only a record left with no file was deleted). What takes them
+    back waits for the abandoned call, or it lands after; its first try
+    fails, and is tried again as any store step is (it was taken for a bug
+    of the publisher's)."""
+    rig = Rig(_store(tmp_path, kind), deadlines=Deadlines(call_s=0.5, min_rate=1 << 40) if answer == "late" else None)
     names = ["f", "g", "h"]
     landed: list[str] = []
     down = {"on": True}
@@ -323,30 +328,59 @@ async def test_a_publication_that_landed_though_it_failed_is_taken_back_when_its
                 return real(*args, **kwargs)
             if landed or name != how:
                 raise ConnectionError(f"injected: {name} did not reach the store")
+            if answer == "late":
+                landed.append((name, paths))
+                time.sleep(1.5)  # abandoned meanwhile (its deadline 0.5 s)
+                return real(*args, **kwargs)
             real(*args, **kwargs)
-            landed.append(name)
+            landed.append((name, paths))
             raise ConnectionError(f"injected: the answer of {name} was lost")
 
         setattr(rig.backend, name, call)
 
     lossy("publish")
     lossy("publish_group")
+    real_delete, deletes = rig.backend.delete, []
 
-    for n in names:  # sealed before the engine starts: one group
-        rig.write(n, n.encode() * 100)
+    def delete(path):
+        if path in names and path not in deletes:
+            deletes.append(path)
+            raise ConnectionError(f"injected: delete {path} did not reach the store")
+        real_delete(path)
+
+    rig.backend.delete = delete
+    others = threading.Semaphore(0)  # the first file is staged after the others: the three make one group at the head of the queue
+    real_stage = rig.backend.stage
+
+    def stage(pieces, size, name=None, elsewhere=False):
+        out = real_stage(pieces, size, name, elsewhere)
+        if name == names[0]:
+            for _ in names[1:]:
+                others.acquire(timeout=10)
+            time.sleep(0.2)  # their staging noted by the engine meanwhile
+        elif name in names:
+            others.release()
+        return out
+
+    rig.backend.stage = stage
+    data = {n: n.encode() * max(100, rig.backend.stage_ahead_from) for n in names}  # staged ahead of their turn (`stage` above)
+    for n in names:
+        rig.write(n, data[n])
 
     async def body():
         with trio.fail_after(10):
-            while not landed:
+            while not landed or (answer == "late" and not rig.engine.calls.abandoned):
                 await trio.sleep(0.01)
-        assert set(_store_files(rig.root, rig.backend)) >= ({"f"} if how == "publish" else set(names))  # it landed
+        if answer == "lost":
+            assert set(_store_files(rig.root, rig.backend)) >= set(landed[0][1])  # it landed
         for n in names:
             rig.unlink(n) if then == "removed" else rig.rename(n, f"{n}.moved")
         down["on"] = False
 
     await run_until_flushed(rig, body)
-    assert landed == [how]
-    want = {} if then == "removed" else {f"{n}.moved": n.encode() * 100 for n in names}
+    assert [name for name, _ in landed] == [how]
+    assert "publisher error" not in caplog.text
+    want = {} if then == "removed" else {f"{n}.moved": data[n] for n in names}
     assert _store_files(rig.root, rig.backend) == want
     assert set(await _restarted_view(tmp_path, rig.url)) == set(want)
 
