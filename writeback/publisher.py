@@ -151,7 +151,7 @@ class Publisher:
 
     # -- store steps -------------------------------------------------------------
     async def call(self, what: str, fn, *args, nbytes: int = 0, reading: FileGen | None = None, at: tuple[str, ...] = (),
-                   still: Callable[[], bool] | None = None, undoing: bool = False):
+                   still: Callable[[], bool] | None = None):
         """One store step of the op being applied, retried in place until it
         succeeds, so an op of many steps makes progress through transient
         errors instead of starting over (every step is idempotent). A
@@ -159,22 +159,21 @@ class Publisher:
         generation or skips the op: `GiveUp`.
 
         `at`: the store paths the step changes. A step abandoned at its
-        deadline may still land late; until its thread is done, no later op
-        changes those paths (its own retries may: they do the same thing), so
-        a late step can never undo a later one (C11).
+        deadline may still land late; until its thread is done, no other
+        step changes those paths (its own retries may: they do the same
+        thing), so a late step can never undo a later one (C11): not a later
+        op's, nor a later step of the same op (a directory's move after the
+        publication of a file into it), nor what takes back a try of it.
 
         `still`: checked before each retry; False ends the step with `Stale`
         (what it would do is no longer wanted: the file left that name while
-        the store was failing, and C4 wants it shown under its new name only).
-
-        `undoing`: the step undoes what an abandoned step of the same op may
-        do late (`_take_back`): it waits for those too."""
+        the store was failing, and C4 wants it shown under its new name only)."""
         attempt = 0
         while True:
             if attempt and still is not None and not still():
                 raise Stale(what)
             try:
-                return await self._fenced(what, fn, *args, nbytes=nbytes, reading=reading, at=at, undoing=undoing)
+                return await self._fenced(what, fn, *args, nbytes=nbytes, reading=reading, at=at)
             except storeio.NewerInStore:
                 raise
             except Exception as exc:
@@ -188,23 +187,23 @@ class Publisher:
                 attempt += 1  # the backoff follows this step's failures in a row, not the op's total
                 await trio.sleep(self.e.retry.delay(attempt))
 
-    async def _after_late_steps(self, at: tuple[str, ...], undoing: bool = False) -> None:
-        """Wait while an abandoned step of another op (of any op, `undoing`) may still change `at`."""
+    async def _after_late_steps(self, what: str, at: tuple[str, ...]) -> None:
+        """Wait while an abandoned step, other than an earlier try of this one, may still change `at`."""
         while True:
             self.late = [x for x in self.late if not x.ended.is_set()]
-            late = next((x for x in self.late if (undoing or not any(op is self.current for op in x.ops)) and _overlap(x.at, at)), None)
+            late = next((x for x in self.late if not (x.what == what and any(op is self.current for op in x.ops)) and _overlap(x.at, at)),
+                        None)
             if late is None:
                 return
             log.warning("waiting for the abandoned store call %s to finish before changing %s again", late.what, ", ".join(at))
             await late.ended.wait()
 
-    async def _fenced(self, what: str, fn, *args, nbytes: int = 0, reading: FileGen | list[FileGen] | None = None, at: tuple[str, ...] = (),
-                      undoing: bool = False):
+    async def _fenced(self, what: str, fn, *args, nbytes: int = 0, reading: FileGen | list[FileGen] | None = None, at: tuple[str, ...] = ()):
         """One try of a store step that changes `at`: after any abandoned step
-        of another op on those paths is done, and recorded as late if this
-        one is abandoned in turn (a group's step: late for each generation
-        in it, whose own retries may go on: they do the same thing)."""
-        await self._after_late_steps(at, undoing)
+        on those paths is done (but an earlier try of this one: it does the
+        same thing), and recorded as late if this one is abandoned in turn
+        (a group's step: late for each generation in it)."""
+        await self._after_late_steps(what, at)
         self.e.residency.disturb(at)
         link, op = self.e.link, self.current
         if link is not None:
@@ -679,9 +678,9 @@ class Publisher:
             node = self.replica.lookup(path)
             if node is None or (isinstance(node, File) and node.shown is None):
                 shown = None if path.startswith(META + "/") else Shown(gen.ino, gen.generation, gen.digest, gen.meta)
-                await self.call(f"take back {path}", storeio.delete, self.e.backend, path, shown, at=(path,), undoing=True)
+                await self.call(f"take back {path}", storeio.delete, self.e.backend, path, shown, at=(path,))
             elif (isinstance(node, File) and node.shown.digest != gen.digest
-                    and await self.call(f"look at {path}", storeio.holds, self.e.backend, path, gen.digest, at=(path,), undoing=True)):
+                    and await self.call(f"look at {path}", storeio.holds, self.e.backend, path, gen.digest, at=(path,))):
                 node.shown = Shown(gen.ino, gen.generation, gen.digest, gen.meta)
             gen.tried.discard(path)
 

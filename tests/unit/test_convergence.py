@@ -385,6 +385,43 @@ async def test_a_publication_that_landed_though_it_failed_is_taken_back_when_its
     assert set(await _restarted_view(tmp_path, rig.url)) == set(want)
 
 
+async def test_a_directory_moves_only_once_an_abandoned_publication_into_it_is_done(tmp_path):
+    """A directory renamed before its file's turn (Orbax's temporary one):
+    at the rename's turn the file is published into the directory at its
+    old name, then the directory moves. The publication's first try was
+    abandoned at its deadline and landed later; its retry succeeded, and the
+    move did not wait for the abandoned try (a step of the same op was taken
+    for a retry of it): it landed after the move, and left the file at the
+    directory's old name for good."""
+    rig = Rig(tmp_path / "store", deadlines=Deadlines(call_s=0.5, min_rate=1 << 40))
+    rig.mkdir("d.tmp")
+    await run_until_flushed(rig)  # the directory is in the store
+    data = os.urandom(rig.backend.stage_ahead_from)
+    rig.write("d.tmp/x", data)
+    rig.rename("d.tmp", "d")
+    real_group, real_publish, slow = rig.backend.publish_group, rig.backend.publish, []
+
+    def publish_group(records, files):
+        if any(path == "d.tmp/x" for _, path, _, _ in files):
+            raise ConnectionError("injected: the group's call did not reach the store")
+        return real_group(records, files)
+
+    def publish(staged, path, *args, **kwargs):
+        if path == "d.tmp/x" and not slow:
+            slow.append(path)
+            time.sleep(1.5)  # abandoned meanwhile (its deadline 0.5 s), then it lands
+        return real_publish(staged, path, *args, **kwargs)
+
+    rig.backend.publish_group, rig.backend.publish = publish_group, publish
+    await run_until_flushed(rig)
+    assert slow and rig.engine.calls.abandoned
+    deadline = time.monotonic() + 5
+    while rig.engine.calls.stragglers() and time.monotonic() < deadline:  # the abandoned try is done: nothing lands later
+        time.sleep(0.05)
+    assert _store_files(rig.root, rig.backend) == {"d/x": data}
+    assert set(await _restarted_view(tmp_path)) == {"d", "d/x"}
+
+
 async def test_an_exchange_after_a_rewrite_that_landed_though_it_failed_moves_the_bytes_the_store_holds(tmp_path):
     """A file shown in the store is written again; that generation's
     publication lands and is reported failed (its answer lost), and the
