@@ -72,6 +72,7 @@ class _Late:
     ops: tuple[Op | None, ...]  # whose step it was (a group: every generation in it)
     what: str
     ended: trio.Event
+    showing: bool  # a publication (`Publisher.call`)
 
 
 def _stage_snapshot(backend, gen: FileGen, name: str) -> tuple[Staged, Digest]:
@@ -151,7 +152,7 @@ class Publisher:
 
     # -- store steps -------------------------------------------------------------
     async def call(self, what: str, fn, *args, nbytes: int = 0, reading: FileGen | None = None, at: tuple[str, ...] = (),
-                   still: Callable[[], bool] | None = None):
+                   still: Callable[[], bool] | None = None, showing: bool = False):
         """One store step of the op being applied, retried in place until it
         succeeds, so an op of many steps makes progress through transient
         errors instead of starting over (every step is idempotent). A
@@ -160,10 +161,12 @@ class Publisher:
 
         `at`: the store paths the step changes. A step abandoned at its
         deadline may still land late; until its thread is done, no other
-        step changes those paths (its own retries may: they do the same
-        thing), so a late step can never undo a later one (C11): not a later
-        op's, nor a later step of the same op (a directory's move after the
-        publication of a file into it), nor what takes back a try of it.
+        step changes those paths, so a late step can never undo a later one
+        (C11): not a later op's, nor a later step of the same op (a
+        directory's move after the publication of a file into it), nor what
+        takes back a try of it. Its own retries may (they do the same thing),
+        and so may a publication of the same op after an abandoned one
+        (`showing`: the files of a group whose call hung, one at a time).
 
         `still`: checked before each retry; False ends the step with `Stale`
         (what it would do is no longer wanted: the file left that name while
@@ -173,7 +176,7 @@ class Publisher:
             if attempt and still is not None and not still():
                 raise Stale(what)
             try:
-                return await self._fenced(what, fn, *args, nbytes=nbytes, reading=reading, at=at)
+                return await self._fenced(what, fn, *args, nbytes=nbytes, reading=reading, at=at, showing=showing)
             except storeio.NewerInStore:
                 raise
             except Exception as exc:
@@ -187,23 +190,24 @@ class Publisher:
                 attempt += 1  # the backoff follows this step's failures in a row, not the op's total
                 await trio.sleep(self.e.retry.delay(attempt))
 
-    async def _after_late_steps(self, what: str, at: tuple[str, ...]) -> None:
-        """Wait while an abandoned step, other than an earlier try of this one, may still change `at`."""
+    async def _after_late_steps(self, what: str, at: tuple[str, ...], showing: bool) -> None:
+        """Wait while an abandoned step may still change `at` (see `call`)."""
         while True:
             self.late = [x for x in self.late if not x.ended.is_set()]
-            late = next((x for x in self.late if not (x.what == what and any(op is self.current for op in x.ops)) and _overlap(x.at, at)),
-                        None)
+            late = next((x for x in self.late if _overlap(x.at, at) and not (
+                any(op is self.current for op in x.ops) and (x.what == what or (x.showing and showing)))), None)
             if late is None:
                 return
             log.warning("waiting for the abandoned store call %s to finish before changing %s again", late.what, ", ".join(at))
             await late.ended.wait()
 
-    async def _fenced(self, what: str, fn, *args, nbytes: int = 0, reading: FileGen | list[FileGen] | None = None, at: tuple[str, ...] = ()):
+    async def _fenced(self, what: str, fn, *args, nbytes: int = 0, reading: FileGen | list[FileGen] | None = None, at: tuple[str, ...] = (),
+                      showing: bool = False):
         """One try of a store step that changes `at`: after any abandoned step
-        on those paths is done (but an earlier try of this one: it does the
-        same thing), and recorded as late if this one is abandoned in turn
-        (a group's step: late for each generation in it)."""
-        await self._after_late_steps(what, at)
+        on those paths is done (but those `call` lets go ahead), and recorded
+        as late if this one is abandoned in turn (a group's step: late for
+        each generation in it)."""
+        await self._after_late_steps(what, at, showing)
         self.e.residency.disturb(at)
         link, op = self.e.link, self.current
         if link is not None:
@@ -219,7 +223,7 @@ class Publisher:
             return await self.e.calls.run(what, fn, *args, nbytes=nbytes, ended=ended)
         except StoreTimeout:
             if at:
-                self.late.append(_Late(at, tuple(reading) if isinstance(reading, list) else (self.current,), what, ended))
+                self.late.append(_Late(at, tuple(reading) if isinstance(reading, list) else (self.current,), what, ended, showing))
             raise
         finally:  # failed or not: it may have changed the store
             if link is not None and op is not None:
@@ -525,7 +529,7 @@ class Publisher:
             gen.publishing = True
         try:
             await self._fenced(what, storeio.publish_group, self.e.backend, items, recorded, nbytes=sum(g.size for g in gens), reading=gens,
-                               at=tuple(path for _, _, path, _ in items))
+                               at=tuple(path for _, _, path, _ in items), showing=True)
         except Exception as exc:
             log.debug("%s: not done together (%s): one at a time", what, exc)
             for gen, (_, _, path, _) in zip(gens, items, strict=True):
@@ -604,14 +608,17 @@ class Publisher:
                 # The bytes again: for stores that PUT small files at publication, or upload again
                 # what was staged at another name (S3).
                 await self.call(f"publish {at}", storeio.publish, self.e.backend, rec, staged, at, gen.digest,
-                                gen.pieces, gen.meta.mode, nbytes=gen.size, reading=gen, at=(at,), still=lambda: self.live_at(path, gen.ino))
+                                gen.pieces, gen.meta.mode, nbytes=gen.size, reading=gen, at=(at,), still=lambda: self.live_at(path, gen.ino),
+                                showing=True)
             except Stale:
                 gen.publishing = False
                 gen.tried.add(at)  # (Stale comes only after a failed try)
-                await self._take_back(gen, at)
-                if gen.state is State.FAILED:
-                    gen.move(State.STAGED)  # held under the name it left, shown at its rename's turn
-                self.e.publication_ended(gen)
+                try:
+                    await self._take_back(gen, at)
+                finally:
+                    if gen.state is State.FAILED:
+                        gen.move(State.STAGED)  # held under the name it left, shown at its rename's turn
+                    self.e.publication_ended(gen)
                 return False
             except storeio.NewerInStore as newer:
                 gen.publishing = False
@@ -629,7 +636,7 @@ class Publisher:
                 gen.publishing = False
                 log.warning("%s: %s: staging generation %d again from its snapshot", path, lost.strerror, gen.generation)
                 staged, digest = await self.call(f"stage {at} again", _stage_snapshot, self.e.backend, gen, at,
-                                                 nbytes=gen.size, reading=gen, at=(at,))
+                                                 nbytes=gen.size, reading=gen, at=(at,), showing=True)
                 if digest != gen.digest:  # never: a snapshot does not change
                     raise OSError(errno.EIO, f"{at}: its snapshot read back as {digest}, sealed as {gen.digest}") from lost
                 gen.staged = staged
