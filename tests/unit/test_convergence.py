@@ -315,7 +315,7 @@ async def test_a_publication_that_landed_though_it_failed_is_taken_back_when_its
     of the publisher's)."""
     rig = Rig(_store(tmp_path, kind), deadlines=Deadlines(call_s=0.5, min_rate=1 << 40) if answer == "late" else None)
     names = ["f", "g", "h"]
-    landed: list[str] = []
+    landed: list[tuple[str, list[str]]] = []  # (the call, the files it was for)
     down = {"on": True}
 
     def lossy(name: str):
