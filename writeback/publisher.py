@@ -685,7 +685,7 @@ class Publisher:
             node = self.replica.lookup(path)
             if node is None or (isinstance(node, File) and node.shown is None):
                 shown = None if path.startswith(META + "/") else Shown(gen.ino, gen.generation, gen.digest, gen.meta)
-                await self.call(f"take back {path}", storeio.delete, self.e.backend, path, shown, at=(path,))
+                await self.call(f"take back {path}", storeio.take_back, self.e.backend, path, shown, at=(path,))
             elif (isinstance(node, File) and node.shown.digest != gen.digest
                     and await self.call(f"look at {path}", storeio.holds, self.e.backend, path, gen.digest, at=(path,))):
                 node.shown = Shown(gen.ino, gen.generation, gen.digest, gen.meta)

@@ -209,6 +209,17 @@ def delete(backend: Backend, path: str, shown: Shown | None = None) -> None:
     manifest.delete(backend, path)
 
 
+def take_back(backend: Backend, path: str, shown: Shown | None) -> None:
+    """`delete` of what a failed try to publish `shown` may have left at
+    `path` (`Publisher._take_back`). A directory there (another tool's, in
+    the way: the try failed for it) holds nothing of it: only the record
+    goes."""
+    try:
+        delete(backend, path, shown)
+    except IsADirectoryError:
+        manifest.delete(backend, path)
+
+
 def delete_many(backend: Backend, files: list[tuple[str, Shown]]) -> None:
     """`delete` of many published files (path, what the store shows there)
     in three steps for all: every record marked as being deleted (one group
