@@ -951,22 +951,15 @@ class Engine:
         self._nursery.start_soon(later)
 
     def failed(self, op: Op, step: str, exc: Exception) -> bool:
-        """Count a failed step of `op`; True if that parked it (a dropped
-        generation's step, which takes back what a failed try of it may have
-        left in the store: given up, left as it is)."""
+        """Count a failed step of `op`; True if that parked it, or gave up a
+        dropped generation's take-back (`Publisher._take_back`: what a failed
+        try of it left in the store stays there)."""
         if isinstance(op, FileGen) and op.state is State.PUBLISHED:
             return False
-        if isinstance(op, FileGen) and op.state is State.DROPPED:
-            op.tries += 1
-            op.error = f"{type(exc).__name__}: {exc}"
-            if permanent(exc) and op.tries >= self.retry.park_after:
-                log.error("taking back what a failed try left of %s in the store failed for good (%s): it stays there", op.path, op.error)
-                return True
-            log.log(logging.ERROR if op.tries == self.retry.failed_after else logging.WARNING,
-                    "taking back what a failed try left of %s in the store failed (try %d), retrying in %.1fs: %s",
-                    op.path, op.tries, self.retry.delay(op.tries), op.error)
-            return False
-        if isinstance(op, FileGen) and op.owner in self.gone and isinstance(exc, FileNotFoundError):
+        dropped = isinstance(op, FileGen) and op.state is State.DROPPED
+        if dropped:
+            step = "take-back"
+        if not dropped and isinstance(op, FileGen) and op.owner in self.gone and isinstance(exc, FileNotFoundError):
             self._lose(op)  # its staged copy went with its node (a new daemon cleared it): nothing can stage it again
             self.notify()
             return True
@@ -976,7 +969,11 @@ class Engine:
         if op.tries == self.retry.failed_after:
             self.counters.failures += 1
         delay = self.retry.delay(op.tries)
-        if isinstance(op, FileGen):
+        if dropped:
+            if permanent(exc) and op.tries >= self.retry.park_after:
+                log.error("take-back of %s failed for good (%s): what a failed try of it left in the store stays there", op.path, op.error)
+                return True
+        elif isinstance(op, FileGen):
             if permanent(exc) and op.tries >= self.retry.park_after:
                 op.move(State.PARKED)
                 self.publisher.park(op)
