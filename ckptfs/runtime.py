@@ -69,11 +69,15 @@ def private_dir(mountpoint: str | os.PathLike[str]) -> Path:
     runtime root checked to be the user's own and private. RuntimeDirError
     if not."""
     root, d = runtime_root(), mount_dir(mountpoint)
-    root.parent.mkdir(parents=True, exist_ok=True)
-    for path in (root, d):
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(path, 0o700)
-        _check_private(path, tighten=True)
+    try:
+        root.parent.mkdir(parents=True, exist_ok=True)
+        for path in (root, d):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(path, 0o700)
+            _check_private(path, tighten=True)
+    except OSError as exc:  # a place this user may not write (CKPTFS_RUNTIME_DIR set to one): said, not a traceback
+        raise RuntimeDirError(f"cannot make the runtime directory {d}: {exc.strerror} ({exc.filename}); "
+                              "set CKPTFS_RUNTIME_DIR to a directory of yours") from None
     return d
 
 

@@ -605,6 +605,8 @@ def verify(target: str, path: str, store_options: tuple[str, ...]) -> None:
     prefix = "/".join(parts)
     try:
         report = _verify_with_progress(run_verify, backend, prefix)
+    except PermissionError as exc:
+        _fail(f"the store {url} could not be verified: {exc} (verify as the user the daemon runs as, or as root)")
     except OSError as exc:
         _fail(f"the store {url} failed while it was verified: {exc}")
     if prefix and not (report.ok or report.corrupt or report.missing or report.extra):

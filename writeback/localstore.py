@@ -220,7 +220,7 @@ class LocalBackend(Backend):
             for (sd, sname), path, mode in moves:
                 dd, dname = to(path)
                 if mode is not None:
-                    os.chmod(sname, mode & 0o777, dir_fd=sd)  # never set-ID bits in the store
+                    os.chmod(sname, _mode_in_store(mode, stat.S_IFREG), dir_fd=sd)
                 try:
                     os.rename(sname, dname, src_dir_fd=sd, dst_dir_fd=dd)
                 except IsADirectoryError:
@@ -257,7 +257,7 @@ class LocalBackend(Backend):
                 finally:
                     os.close(fd)
             if mode is not None:
-                os.chmod(sname, mode & 0o777, dir_fd=sd)  # never set-ID bits in the store
+                os.chmod(sname, _mode_in_store(mode, stat.S_IFREG), dir_fd=sd)
             if _kind(dname, dd) == stat.S_IFDIR:
                 _rmdir_in_the_way(dd, dname, dst)
             os.rename(sname, dname, src_dir_fd=sd, dst_dir_fd=dd)
@@ -339,8 +339,8 @@ class LocalBackend(Backend):
 
     def chmod(self, path: str, mode: int) -> None:
         with self._at(path) as (d, name):
-            if _kind(name, d) in (stat.S_IFREG, stat.S_IFDIR):  # never through a symlink
-                os.chmod(name, mode, dir_fd=d)
+            if (kind := _kind(name, d)) in (stat.S_IFREG, stat.S_IFDIR):  # never through a symlink
+                os.chmod(name, _mode_in_store(mode, kind), dir_fd=d)
 
     def identity(self, path: str) -> object | None:
         try:
@@ -460,6 +460,20 @@ class LocalBackend(Backend):
                 return _kind(name, d) is not None
         except (FileNotFoundError, NotADirectoryError, SymlinkInStore):
             return False
+
+
+def _mode_in_store(mode: int, kind: int) -> int:
+    """The permission bits a store file (`kind` S_IFREG) or directory
+    (S_IFDIR) takes for its mount counterpart's `mode`: never more open to
+    anyone else, never a set-ID bit, and always open to its owner, the
+    daemon's user, as far as the daemon needs: a file readable, a directory
+    readable, writable and searchable. (Taken as is, a write-only file made
+    a daemon not run as root fail to load it after a restart, and an
+    append to it failed, EACCES, where the mount allows it; the mount's own
+    mode is in the file's record.)"""
+    if kind == stat.S_IFDIR:
+        return (mode & 0o1777) | 0o700
+    return (mode & 0o777) | 0o400
 
 
 def _write_new(dir_fd: int, name: str, pieces: Iterable[memoryview | bytes], sync: bool, direct: bool = False) -> None:

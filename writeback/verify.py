@@ -69,7 +69,7 @@ def verify(backend: Backend, prefix: str = "", progress: Callable[[str, int], No
             continue
         except OSError as exc:
             if exc.errno != errno.EBUSY:
-                raise
+                raise _about(exc, entry.path) from None
             report.corrupt.append((entry.path, "replaced while it was read"))  # looked at again below
             continue
         why = _unlike(digest, rec)
@@ -161,7 +161,7 @@ def _look(backend: Backend, path: str) -> tuple[str | None, str, tuple] | None:
         digest = None
     except OSError as exc:
         if exc.errno != errno.EBUSY:
-            raise
+            raise _about(exc, path) from None
         return None  # replaced while it was read: look again
     if _record(backend, path) != before:
         return None
@@ -182,6 +182,12 @@ def _record(backend: Backend, path: str) -> Record | str | None:
         return manifest.read(backend, path)
     except manifest.UNREADABLE:
         return "unreadable"
+
+
+def _about(exc: OSError, path: str) -> OSError:
+    """`exc`, naming the store path it is about (a local store's names
+    only the last part of it)."""
+    return type(exc)(exc.errno, f"{exc.strerror or exc}: cannot read {path}") if exc.errno is not None else exc
 
 
 def _under(path: str, prefix: str) -> bool:

@@ -471,3 +471,28 @@ def test_a_store_that_stays_unusable_at_startup_is_one_clear_error(tmp_path):
         assert not is_mounted(mp)
     finally:
         _cleanup_background(mp)
+
+
+def test_verify_by_a_user_who_may_not_read_the_store_names_the_fix(tmp_path):
+    """`ckptfs verify` run by a user who may not read a local store (its
+    records are the daemon's user's, 0600 in a 0700 directory): one line
+    saying so and who may, exit 1."""
+    import shutil
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="ckptfs-verify-"))  # nobody must reach it: not under the test's 0700 tmp_path
+    try:
+        os.chmod(root, 0o755)
+        m = start_mount(tmp_path, store=root / "store")
+        try:
+            (m.mountpoint / "weights").write_bytes(b"w")
+            assert run_cli("flush", str(m.mountpoint), "--timeout", "60").returncode == 0
+        finally:
+            stop_mount(m)
+        r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m", "ckptfs.tools.cli",
+                            "verify", str(root / "store")], capture_output=True, text=True, timeout=60, cwd="/")
+        assert_one_line(r, 1, "Permission denied")
+        assert "verify as the user the daemon runs as, or as root" in r.stderr
+        assert run_cli("verify", str(root / "store")).returncode == 0
+    finally:
+        shutil.rmtree(root)

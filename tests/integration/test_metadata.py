@@ -143,6 +143,53 @@ def test_a_mode_changed_after_publication_reaches_the_store(fresh_mount):
     assert deadline_ok
 
 
+def test_the_daemons_user_can_always_read_its_store_files_and_use_its_directories(tmp_path):
+    """A write-only file and a read-only directory in the mount: in a local
+    store the file stays readable by its owner, the daemon's user, and the
+    directory usable (a daemon not run as root loaded such a file after a
+    restart, for an append the mount allows, and met EACCES); never more
+    open to anyone else; the mount shows the modes exactly after a restart."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    m = start_mount(tmp_path)
+    mp = m.mountpoint
+    try:
+        (mp / "d").mkdir()
+        for name, mode in (("w", 0o200), ("r", 0o444), ("g", 0o640)):
+            (mp / "d" / name).write_bytes(name.encode())
+            os.chmod(mp / "d" / name, mode)
+        os.chmod(mp / "d", 0o500)
+        assert run_cli("flush", str(mp), "--timeout", "60").returncode == 0  # directories' attributes too
+        assert {n: stat.S_IMODE(os.stat(m.store / "d" / n).st_mode) for n in "wrg"} == {"w": 0o600, "r": 0o444, "g": 0o640}
+        assert stat.S_IMODE(os.stat(m.store / "d").st_mode) == 0o700
+        stop_mount(m)
+        m = start_mount(tmp_path)
+        assert {n: stat.S_IMODE(os.stat(m.mountpoint / "d" / n).st_mode) for n in "wrg"} == {"w": 0o200, "r": 0o444, "g": 0o640}
+        assert stat.S_IMODE(os.stat(m.mountpoint / "d").st_mode) == 0o500
+    finally:
+        stop_mount(m)
+
+    # What it is for: a daemon's user that is not root reads its write-only
+    # file back, and publishes into its read-only directory.
+    root = tempfile.mkdtemp(prefix="ckptfs-owner-")  # nobody must reach it: not under the test's 0700 tmp_path
+    try:
+        os.chmod(root, 0o755)
+        os.chown(root, 65534, 65534)
+        code = ("from ckptfs.writeback.localstore import LocalBackend; "
+                f"b = LocalBackend({root!r}, 'file://' + {root!r}); "
+                "b.publish(b.stage([b'secret'], 6), 'd/w', mode=0o200); b.chmod('d', 0o500); "
+                "b.publish(b.stage([b'next'], 4), 'd/n', mode=0o644); print(b.read_all('d/w'), b.read_all('d/n'))")
+        r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code],
+                           capture_output=True, text=True, timeout=60, cwd="/")
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == "b'secret' b'next'"
+    finally:
+        shutil.rmtree(root)
+
+
 def _hf_train(output_dir, max_steps: int, resume: bool) -> None:
     import torch
     import transformers

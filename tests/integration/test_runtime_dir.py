@@ -56,6 +56,15 @@ def test_a_squatted_mount_directory_with_a_planted_log_is_refused(dirs):
     assert victim.read_text() == "the victim's file\n" and not is_mounted(mp)
 
 
+def test_a_runtime_root_that_cannot_be_made_is_one_line(dirs):
+    """CKPTFS_RUNTIME_DIR where this user cannot make it (here below a
+    file; for a user, a directory of someone else's): a one-line error
+    naming the fix, not a traceback."""
+    mp, store, _, victim = dirs
+    one_line_error(mount_with(mp, store, victim / "rt"), 2, "set CKPTFS_RUNTIME_DIR")
+    assert not is_mounted(mp)
+
+
 def test_a_runtime_root_others_can_write_is_refused(dirs):
     mp, store, rt, _ = dirs
     rt.mkdir()
