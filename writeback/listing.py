@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 Found = tuple[str, int, bool]  # a path, its size (0 for a directory), whether it is a directory
-Warn = Callable[[str, str], None]  # a path that cannot be listed, and why
+Warn = Callable[[str, str], None]  # a path left out of the listing, and why
 
 
 def tree(rel: str, top: int, skip: str, dirs: bool, warn: Warn) -> Iterator[Found]:
@@ -52,7 +52,7 @@ def tree(rel: str, top: int, skip: str, dirs: bool, warn: Warn) -> Iterator[Foun
             except (FileNotFoundError, NotADirectoryError):
                 continue  # gone, or another kind now, since it was listed
             except PermissionError as exc:
-                warn(path, exc.strerror)
+                warn(path, f"cannot list it ({exc.strerror}): what it holds is not shown")
                 continue
             except OSError as exc:
                 if exc.errno != errno.ELOOP:
@@ -72,7 +72,9 @@ def tree(rel: str, top: int, skip: str, dirs: bool, warn: Warn) -> Iterator[Foun
 def listed(rel: str, fd: int, skip: str, warn: Warn) -> tuple[list[Found], list[str]]:
     """The regular files in directory `fd` (at `rel`), and the names of its
     directories but `skip`: `os.scandir` gives each name's type, so only
-    regular files are stat'ed (for their sizes)."""
+    regular files are stat'ed (for their sizes). Symlinks are left out
+    (ckptfs keeps its own as records, and follows none), and so are fifos,
+    sockets and device nodes, with `warn`: another tool put them there."""
     found: list[Found] = []
     below: list[str] = []
     with os.scandir(fd) as listing:
@@ -83,10 +85,13 @@ def listed(rel: str, fd: int, skip: str, warn: Warn) -> tuple[list[Found], list[
                         below.append(e.name)
                 elif e.is_file(follow_symlinks=False) and stat.S_ISREG((st := os.stat(e.name, dir_fd=fd, follow_symlinks=False)).st_mode):
                     found.append((f"{rel}/{e.name}" if rel else e.name, st.st_size, False))
+                elif not e.is_symlink():
+                    warn(f"{rel}/{e.name}" if rel else e.name, "not a file, a directory or a symlink (a fifo, a socket or a device "
+                         "node another tool made?): not shown, never read")
             except (FileNotFoundError, NotADirectoryError):
                 pass  # gone, or another kind now, since it was listed
             except PermissionError as exc:
-                warn(f"{rel}/{e.name}" if rel else e.name, exc.strerror)
+                warn(f"{rel}/{e.name}" if rel else e.name, f"cannot stat it ({exc.strerror}): not shown")
     return found, below
 
 

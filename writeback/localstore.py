@@ -408,7 +408,7 @@ class LocalBackend(Backend):
             top = self._dir(rel)
         except (FileNotFoundError, NotADirectoryError, SymlinkInStore):
             return
-        for path, size, is_dir in listing.tree(rel, top, META if skip_meta and not rel else "", dirs, _cannot_list):
+        for path, size, is_dir in listing.tree(rel, top, META if skip_meta and not rel else "", dirs, _left_out):
             yield Entry(path, size, is_dir)
 
     @contextlib.contextmanager
@@ -424,7 +424,7 @@ class LocalBackend(Backend):
             return
         aside = listing.Aside("", top, META)  # on a core of its own (see `listing`)
         try:
-            yield lambda: list(map(Entry._make, aside.result(_cannot_list)))
+            yield lambda: list(map(Entry._make, aside.result(_left_out)))
         finally:
             aside.close()
 
@@ -542,8 +542,8 @@ def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
-def _cannot_list(path: str, why: str) -> None:
-    log.warning("cannot list %s in the store (%s): what it holds is not shown", path, why)
+def _left_out(path: str, why: str) -> None:
+    log.warning("left out of the store's listing: %s: %s", path, why)
 
 
 def _kind(name: str, dir_fd: int) -> int | None:
