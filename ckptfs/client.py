@@ -150,9 +150,9 @@ class Client:
         if not result["published"]:
             left = result["left"]
             if result.get("timed_out") and timeout is not None:
-                raise FlushIncomplete(f"{len(left)} files not published after {timeout:g}s", left, True)
-            raise FlushIncomplete(f"{len(left)} files or changes can never be published as they are (parked, or a change the store "
-                                  "could not take: change or delete them)", left, False)
+                raise FlushIncomplete(f"{len(left)} {'file' if len(left) == 1 else 'files'} not published after {timeout:g}s", left, True)
+            raise FlushIncomplete(f"{len(left)} {'file or change' if len(left) == 1 else 'files or changes'} can never be published as "
+                                  "they are (parked, or a change the store could not take: change or delete them)", left, False)
         return result
 
     def prefetch(self, path: str | os.PathLike[str] | None = None) -> dict:

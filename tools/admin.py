@@ -21,7 +21,7 @@ from ckptfs.client import AccessDenied, CkptfsError, Client, DaemonUnavailable, 
 from ckptfs.escape import printable
 
 from .paths import GivenPath
-from .units import Number, format_duration, format_size
+from .units import Number, counted, format_duration, format_size
 
 EXIT_INCOMPLETE, EXIT_USAGE, EXIT_UNAVAILABLE = 1, 2, 3
 DAEMON_EXIT_WAIT_S = 10.0  # a daemon that closed its connection to a flush, given this long to exit
@@ -283,12 +283,12 @@ def flush(path: str, timeout: float | None, cluster: bool) -> None:
             _flush_ended_by_exit(daemon, where, cluster)
         _fail(str(exc), _exit_code(exc))
     click.echo(f"ckptfs: flushed {printable(where)}: everything sealed before the flush is published "
-               f"({result['files']} files, {format_size(result['bytes'])} waited for)")
+               f"({counted(result['files'], 'file')}, {format_size(result['bytes'])} waited for)")
     unsealed = result.get("unsealed", [])
     if unsealed:
         more = len(unsealed) - UNSEALED_SHOWN
         shown = ", ".join(printable(p) for p in unsealed[:UNSEALED_SHOWN]) + (f" and {more} more" if more > 0 else "")
-        click.echo(f"ckptfs: not included: {len(unsealed)} files still open for writing, their changes sealed (and then published) "
+        click.echo(f"ckptfs: not included: {counted(len(unsealed), 'file')} still open for writing, their changes sealed (and then published) "
                    f"when they are closed: {shown}", err=True)
 
 
@@ -324,7 +324,7 @@ def _flush_ended_by_exit(daemon: runtime.MountInfo, where: str, cluster: bool) -
               f"(killed?): what it had not published is lost; see {daemon.log_file}", EXIT_INCOMPLETE)
     if report.unpublished:
         echo_unpublished(f"ckptfs: error: the daemon of {daemon.mountpoint} exited while the flush waited, with "
-                         f"{len(report.unpublished)} files NOT published to the store:", report.unpublished)
+                         f"{counted(len(report.unpublished), 'file')} NOT published to the store:", report.unpublished)
         runtime.mark_shown(daemon.mountpoint, report)
         sys.exit(EXIT_INCOMPLETE)
     if cluster:
@@ -343,7 +343,7 @@ def _flush_with_progress(client: Client, timeout: float | None, cluster: bool = 
             if key != last[1] and time.monotonic() - last[0] >= 2.0:
                 last[:] = [time.monotonic(), key]
                 failing = f"; failing: {printable(p['failed'][0]['path'])}: {printable(p['failed'][0]['error'])}" if p["failed"] else ""
-                click.echo(f"ckptfs: flush: {p['files_left']} of {p['files']} files left, "
+                click.echo(f"ckptfs: flush: {p['files_left']} of {counted(p['files'], 'file')} left, "
                            f"{format_size(p['bytes_left'])} of {format_size(p['bytes'])}{failing}", err=True)
 
         return client.flush(timeout=timeout, progress=line, cluster=cluster)
@@ -356,7 +356,7 @@ def _flush_with_progress(client: Client, timeout: float | None, cluster: bool = 
         task = bar.add_task("publishing", total=None)
 
         def update(p: dict) -> None:
-            desc = f"publishing: {p['files_left']} files left"
+            desc = f"publishing: {counted(p['files_left'], 'file')} left"
             if p["failed"]:
                 desc += f" [red](retrying {escape(printable(p['failed'][0]['path']))}: {escape(printable(p['failed'][0]['error']))})[/]"
             bar.update(task, total=p["bytes"], completed=p["bytes"] - p["bytes_left"], description=desc)
@@ -385,7 +385,7 @@ def _fail_with(answers: list[dict], key: str, header: str, why: str) -> None:
     `why`), under `header`, then exit 1; nothing if there are none."""
     rows = [f for a in answers for f in a[key]]
     if rows:
-        click.echo(f"ckptfs: error: {len(rows)} files {header}:", err=True)
+        click.echo(f"ckptfs: error: {counted(len(rows), 'file')} {header}:", err=True)
         for f in rows:
             click.echo(f"  {printable(f['path'])}: {printable(str(f[why]))}", err=True)
         sys.exit(EXIT_INCOMPLETE)
@@ -399,7 +399,7 @@ def prefetch(paths: tuple[str, ...]) -> None:
     loaded (corrupt in the store, the store unreachable) are named, and the
     rest loaded (exit 1)."""
     answers = _request_each(paths, Client.prefetch)
-    click.echo(f"ckptfs: loaded {_total(answers, 'loaded')} files ({format_size(_total(answers, 'bytes'))}) into RAM")
+    click.echo(f"ckptfs: loaded {counted(_total(answers, 'loaded'), 'file')} ({format_size(_total(answers, 'bytes'))}) into RAM")
     _fail_with(answers, "failed", "not loaded", "error")
 
 
@@ -410,7 +410,7 @@ def evict(paths: tuple[str, ...]) -> None:
     recursively) from RAM; they load again from the store on next use.
     Unpublished files are refused (exit 1): their only copy is in RAM."""
     answers = _request_each(paths, Client.evict)
-    click.echo(f"ckptfs: evicted {_total(answers, 'evicted')} files ({format_size(_total(answers, 'bytes'))}) from RAM")
+    click.echo(f"ckptfs: evicted {counted(_total(answers, 'evicted'), 'file')} ({format_size(_total(answers, 'bytes'))}) from RAM")
     _fail_with(answers, "refused", "not evicted, not published yet", "state")
 
 

@@ -41,7 +41,7 @@ from .preflight import (
     check_port,
     check_spill_dir,
 )
-from .units import Number, format_duration, format_size, parse_size
+from .units import Number, counted, format_duration, format_size, parse_size
 
 MOUNT_TIMEOUT_S = 60.0
 UMOUNT_PROGRESS_S = 5.0  # while `umount` waits for the drain: a line this often
@@ -508,7 +508,8 @@ def _report(report: runtime.ExitReport, mountpoint: str, when: str = "") -> None
     """How the daemon's exit went (`when`: said of a report an umount
     before this one did not wait for)."""
     if report.unpublished:
-        echo_unpublished(f"ckptfs: error: {len(report.unpublished)} files were NOT published to the store{when}:", report.unpublished)
+        n = len(report.unpublished)
+        echo_unpublished(f"ckptfs: error: {counted(n, 'file')} {'was' if n == 1 else 'were'} NOT published to the store{when}:", report.unpublished)
         sys.exit(1)
     click.echo(printable(f"ckptfs: unmounted {mountpoint}; everything is published{when}"))
 
@@ -521,7 +522,7 @@ def _warn_of_last_exit(mountpoint: str) -> None:
     runtime.discard_exit_report(mountpoint)  # the new daemon's will take its place
     if report is None or report.shown or not report.unpublished:
         return
-    echo_unpublished(f"ckptfs: warning: the last daemon of {mountpoint} exited{_at(report)} with {len(report.unpublished)} files NOT "
+    echo_unpublished(f"ckptfs: warning: the last daemon of {mountpoint} exited{_at(report)} with {counted(len(report.unpublished), 'file')} NOT "
                      "published to the store (they went with it; its log says why):", report.unpublished, EXIT_REPORT_SHOWN)
 
 
@@ -561,7 +562,7 @@ def _left(draining: Client) -> _Left | None:
     t, until = r["totals"], r["mount"].get("draining_until")
     left = [c for state, c in t["by_state"].items() if state != "published"]
     n = sum(c["files"] for c in left)
-    what = f"{n} files ({format_size(sum(c['bytes'] for c in left))})" if n else f"{t['queue']} namespace changes"
+    what = f"{counted(n, 'file')} ({format_size(sum(c['bytes'] for c in left))})" if n else counted(t["queue"], "namespace change")
     failing = f"; failing: {printable(t['last_error'])}" if t["failing"] and t["last_error"] else ""
     return _Left(what, not n and not t["queue"], failing, None if until is None else max(0.0, until - time.time()))
 

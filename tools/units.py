@@ -56,6 +56,11 @@ class Number(click.ParamType):
         return x
 
 
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """`n` and `noun`, plural unless `n` is 1: "1 file", "3 files", "0 files"."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 def format_size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":

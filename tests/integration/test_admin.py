@@ -175,7 +175,7 @@ def test_flush_times_out_while_the_store_is_down_then_succeeds(fresh_mount):
         assert [f["path"] for f in exc.value.left] == ["ck/model.pt"] and exc.value.timed_out
     r = run_cli("flush", str(m.path("ck")))
     assert r.returncode == 0, r.stderr
-    assert "flushed" in r.stdout and "1 files" in r.stdout
+    assert "flushed" in r.stdout and "(1 file," in r.stdout
     assert store_files(m.store) == {"ck/model.pt": b"m" * 10_000}
 
 
@@ -223,7 +223,7 @@ def test_a_flush_whose_daemon_exits_meanwhile_says_what_it_did_not_publish(tmp_p
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         out, err = flush.communicate(timeout=120)
         assert flush.returncode == 1, out + err
-        assert "exited while the flush waited, with 1 files NOT published" in err and "ck/model.pt" in err, err
+        assert "exited while the flush waited, with 1 file NOT published" in err and "ck/model.pt" in err, err
         assert umount.wait(timeout=60) == 1
     finally:
         for p in (flush, umount):
@@ -284,7 +284,7 @@ def test_flush_names_files_still_open_with_changes_it_does_not_include(fresh_mou
         assert job.stdout.readline() == "ready\n"
         r = run_cli("flush", str(m.path("ckpt")))
         assert r.returncode == 0 and "flushed" in r.stdout, r.stderr
-        assert "1 files still open for writing" in r.stderr and "ckpt/events.log" in r.stderr and "open.log" not in r.stderr, r.stderr
+        assert "1 file still open for writing" in r.stderr and "ckpt/events.log" in r.stderr and "open.log" not in r.stderr, r.stderr
         assert "ckpt/model.pt" in store_files(m.store) and "ckpt/events.log" not in store_files(m.store)
     finally:
         job.kill()
@@ -342,7 +342,7 @@ def test_evict_and_prefetch(fresh_mount):
 
     r = run_cli("prefetch", str(m.path("ck", "1.bin")))
     assert r.returncode == 0, r.stderr
-    assert "loaded 1 files (1.0 MiB)" in r.stdout
+    assert "loaded 1 file (1.0 MiB)" in r.stdout
     t = status_json(m.mountpoint)["totals"]
     assert t["evicted"]["files"] == 2 and t["counters"]["loads"] == 1
     assert run_cli("prefetch", str(m.mountpoint)).stdout.startswith("ckptfs: loaded 2 files")
@@ -378,7 +378,7 @@ def test_prefetch_names_the_files_it_cannot_load_and_loads_the_rest(tmp_path):
         r = run_cli("prefetch", str(again.path("ck")))
         assert r.returncode == 1, (r.stdout, r.stderr)
         assert "loaded 2 files" in r.stdout
-        assert "1 files not loaded" in r.stderr and "ck/b.bin: checksum mismatch" in r.stderr, r.stderr
+        assert "1 file not loaded" in r.stderr and "ck/b.bin: checksum mismatch" in r.stderr, r.stderr
         t = status_json(again.mountpoint)["totals"]
         assert t["in_ram"]["files"] == 2 and t["evicted"]["files"] == 1
         assert not again.unexpected_log_errors(), again.unexpected_log_errors()
@@ -462,11 +462,11 @@ def test_admin_paths_follow_symlinks_in_the_mount(fresh_mount):
     os.symlink("/etc", m.path("outside"))
     assert run_cli("flush", str(m.path("latest"))).returncode == 0
     r = run_cli("evict", str(m.path("latest", "model.pt")))
-    assert r.returncode == 0 and "evicted 1 files" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and "evicted 1 file" in r.stdout, r.stdout + r.stderr
     r = run_cli("prefetch", str(m.path("latest-absolute")))
-    assert r.returncode == 0 and "loaded 1 files" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and "loaded 1 file" in r.stdout, r.stdout + r.stderr
     r = run_cli("evict", str(m.path("latest")))
-    assert r.returncode == 0 and "evicted 1 files" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and "evicted 1 file" in r.stdout, r.stdout + r.stderr
     r = run_cli("evict", str(m.path("outside", "passwd")))
     assert r.returncode != 0 and "leads out of the mount" in r.stderr and "Traceback" not in r.stderr
 
@@ -496,7 +496,7 @@ def test_evict_returns_ram_to_the_os_beyond_the_reuse_bound(tmp_path):
         write(m.path("again.bin"), data)
         assert run_cli("flush", str(m.mountpoint)).returncode == 0
         r = run_cli("evict", str(m.mountpoint))
-        assert r.returncode == 0 and "evicted 1 files" in r.stdout, r.stdout + r.stderr
+        assert r.returncode == 0 and "evicted 1 file" in r.stdout, r.stdout + r.stderr
         assert rss(m.pid) < base + (64 << 20) + (100 << 20)
         write(m.path("small.bin"), b"s" * (3 << 20))  # into a reused chunk
         assert m.path("small.bin").read_bytes() == b"s" * (3 << 20)
@@ -514,7 +514,7 @@ def test_evict_refuses_unpublished_files(fresh_mount):
         write(m.path("pending"), b"p" * 5000)
         r = run_cli("evict", str(m.mountpoint))
         assert r.returncode == 1
-        assert "evicted 1 files" in r.stdout
+        assert "evicted 1 file" in r.stdout
         assert "pending" in r.stderr and "not published" in r.stderr
         r = run_cli("evict", str(m.path("pending")))
         assert r.returncode == 1 and "evicted 0 files" in r.stdout

@@ -136,7 +136,7 @@ def test_umount_says_what_is_left_while_a_failing_store_holds_the_drain(tmp_path
             try:
                 lines: list[str] = []
                 deadline = time.monotonic() + 30
-                while not any("still publishing: 1 files" in ln for ln in lines):
+                while not any("still publishing: 1 file" in ln for ln in lines):
                     assert select.select([umount.stderr], [], [], max(0.0, deadline - time.monotonic()))[0], \
                         f"umount said nothing of what is left within 30 s: {lines}"
                     ln = umount.stderr.readline()
@@ -199,7 +199,7 @@ def test_umount_again_after_an_interrupted_one_waits_for_the_drain(tmp_path):
             m.path("model.pt").write_bytes(b"m" * 100_000)
             wait_until(lambda: "failed (try" in m.log_text(), 30, "a failed publication")
             r = run_cli("umount", str(m.mountpoint), "--timeout", "1")
-            assert r.returncode != 0 and "gave up waiting after 1s: 1 files" in r.stderr, r.stderr
+            assert r.returncode != 0 and "gave up waiting after 1s: 1 file" in r.stderr, r.stderr
             assert not is_mounted(m.mountpoint) and m.proc.poll() is None  # unmounted, draining
             assert_clean_error(run_cli("mount", str(m.mountpoint), "--store", str(m.store)), "still publishing", f"ckptfs umount {m.mountpoint}")
             # status and flush of the mount point reach the draining daemon (they said "not on a ckptfs mount")
@@ -259,11 +259,11 @@ def test_umount_says_how_a_drain_it_gave_up_on_ended(tmp_path):
         m.path("model.pt").write_bytes(b"m" * 100_000)
         wait_until(lambda: "failed (try" in m.log_text(), 30, "a failed publication")
         r = run_cli("umount", str(m.mountpoint), "--timeout", "0.5")
-        assert r.returncode == 1 and "gave up waiting after 0.5s: 1 files" in r.stderr and "--drain-timeout" in r.stderr, r.stderr
+        assert r.returncode == 1 and "gave up waiting after 0.5s: 1 file" in r.stderr and "--drain-timeout" in r.stderr, r.stderr
         assert m.proc.wait(timeout=60) == 1  # its drain over, model.pt not published
         r = run_cli("umount", str(m.mountpoint))
         assert r.returncode == 1, r.stdout + r.stderr
-        assert "1 files were NOT published" in r.stderr and "not waited for by an umount" in r.stderr, r.stderr
+        assert "1 file was NOT published" in r.stderr and "not waited for by an umount" in r.stderr, r.stderr
         assert "model.pt" in r.stderr
         assert_clean_error(run_cli("umount", str(m.mountpoint)), "not a ckptfs mount")  # said once
     finally:
@@ -286,7 +286,7 @@ def test_umounts_at_once_each_say_what_the_drain_left(tmp_path):
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
         for u in umounts:
             out, err = u.communicate(timeout=120)
-            assert u.returncode == 1 and "1 files were NOT published" in err and "model.pt" in err, out + err
+            assert u.returncode == 1 and "1 file was NOT published" in err and "model.pt" in err, out + err
     finally:
         for u in umounts:
             if u.poll() is None:

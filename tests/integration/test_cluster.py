@@ -150,7 +150,7 @@ def test_a_file_deleted_on_another_node_while_the_publishing_node_reads_it_stays
         with open(a.path("ckpt.bin"), "rb") as f:
             head = f.read(10)
             r = run_cli("evict", str(a.path("ckpt.bin")))
-            assert r.returncode == 0 and "evicted 1 files" in r.stdout, r.stdout + r.stderr
+            assert r.returncode == 0 and "evicted 1 file" in r.stdout, r.stdout + r.stderr
             os.unlink(b.path("ckpt.bin"))
             assert run_cli("flush", str(b.mountpoint), "--cluster").returncode == 0  # the store's copy is gone now
             assert "ckpt.bin" not in store_files(tmp_path / "store")

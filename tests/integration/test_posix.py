@@ -204,7 +204,7 @@ def test_a_file_deleted_while_open_and_in_the_store_only_stays_readable(mnt: Pat
     with open(p, "rb") as f:
         head = f.read(10)
         r = run_cli("evict", str(p))
-        assert r.returncode == 0 and "evicted 1 files" in r.stdout, r.stdout + r.stderr
+        assert r.returncode == 0 and "evicted 1 file" in r.stdout, r.stdout + r.stderr
         _delete_or_replace(mnt, p, how)
         assert head + _read_rest_uncached(f) == payload
 
