@@ -90,14 +90,15 @@ class StoreCalls:
         self._stragglers: list[threading.Event] = []  # of abandoned calls: set once their thread is done
         self.crash_at: tuple[int | str, str] | None = None  # the crash-point tests' fault: (call number or what it starts with, "before"/"after")
 
-    async def run(self, what: str, fn: Callable[..., T], *args, nbytes: int = 0, ended: trio.Event | None = None,
+    async def run(self, what: str, fn: Callable[..., T], *args, nbytes: int = 0, on_end: Callable[[], object] | None = None,
                   scope: trio.CancelScope | None = None) -> T:
-        """`fn(*args)` in a thread, within its deadline. `ended` is set when
-        the thread is done, abandoned or not (the publisher fences later
-        store changes on the same paths behind a late one). `scope`: the
-        caller sets the deadline, later (a call fed while it runs)."""
-        if ended is not None:
-            fn = _signalling(fn, ended)
+        """`fn(*args)` in a thread, within its deadline. `on_end` is called
+        in trio when the thread is done, abandoned or not (the publisher
+        fences later store changes on the same paths behind a late one).
+        `scope`: the caller sets the deadline, later (a call fed while it
+        runs)."""
+        if on_end is not None:
+            fn = _signalling(fn, on_end)
         finished = threading.Event()
         fn = _flagging(fn, finished)
         self.count += 1
@@ -151,7 +152,7 @@ def _flagging(fn: Callable[..., T], finished: threading.Event) -> Callable[..., 
     return body
 
 
-def _signalling(fn: Callable[..., T], ended: trio.Event) -> Callable[..., T]:
+def _signalling(fn: Callable[..., T], on_end: Callable[[], object]) -> Callable[..., T]:
     token = trio.lowlevel.current_trio_token()
 
     def body(*args):
@@ -159,6 +160,6 @@ def _signalling(fn: Callable[..., T], ended: trio.Event) -> Callable[..., T]:
             return fn(*args)
         finally:
             with contextlib.suppress(trio.RunFinishedError):
-                token.run_sync_soon(ended.set)  # without waiting for trio to run it
+                token.run_sync_soon(on_end)  # without waiting for trio to run it
 
     return body

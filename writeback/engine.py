@@ -594,9 +594,10 @@ class Engine:
 
     async def flush(self) -> None:
         """A barrier: until everything queued before the call is applied
-        (or stuck behind a parked file), directories' attributes included."""
+        (or stuck behind a parked file), directories' attributes included,
+        and any step done again once a late try of it ended (`Publisher._do_again`)."""
         left = Left(self, self.barrier())
-        while not left.settled():
+        while not left.settled() or self.publisher.doing_again():
             await self.wait_change()
         await self.sync_dirs()
 
@@ -891,7 +892,7 @@ class Engine:
         self.notify()
 
     async def read_snapshot(self, gens: FileGen | list[FileGen], what: str, fn: Callable, *args, nbytes: int = 0,
-                            ended: trio.Event | None = None):
+                            on_end: Callable[[], object] | None = None):
         """Run `fn` (which reads the snapshots of `gens`) in a thread with a
         deadline; the snapshots stay allocated until the thread is done, even
         if it is abandoned."""
@@ -907,7 +908,7 @@ class Engine:
                 with contextlib.suppress(trio.RunFinishedError):
                     token.run_sync_soon(self._readers_done, gens)  # without waiting for trio to run it
 
-        return await self.calls.run(what, body, nbytes=nbytes, ended=ended)
+        return await self.calls.run(what, body, nbytes=nbytes, on_end=on_end)
 
     def _readers_done(self, gens: list[FileGen]) -> None:
         """Run by trio at a thread's request (`run_sync_soon`), once for all

@@ -33,10 +33,11 @@ import bisect
 import collections
 import errno
 import fnmatch
+import functools
 import itertools
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -73,6 +74,10 @@ class _Late:
     what: str
     ended: trio.Event
     showing: bool  # a publication (`Publisher.call`)
+    # The step as a later try of it did it, while this one still ran: done
+    # once more when this one ends (`Publisher._do_again`), before anything
+    # else changes those paths.
+    again: Callable[[], Awaitable[object]] | None = None
 
 
 def _stage_snapshot(backend, gen: FileGen, name: str) -> tuple[Staged, Digest]:
@@ -191,15 +196,43 @@ class Publisher:
                 await trio.sleep(self.e.retry.delay(attempt))
 
     async def _after_late_steps(self, what: str, at: tuple[str, ...], showing: bool) -> None:
-        """Wait while an abandoned step may still change `at` (see `call`)."""
+        """Wait while an abandoned step may still change `at` (see `call`),
+        and do again what one that ended late may have undone."""
         while True:
-            self.late = [x for x in self.late if not x.ended.is_set()]
+            self.late = [x for x in self.late if not x.ended.is_set() or x.again is not None]
             late = next((x for x in self.late if _overlap(x.at, at) and not (
                 any(op is self.current for op in x.ops) and (x.what == what or (x.showing and showing)))), None)
             if late is None:
                 return
+            if late.ended.is_set():
+                await self._do_again(late)
+                continue
             log.warning("waiting for the abandoned store call %s to finish before changing %s again", late.what, ", ".join(at))
             await late.ended.wait()
+
+    async def _do_again(self, late: _Late) -> None:
+        """The step of `late` once more, as a step of its op (its failures
+        counted on it): `late` was abandoned, a later try of the step
+        succeeded, and `late` ended after it. Each try's calls are
+        idempotent, not the two tries' calls interleaved: what `late` did
+        last may undo part of the later try (a deletion marks its record,
+        deletes the file, then the record; its first call landing after the
+        retry deleted the record, and the next one failing, left a record
+        with no file: `verify` called the deleted file missing)."""
+        log.info("the abandoned store call %s ended after a later try of it succeeded: done once more", late.what)
+        was, self.current = self.current, late.ops[0]
+        try:
+            await late.again()
+        except GiveUp:
+            pass  # logged
+        finally:
+            self.current = was
+        late.again = None
+        self.e.notify()  # a flush waits for it
+
+    def doing_again(self) -> bool:
+        """Whether a step is to be done again now (`_do_again`)."""
+        return any(x.ended.is_set() and x.again is not None for x in self.late)
 
     async def _fenced(self, what: str, fn, *args, nbytes: int = 0, reading: FileGen | list[FileGen] | None = None, at: tuple[str, ...] = (),
                       showing: bool = False):
@@ -216,18 +249,30 @@ class Publisher:
                 log.debug("%s: waiting until this node's progress reached the other nodes (see unreported.py)", what)
                 await link.reported()
                 self.unreported.clear()
-        ended = trio.Event()
+        late = _Late(at, tuple(reading) if isinstance(reading, list) else (op,), what, trio.Event(), showing)  # if abandoned
+
+        def on_end() -> None:
+            late.ended.set()
+            if late.again is not None:
+                self.e.notify()  # its step is to be done again (`_step`)
+
         try:
             if reading is not None:
-                return await self.e.read_snapshot(reading, what, fn, *args, nbytes=nbytes, ended=ended)
-            return await self.e.calls.run(what, fn, *args, nbytes=nbytes, ended=ended)
+                out = await self.e.read_snapshot(reading, what, fn, *args, nbytes=nbytes, on_end=on_end)
+            else:
+                out = await self.e.calls.run(what, fn, *args, nbytes=nbytes, on_end=on_end)
         except StoreTimeout:
             if at:
-                self.late.append(_Late(at, tuple(reading) if isinstance(reading, list) else (self.current,), what, ended, showing))
+                self.late.append(late)
             raise
         finally:  # failed or not: it may have changed the store
             if link is not None and op is not None:
                 self.unreported.note(at, op, link.reports_made, link.reports_sent)
+        if op is not None and reading is None:  # (a publication's late try lands the same bytes: nothing to undo)
+            for x in self.late:
+                if x.what == what and x.ops[0] is op and not x.ended.is_set():
+                    x.again = functools.partial(self.call, what, fn, *args, nbytes=nbytes, at=at, showing=showing)
+        return out
 
     # -- the loop --------------------------------------------------------------
     async def run(self) -> None:
@@ -254,6 +299,9 @@ class Publisher:
         """Apply the op at the head of the queue (or a group of ops); True
         if there is nothing to do until something changes."""
         e = self.e
+        for late in [x for x in self.late if x.ended.is_set() and x.again is not None]:
+            if late.again is not None:  # (not done by one before it, on the same paths)
+                await self._do_again(late)
         await self._release_deferred()
         while self.taking_back:
             gen = self.current = self.taking_back[0]  # its failures count on it (`Engine.failed`)

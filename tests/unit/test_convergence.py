@@ -386,6 +386,48 @@ async def test_a_publication_that_landed_though_it_failed_is_taken_back_when_its
     assert set(await _restarted_view(tmp_path, rig.url)) == set(want)
 
 
+@pytest.mark.parametrize("kind", ["local", "object"])
+async def test_a_deletion_whose_abandoned_try_ends_after_its_retry_is_done_again(tmp_path, kind):
+    """A deletion marks the file's record, deletes the file, then the
+    record. Its first try hung in the marking and was abandoned; the retry
+    deleted file and record; then the first try's marking landed, and its
+    next call failed: the record was back with no file, and `verify`
+    called the deleted file missing (until a restart took it for a
+    leftover). The step is done once more when the late try ends."""
+    rig = Rig(_store(tmp_path, kind), deadlines=Deadlines(call_s=0.5, min_rate=1 << 40))
+    rig.write("f", b"x" * 1000)
+    await run_until_flushed(rig)
+    objpath = manifest.record_path("f")
+    real_put, real_delete = rig.backend.put, rig.backend.delete
+    retried, late = threading.Event(), threading.local()
+
+    def put(path, data):
+        if path == objpath and b"delete:" in data and not hasattr(put, "hung"):
+            put.hung = late.on = True
+            retried.wait(10)  # abandoned meanwhile (its deadline 0.5 s): the retry deletes file and record
+            time.sleep(0.3)  # and is over
+        real_put(path, data)
+
+    def delete(path):
+        if getattr(late, "on", False):  # (threads are reused: once)
+            late.on = False
+            raise ConnectionError("injected: the late try's next call failed")
+        real_delete(path)
+        if path == objpath:
+            retried.set()
+
+    rig.backend.put, rig.backend.delete = put, delete
+    rig.unlink("f")
+    await run_until_flushed(rig)
+    assert retried.is_set() and rig.engine.calls.abandoned == 1
+    deadline = time.monotonic() + 10
+    while rig.engine.calls.stragglers() and time.monotonic() < deadline:  # the late try's marking landed, and it ended
+        time.sleep(0.05)
+    await run_until_flushed(rig)
+    assert manifest.read(rig.backend, "f") is None
+    assert verify(rig.backend).clean
+
+
 async def test_a_directory_moves_only_once_an_abandoned_publication_into_it_is_done(tmp_path):
     """A directory renamed before its file's turn (Orbax's temporary one):
     at the rename's turn the file is published into the directory at its
