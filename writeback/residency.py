@@ -544,7 +544,10 @@ class Residency:
                 load.error = OSError(errno.EIO, "the daemon is stopping")
             else:
                 log.error("cannot load %s from the store: %s", load.path, exc)
-                load.error = exc if isinstance(exc, OSError) and exc.errno else OSError(errno.EIO, f"cannot load {load.path} from the store: {exc}")
+                # Its reader gets EIO, as for any store failure (a deadline's ETIMEDOUT, a store's EACCES
+                # reached the reader as is); RAM that ran out is said as such
+                load.error = exc if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.ENOMEM) else \
+                    OSError(errno.EIO, f"cannot load {load.path} from the store: {exc}")
             if not isinstance(exc, Exception):
                 raise
         else:

@@ -18,6 +18,7 @@ from ckptfs.fs.tree import ROOT, InodeTree
 from ckptfs.writeback import backend as backend_module
 from ckptfs.writeback import manifest
 from ckptfs.writeback.backend import Backend, open_store
+from ckptfs.writeback.calls import Deadlines
 from ckptfs.writeback.engine import Engine, Retry
 from ckptfs.writeback.state import State
 
@@ -1647,6 +1648,34 @@ async def test_a_load_that_fails_for_a_passing_reason_is_tried_again(tmp_path):
         with trio.fail_after(20):
             await rig.engine.load(node.ino)
         assert node.data.read(0, len(data)) == data
+        n.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("how", ["abandoned at its deadline", "refused (EACCES)"])
+async def test_a_load_that_fails_its_tries_gives_its_reader_eio(tmp_path, how):
+    """As a store failure, whatever the store said: a load whose every try
+    was abandoned gave its reader ETIMEDOUT, one the store refused EACCES
+    (a read of a file the mount lets it read)."""
+    rig = Rig(tmp_path / "store")
+    rig.write("f", os.urandom(5000))
+    await run_until_flushed(rig)
+    node = rig.store.inode_at("f")
+    rig.engine.evict(1 << 40)
+    real = rig.backend.open_source
+
+    def open_source(path):
+        if how == "refused (EACCES)":
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        time.sleep(0.5)  # past its deadline
+        return real(path)
+
+    rig.engine.calls.deadlines = Deadlines(call_s=0.1, min_rate=1 << 40)
+    rig.backend.open_source = open_source
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        with trio.fail_after(20), pytest.raises(OSError) as failed:
+            await rig.engine.load(node.ino)
+        assert failed.value.errno == errno.EIO and not node.data.resident
         n.cancel_scope.cancel()
 
 
