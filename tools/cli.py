@@ -578,9 +578,10 @@ def verify(target: str, path: str, store_options: tuple[str, ...]) -> None:
     """Re-read published files from the store and check size and xxh3-128
     against the manifest. Works with no daemon running.
 
-    Exit status: 0 all good; otherwise the sum of 8 (corrupt files),
-    16 (recorded but missing) and 32 (in the store but not in the manifest);
-    2 for bad input.
+    Exit status: 0 all good; otherwise the sum of 8 (corrupt files, or
+    files the store fails to read), 16 (recorded but missing) and 32 (in
+    the store but not in the manifest); 2 for bad input; 1 if the store
+    fails (unreachable, or not readable by this user).
     """
     from ckptfs.writeback.backend import META, StoreError, local_root, open_store
     from ckptfs.writeback.verify import verify as run_verify

@@ -7,7 +7,9 @@ Each such finding is therefore looked at again, on its own: its record
 read before and after its bytes (a publication changes the record first,
 then the data; a move and a deletion change the data, then the record).
 An object store may say so itself: s3fs fails a read whose object was
-replaced midway (`FileExpired`, EBUSY), which is looked at again too.
+replaced midway (`FileExpired`, EBUSY), which is looked at again too. A
+file the store fails to read (EIO) is reported as corrupt, and the rest
+verified.
 A finding stands once two looks in a row, a moment apart, find the same
 record, the same bytes and the same fault; one that turns out well (the
 publication landed) goes.
@@ -68,6 +70,9 @@ def verify(backend: Backend, prefix: str = "", progress: Callable[[str, int], No
             seen.discard(entry.path)
             continue
         except OSError as exc:
+            if exc.errno == errno.EIO:  # this file cannot be read (a bad sector): said, and the others verified
+                report.corrupt.append((entry.path, _cannot_read(exc)))  # looked at again below
+                continue
             if exc.errno != errno.EBUSY:
                 raise _about(exc, entry.path) from None
             report.corrupt.append((entry.path, "replaced while it was read"))  # looked at again below
@@ -155,17 +160,23 @@ def _look(backend: Backend, path: str) -> tuple[str | None, str, tuple] | None:
     "corrupt", "missing", "extra" or None (neither file nor record); None
     if its record changed while its bytes were read."""
     before = _record(backend, path)
+    unreadable = None
     try:
         digest: Digest | None = _digest(backend, path, before if isinstance(before, Record) else None)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError, SymlinkInStore):  # no file there (a symlink is never followed)
         digest = None
     except OSError as exc:
-        if exc.errno != errno.EBUSY:
+        if exc.errno == errno.EIO:
+            digest, unreadable = None, _cannot_read(exc)
+        elif exc.errno != errno.EBUSY:
             raise _about(exc, path) from None
-        return None  # replaced while it was read: look again
+        else:
+            return None  # replaced while it was read: look again
     if _record(backend, path) != before:
         return None
-    state = (before, digest)
+    state = (before, digest, unreadable)
+    if unreadable is not None:
+        return "corrupt", unreadable, state
     if before == "unreadable":
         return ("corrupt", "its record cannot be read", state) if digest is not None else (None, "", state)
     rec = before if isinstance(before, Record) and before.kind == "file" else None
@@ -182,6 +193,10 @@ def _record(backend: Backend, path: str) -> Record | str | None:
         return manifest.read(backend, path)
     except manifest.UNREADABLE:
         return "unreadable"
+
+
+def _cannot_read(exc: OSError) -> str:
+    return f"its bytes cannot be read from the store ({exc.strerror or exc})"
 
 
 def _about(exc: OSError, path: str) -> OSError:

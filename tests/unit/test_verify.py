@@ -74,3 +74,25 @@ def test_a_record_whose_block_hashes_do_not_match_its_file_is_reported(tmp_path)
     assert sorted((p, why.split(" (")[0].split(", but ")[1]) for p, why in report.corrupt) == [
         ("before-damaged.bin", "block 1"), ("damaged.bin", "block 3")]
     assert not report.missing and not report.extra
+
+
+def test_a_file_the_store_cannot_read_is_reported_and_the_others_verified(tmp_path):
+    """A store file that fails to read (EIO: a bad sector, a broken object)
+    is reported as corrupt, and the rest of the store verified: `verify`
+    stopped at it ("the store failed while it was verified")."""
+    import errno
+
+    store = open_store(str(tmp_path / "store"))
+    for name in ("a.bin", "bad.bin", "z.bin"):
+        storeio.write_file(store, name, name.encode() * 100)
+    real = store.read
+
+    def read(path):
+        if path == "bad.bin":
+            raise OSError(errno.EIO, "Input/output error", path)
+        return real(path)
+
+    store.read = read
+    report = verify(store)
+    assert report.corrupt == [("bad.bin", "its bytes cannot be read from the store (Input/output error)")]
+    assert sorted(report.ok) == ["a.bin", "z.bin"] and not report.missing and not report.extra
