@@ -362,6 +362,8 @@ class Publisher:
         elif isinstance(op, Exchange):
             paths = [op.a, op.b]
         elif isinstance(op, Attrs):
+            if op.ino == self.replica.root.ino:  # (the replica's index of inodes never holds the root)
+                self.dirty.add(self.replica.root)
             self.dirty.update(n for _, n in self.replica.nodes_of(op.ino) if isinstance(n, Dir))
             return
         else:

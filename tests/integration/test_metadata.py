@@ -122,6 +122,23 @@ def test_files_another_tool_put_in_a_local_store_keep_its_modes_owners_and_times
         stop_mount(m)
 
 
+def test_the_mount_roots_mode_and_owner_come_back(tmp_path):
+    """`chmod 700` and `chown` of the mount point itself, nothing else
+    changed: a remount brought the root back 0755 and root's."""
+    m = start_mount(tmp_path)
+    try:
+        (m.mountpoint / "f").write_bytes(b"x")
+        assert run_cli("flush", str(m.mountpoint), "--timeout", "60").returncode == 0
+        os.chmod(m.mountpoint, 0o700)
+        os.chown(m.mountpoint, 1234, 5678)
+        stop_mount(m)
+        m = start_mount(tmp_path)
+        st = os.stat(m.mountpoint)
+        assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o700, 1234, 5678)
+    finally:
+        stop_mount(m)
+
+
 def test_a_mode_changed_after_publication_reaches_the_store(fresh_mount):
     m = fresh_mount
     p = m.path("weights.bin")

@@ -850,6 +850,25 @@ async def test_a_flush_records_directories_as_they_are(tmp_path):
     await _assert_converged(rig, tmp_path, view)
 
 
+@pytest.mark.parametrize("kind", ["local", "object"])
+async def test_the_mount_roots_attributes_are_recorded_when_they_change(tmp_path, kind):
+    """`chmod 700` (or chown) of the mount's root alone: the root's record
+    kept its attributes of before (a change of attributes made its
+    directories dirty by the replica's index of inodes, which never holds
+    the root), and a restart brought the root back 0755, open to all."""
+    rig = Rig(_store(tmp_path, kind))
+    rig.write("f", b"x")
+    await run_until_flushed(rig)
+    rig.store.setattr(ROOT, mode=0o700, uid=1234)
+    await run_until_flushed(rig)
+    rec = manifest.read(rig.backend, "")
+    assert (rec.meta.mode & 0o7777, rec.meta.uid) == (0o700, 1234)
+    again = Rig(_store(tmp_path, kind), claim=False)
+    await again.engine.scan()
+    root = again.store.get(ROOT)
+    assert (stat.S_IMODE(root.mode), root.uid) == (0o700, 1234)
+
+
 async def test_a_directory_made_in_a_directory_renamed_before_its_turn_exists_in_the_store(tmp_path):
     rig = Rig(tmp_path / "store")
     rig.mkdir("a")
