@@ -74,6 +74,7 @@ class _Late:
     what: str
     ended: trio.Event
     showing: bool  # a publication (`Publisher.call`)
+    step: object  # the call it is a try of: its retries go ahead of it (`Publisher.call`)
     # The step as a later try of it did it, while this one still ran: done
     # once more when this one ends (`Publisher._do_again`), before anything
     # else changes those paths.
@@ -157,7 +158,7 @@ class Publisher:
 
     # -- store steps -------------------------------------------------------------
     async def call(self, what: str, fn, *args, nbytes: int = 0, reading: FileGen | None = None, at: tuple[str, ...] = (),
-                   still: Callable[[], bool] | None = None, showing: bool = False):
+                   still: Callable[[], bool] | None = None, showing: bool = False, step: object | None = None):
         """One store step of the op being applied, retried in place until it
         succeeds, so an op of many steps makes progress through transient
         errors instead of starting over (every step is idempotent). A
@@ -169,19 +170,22 @@ class Publisher:
         step changes those paths, so a late step can never undo a later one
         (C11): not a later op's, nor a later step of the same op (a
         directory's move after the publication of a file into it), nor what
-        takes back a try of it. Its own retries may (they do the same thing),
-        and so may a publication of the same op after an abandoned one
-        (`showing`: the files of a group whose call hung, one at a time).
+        takes back a try of it. Its own retries may (they do the same thing:
+        tries of one call of this, `step`; not another call of the same
+        name, which may write other attributes into the same record), and so
+        may a publication of the same op after an abandoned one (`showing`:
+        the files of a group whose call hung, one at a time).
 
         `still`: checked before each retry; False ends the step with `Stale`
         (what it would do is no longer wanted: the file left that name while
         the store was failing, and C4 wants it shown under its new name only)."""
         attempt = 0
+        step = object() if step is None else step
         while True:
             if attempt and still is not None and not still():
                 raise Stale(what)
             try:
-                return await self._fenced(what, fn, *args, nbytes=nbytes, reading=reading, at=at, showing=showing)
+                return await self._fenced(what, fn, *args, nbytes=nbytes, reading=reading, at=at, showing=showing, step=step)
             except storeio.NewerInStore:
                 raise
             except Exception as exc:
@@ -195,13 +199,13 @@ class Publisher:
                 attempt += 1  # the backoff follows this step's failures in a row, not the op's total
                 await trio.sleep(self.e.retry.delay(attempt))
 
-    async def _after_late_steps(self, what: str, at: tuple[str, ...], showing: bool) -> None:
+    async def _after_late_steps(self, at: tuple[str, ...], showing: bool, step: object) -> None:
         """Wait while an abandoned step may still change `at` (see `call`),
         and do again what one that ended late may have undone."""
         while True:
             self.late = [x for x in self.late if not x.ended.is_set() or x.again is not None]
             late = next((x for x in self.late if _overlap(x.at, at) and not (
-                any(op is self.current for op in x.ops) and (x.what == what or (x.showing and showing)))), None)
+                x.step is step or (x.showing and showing and any(op is self.current for op in x.ops)))), None)
             if late is None:
                 return
             if late.ended.is_set():
@@ -235,12 +239,13 @@ class Publisher:
         return any(x.ended.is_set() and x.again is not None for x in self.late)
 
     async def _fenced(self, what: str, fn, *args, nbytes: int = 0, reading: FileGen | list[FileGen] | None = None, at: tuple[str, ...] = (),
-                      showing: bool = False):
+                      showing: bool = False, step: object | None = None):
         """One try of a store step that changes `at`: after any abandoned step
         on those paths is done (but those `call` lets go ahead), and recorded
         as late if this one is abandoned in turn (a group's step: late for
         each generation in it)."""
-        await self._after_late_steps(what, at, showing)
+        step = object() if step is None else step  # (one try, on its own: no retry of it goes ahead of it)
+        await self._after_late_steps(at, showing, step)
         self.e.residency.disturb(at)
         link, op = self.e.link, self.current
         if link is not None:
@@ -249,7 +254,7 @@ class Publisher:
                 log.debug("%s: waiting until this node's progress reached the other nodes (see unreported.py)", what)
                 await link.reported()
                 self.unreported.clear()
-        late = _Late(at, tuple(reading) if isinstance(reading, list) else (op,), what, trio.Event(), showing)  # if abandoned
+        late = _Late(at, tuple(reading) if isinstance(reading, list) else (op,), what, trio.Event(), showing, step)  # if abandoned
 
         def on_end() -> None:
             late.ended.set()
@@ -270,8 +275,8 @@ class Publisher:
                 self.unreported.note(at, op, link.reports_made, link.reports_sent)
         if op is not None and reading is None:  # (a publication's late try lands the same bytes: nothing to undo)
             for x in self.late:
-                if x.what == what and x.ops[0] is op and not x.ended.is_set():
-                    x.again = functools.partial(self.call, what, fn, *args, nbytes=nbytes, at=at, showing=showing)
+                if x.step is step and not x.ended.is_set():
+                    x.again = functools.partial(self.call, what, fn, *args, nbytes=nbytes, at=at, showing=showing, step=step)
         return out
 
     # -- the loop --------------------------------------------------------------

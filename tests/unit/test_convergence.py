@@ -869,6 +869,51 @@ async def test_the_mount_roots_attributes_are_recorded_when_they_change(tmp_path
     assert (stat.S_IMODE(root.mode), root.uid) == (0o700, 1234)
 
 
+@pytest.mark.parametrize("kind", ["local", "object"])
+async def test_a_record_write_abandoned_then_landing_late_does_not_undo_a_newer_one(tmp_path, kind):
+    """The root's record (its attributes, written while the queue is idle)
+    hung past its deadline and was abandoned; its mode changed meanwhile,
+    and the next write of the record went ahead, taken for a retry of the
+    same step (same name, no op); then the late write landed: a restart
+    brought the old mode back. Only a retry of the same call goes ahead
+    of an abandoned try."""
+    rig = Rig(_store(tmp_path, kind), deadlines=Deadlines(call_s=0.5, min_rate=1 << 40))
+    rig.write("f", b"x")
+    await run_until_flushed(rig)
+    real, hanging = rig.backend.put, []
+
+    def put(path, data):
+        if path == manifest.record_path("") and not hanging:
+            hanging.append(path)
+            time.sleep(1.5)  # abandoned meanwhile (its deadline 0.5 s), then it lands
+        return real(path, data)
+
+    rig.backend.put = put
+
+    async def settled():
+        with trio.fail_after(10):
+            while rig.engine.queue:
+                await trio.sleep(0.01)
+
+    async def body():
+        rig.store.setattr(ROOT, mode=0o750)
+        await settled()
+        assert not await rig.engine.publisher.sync_dirs()  # its record's write abandoned
+        rig.store.setattr(ROOT, mode=0o700)
+        await settled()
+        with trio.fail_after(10):
+            while not await rig.engine.publisher.sync_dirs():
+                await trio.sleep(0.01)
+
+    await run_until_flushed(rig, body)
+    assert hanging and rig.engine.calls.abandoned == 1
+    deadline = time.monotonic() + 10
+    while rig.engine.calls.stragglers() and time.monotonic() < deadline:  # the late write landed
+        time.sleep(0.05)
+    await run_until_flushed(rig)
+    assert manifest.read(rig.backend, "").meta.mode & 0o7777 == 0o700
+
+
 async def test_a_directory_made_in_a_directory_renamed_before_its_turn_exists_in_the_store(tmp_path):
     rig = Rig(tmp_path / "store")
     rig.mkdir("a")
