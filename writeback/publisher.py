@@ -234,9 +234,12 @@ class Publisher:
         late.again = None
         self.e.notify()  # a flush waits for it
 
+    def _to_do_again(self) -> _Late | None:
+        """An abandoned try that ended, whose step is to be done again now (`_do_again`)."""
+        return next((x for x in self.late if x.ended.is_set() and x.again is not None), None)
+
     def doing_again(self) -> bool:
-        """Whether a step is to be done again now (`_do_again`)."""
-        return any(x.ended.is_set() and x.again is not None for x in self.late)
+        return self._to_do_again() is not None
 
     async def _fenced(self, what: str, fn, *args, nbytes: int = 0, reading: FileGen | list[FileGen] | None = None, at: tuple[str, ...] = (),
                       showing: bool = False, step: object | None = None):
@@ -304,9 +307,8 @@ class Publisher:
         """Apply the op at the head of the queue (or a group of ops); True
         if there is nothing to do until something changes."""
         e = self.e
-        for late in [x for x in self.late if x.ended.is_set() and x.again is not None]:
-            if late.again is not None:  # (not done by one before it, on the same paths)
-                await self._do_again(late)
+        while (late := self._to_do_again()) is not None:
+            await self._do_again(late)
         await self._release_deferred()
         while self.taking_back:
             gen = self.current = self.taking_back[0]  # its failures count on it (`Engine.failed`)

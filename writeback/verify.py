@@ -201,8 +201,10 @@ def _cannot_read(exc: OSError) -> str:
 
 def _about(exc: OSError, path: str) -> OSError:
     """`exc`, naming the store path it is about (a local store's names
-    only the last part of it)."""
-    return type(exc)(exc.errno, f"{exc.strerror or exc}: cannot read {path}") if exc.errno is not None else exc
+    only the last part of it): an OSError of its errno (OSError picks the
+    subclass, PermissionError for EACCES; the error's own class may take
+    other arguments)."""
+    return OSError(exc.errno, f"{exc.strerror or exc}: cannot read {path}") if exc.errno is not None else exc
 
 
 def _under(path: str, prefix: str) -> bool:

@@ -96,3 +96,25 @@ def test_a_file_the_store_cannot_read_is_reported_and_the_others_verified(tmp_pa
     report = verify(store)
     assert report.corrupt == [("bad.bin", "its bytes cannot be read from the store (Input/output error)")]
     assert sorted(report.ok) == ["a.bin", "z.bin"] and not report.missing and not report.extra
+
+
+def test_a_store_error_whose_class_takes_other_arguments_is_said_naming_the_file(tmp_path):
+    """A store error naming its file again was made of the error's own
+    class, given (errno, message): one whose constructor takes other
+    arguments (here the deadline's StoreTimeout) raised a ValueError
+    instead, and `ckptfs verify` ended in a traceback."""
+    import errno
+
+    import pytest
+    from ckptfs.writeback.calls import StoreTimeout
+
+    store = open_store(str(tmp_path / "store"))
+    storeio.write_file(store, "a.bin", b"a" * 100)
+
+    def read(path):
+        raise StoreTimeout(f"read {path}", 60.0)
+
+    store.read = read
+    with pytest.raises(OSError) as failed:
+        verify(store)
+    assert failed.value.errno == errno.ETIMEDOUT and "cannot read a.bin" in str(failed.value)
