@@ -364,6 +364,17 @@ def test_records_round_trip(store):
     assert manifest.read(store, "a/b") is None
 
 
+@pytest.mark.parametrize("data", [b"x\r", b"x\r\n", bytes(range(256))], ids=["cr", "crlf", "every-byte"])
+def test_put_keeps_every_byte(store, data):
+    """What `put` writes (records, and the manifest image: compressed, so any
+    bytes) reads back exactly, whatever its last bytes are; an emulator that
+    parsed uploads by lines once lost a trailing CR."""
+    store.put("blob", data)
+    assert store.read_all("blob") == data
+    publish(store, "file", [data])
+    assert store.read_all("file") == data
+
+
 def test_walk_of_a_single_file(store):
     store.put("dir/one", b"1")
     store.put("dir/two", b"22")
