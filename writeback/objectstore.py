@@ -577,8 +577,13 @@ def open_object_store(url: str, protocol: str | None, rest: str, storage_options
     if bucketed and not rest.strip("/"):
         raise StoreError(f"store URL {url!r} names no bucket: write {protocol}://BUCKET or {protocol}://BUCKET/PREFIX")
     options = dict(storage_options or {})
-    if protocol in ("s3", "s3a"):
+    if bucketed:
+        # The store is shared (a cluster's nodes, `verify`, whoever reads the
+        # checkpoints there): a listing kept from before would hide what
+        # another client wrote since, and give the size a file had (gcsfs
+        # keeps them unless told not to).
         options.setdefault("use_listings_cache", False)
+    if protocol in ("s3", "s3a"):
         # Fail fast and let the engine retry (with backoff, shown in status)
         # rather than hang for minutes on a dead connection.
         config = options.setdefault("config_kwargs", {})

@@ -417,6 +417,37 @@ def test_a_source_reads_any_range_in_any_order(store):
         store.open_source("missing")
 
 
+@pytest.mark.parametrize("kind", ["memory", "file", "s3", "gcs"])
+def test_what_another_client_wrote_is_seen_at_once(kind, request, tmp_path):
+    """A store is shared: by a cluster's nodes, by `verify`, by the tools
+    that read a checkpoint where it is stored. One client's listing, test
+    of a name and size of a file follow what another wrote after it looked
+    (no listing kept from before: gcsfs keeps one unless told not to)."""
+    if kind == "memory":
+        import fsspec
+
+        fsspec.filesystem("memory").store.clear()
+        url, options = f"memory://ckptfs-{next(_n)}", {}
+    elif kind == "file":
+        url, options = str(tmp_path / "store"), {}
+    else:
+        server = request.getfixturevalue(kind)
+        url, options = server.bucket("shared") + f"/root-{next(_n)}", server.options()
+    a = open_store(url, options)
+    b = open_store(url, {**options, "skip_instance_cache": True} if kind in ("s3", "gcs") else options)  # as in another process
+    a.put("x/one", b"1")
+    publish(a, "top", [b"t"])
+    assert (a.exists("x/two"), sorted(e.path for e in a.walk() if not e.is_dir)) == (False, ["top", "x/one"])
+    with a.open_source("x/one") as source:
+        assert source.size == 1
+    b.put("x/two", b"22")
+    publish(b, "x/one", [b"longer"])
+    publish(b, "new", [b"n"])
+    assert (a.exists("x/two"), sorted(e.path for e in a.walk() if not e.is_dir)) == (True, ["new", "top", "x/one", "x/two"])
+    with a.open_source("x/one") as source:
+        assert source.size == 6 and b"".join(bytes(p) for p in source.read(0, 6)) == b"longer"
+
+
 def test_records_a_burst_of_reads_could_not_get_are_read_again(tmp_path):
     """An object store under a burst of reads (a restart reading every
     record) can answer some with an error (S3's 503 Slow Down, SeaweedFS's
