@@ -25,7 +25,7 @@ PROJECT = "ckptfs-tests"
 # of metadata and data) with the `email` package, which takes the line end
 # before the closing delimiter to be CRLF when the data ends in CR: gcsfs
 # ends its lines with LF alone, so the emulator dropped the last byte of any
-# object ending in b"\\r" (one in 256 of the manifest images the daemon puts,
+# object ending in b"\r" (one in 256 of the manifest images the daemon puts,
 # which then could not be decompressed). Parsed here by the delimiter the
 # client's first line uses instead.
 LAUNCH = """
