@@ -3,8 +3,8 @@ other test runs the daemon as root, whom permission bits do not stop.
 
 The run is in a private mount and PID namespace (`unshare`): a `/dev/fuse`
 that user may open is bound over the machine's (which only root may open
-here), the interpreter and the checkout are reached through a tmpfs over
-`/root` (which that user may not search), and when the run ends, or the
+here), the interpreter, its venv and the checkout are reached through a tmpfs
+over `/root` (which that user may not search), and when the run ends, or the
 test gives up on it, the kernel kills every process in it, the daemon too,
 and its mount goes with its namespace."""
 
@@ -34,9 +34,11 @@ facts = {}
 
 def cli(*args):
     r = subprocess.run([sys.executable, "-m", "ckptfs.tools.cli", *args], capture_output=True, text=True, timeout=120)
-    return [r.returncode, r.stdout + r.stderr]
+    if r.returncode != 0:  # the rest would run on a plain directory
+        sys.exit(f"ckptfs {args[0]} failed ({r.returncode}): {r.stdout}{r.stderr}")
+    return r.stdout + r.stderr
 
-facts["mount"] = cli("mount", mp, "--store", store, "--memory-limit", "16M", "--spill-dir", spill)
+cli("mount", mp, "--store", store, "--memory-limit", "16M", "--spill-dir", spill)
 state = {"w": torch.arange(1000.0)}
 os.makedirs(f"{mp}/ck")
 torch.save(state, f"{mp}/ck/model.pt")
@@ -49,18 +51,18 @@ os.chmod(f"{mp}/wo", 0o200)
 with open(f"{mp}/secret", "wb") as f:
     f.write(b"key")
 os.chmod(f"{mp}/secret", 0o600)
-facts["flush"] = cli("flush", mp)
+cli("flush", mp)
 logs = glob.glob(os.environ["CKPTFS_RUNTIME_DIR"] + "/*/daemon.log")
 facts["spilled"] = any(f"on disk in {spill}" in open(p).read() for p in logs)
-facts["status"] = cli("status", mp)
-facts["umount"] = cli("umount", mp)
+cli("status", mp)
+cli("umount", mp)
 
-facts["mount again"] = cli("mount", mp, "--store", store, "--memory-limit", "16M", "--spill-dir", spill)
+cli("mount", mp, "--store", store, "--memory-limit", "16M", "--spill-dir", spill)
 facts["loaded"] = bool(torch.equal(torch.load(f"{mp}/ck/model.pt")["w"], state["w"]))
 with open(f"{mp}/ck/big.bin", "rb") as f:
     facts["big"] = f.read() == big
-facts["evict"] = cli("evict", f"{mp}/ck")
-facts["prefetch"] = cli("prefetch", f"{mp}/ck/model.pt")
+cli("evict", f"{mp}/ck")
+cli("prefetch", f"{mp}/ck/model.pt")
 facts["loaded again"] = bool(torch.equal(torch.load(f"{mp}/ck/model.pt")["w"], state["w"]))
 try:
     fd = os.open(f"{mp}/wo", os.O_WRONLY | os.O_APPEND)  # the daemon loads it from the store first
@@ -70,8 +72,8 @@ try:
 except OSError as exc:
     facts["append"] = str(exc)
 facts["modes"] = {n: [stat.S_IMODE(st.st_mode), st.st_uid] for n in ("wo", "secret", "ck") for st in [os.stat(f"{mp}/{n}")]}
-facts["flush again"] = cli("flush", mp)
-facts["umount again"] = cli("umount", mp)
+cli("flush", mp)
+cli("umount", mp)
 facts["verify"] = cli("verify", store)
 facts["store"] = {n: [stat.S_IMODE(st.st_mode), st.st_uid] for n in ("wo", "secret") for st in [os.stat(f"{store}/{n}")]}
 try:
@@ -95,7 +97,10 @@ def _under_root(path: Path) -> str | None:
 def _namespace_script(root: Path, argv: list[str]) -> str:
     """Run as root inside the new namespaces, then become nobody."""
     lines = ["set -e", "mount --make-rprivate /"]
-    below = [rel for rel in (_under_root(Path(sys.base_prefix)), _under_root(REPO)) if rel]
+    below: list[str] = []
+    for rel in sorted(filter(None, map(_under_root, (Path(sys.base_prefix), Path(sys.prefix), REPO)))):  # the interpreter, the venv, the checkout
+        if not any(rel == b or rel.startswith(b + "/") for b in below):  # (one inside another comes with it)
+            below.append(rel)
     if below:
         lines += [f"mkdir {root}/orig", f"mount --bind /root {root}/orig", "mount -t tmpfs -o mode=0755 tmpfs /root"]
         for rel in below:
@@ -129,9 +134,7 @@ def test_a_daemon_run_by_a_user_who_is_not_root_saves_restarts_and_verifies():
                             _namespace_script(root, argv)], capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd="/")
         assert r.returncode == 0, r.stdout + r.stderr
         facts = json.loads((root / "home" / "facts.json").read_text())
-        for step in ("mount", "flush", "status", "umount", "mount again", "evict", "prefetch", "flush again", "umount again", "verify"):
-            assert facts[step][0] == 0, (step, facts[step][1])
-        assert "4 ok, 0 corrupt, 0 missing, 0 extra" in facts["verify"][1], facts["verify"][1]
+        assert "4 ok, 0 corrupt, 0 missing, 0 extra" in facts["verify"], facts["verify"]
         assert facts["spilled"] is facts["loaded"] is facts["big"] is facts["loaded again"] is True
         assert facts["append"] == "ok"
         assert facts["modes"] == {"wo": [0o200, NOBODY], "secret": [0o600, NOBODY], "ck": [0o755, NOBODY]}
