@@ -60,6 +60,7 @@ class MountConfig:
     cluster: str | None = None  # cluster mode: the Redis URL of the shared namespace
     cluster_password_file: str | None = None  # its password (else $CKPTFS_REDIS_PASSWORD)
     node: str | None = None  # this node's name in the cluster (default: the host name)
+    cluster_patience: float = 10.0  # how long a namespace change or a close waits for a Redis that does not answer (cluster.namespace)
     cluster_snapshot_every: int = 10_000  # log entries between snapshots of the namespace (cluster.snapshot)
     oom_score_adj: int | None = None  # the kernel's OOM killer picks this daemon less (negative) or more; None: as inherited
     markers: tuple[str, ...] = ()  # completion markers of the user's own (name patterns), besides publisher.MARKERS

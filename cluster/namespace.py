@@ -47,7 +47,7 @@ from .log import READ_BATCH, LogLost, SharedLog
 log = logging.getLogger(__name__)
 
 FOLLOW_BLOCK_S = 1.0
-REDIS_PATIENCE_S = 10.0  # a namespace change waits this long for an unreachable Redis, then fails with EIO
+REDIS_PATIENCE_S = 10.0  # a namespace change or a close waits this long for an unreachable Redis, then fails with EIO (--cluster-patience)
 APPEND_RETRY_S = 0.2
 SNAPSHOT_SLICE = 5000  # inodes a snapshot takes between two turns of the event loop
 SNAPSHOT_PAUSE_S = 0.0  # and the pause it makes there
@@ -63,12 +63,14 @@ class ClusterJournal(Journal, Protocol):
 
 
 class SharedNamespace:
-    def __init__(self, tree: InodeTree, log_: SharedLog, node: str, engine: ClusterJournal | None = None) -> None:
+    def __init__(self, tree: InodeTree, log_: SharedLog, node: str, engine: ClusterJournal | None = None,
+                 patience_s: float = REDIS_PATIENCE_S) -> None:
         self.tree = tree
         self.log = log_
         self.node = node  # for humans: which node made a change
         self.me = uuid.uuid4().hex  # this daemon, as the author of its entries
         self.engine = engine
+        self.patience_s = patience_s  # how long a change or a close waits for a Redis that does not answer, then EIO
         self.position = 0  # the last log position applied to the tree
         self._count = 0  # entries of ours made so far: each is numbered
         self._outcomes: dict[int, Any] = {}  # number of an entry of ours -> what applying it gave
@@ -103,15 +105,17 @@ class SharedNamespace:
             raise outcome
         return outcome
 
-    async def _append(self, entry: tuple[int, bytes], patience_s: float = REDIS_PATIENCE_S) -> Any:
+    async def _append(self, entry: tuple[int, bytes], patience_s: float | None = None) -> Any:
         """Append an entry after everything this replica has applied, and
         apply up to it; what applying it gave. Redis unreachable: tried
-        again for `patience_s`, then OSError(EIO). An append is conditional
-        on the log's end, so trying again never appends twice: an append
-        whose answer was lost is found applied when catching up."""
+        again for `patience_s` (default: the namespace's), then
+        OSError(EIO). An append is conditional on the log's end, so trying
+        again never appends twice: an append whose answer was lost is found
+        applied when catching up."""
         n, raw = entry
         if self.behind:
             raise OSError(errno.EIO, self.behind)
+        patience_s = self.patience_s if patience_s is None else patience_s
         deadline = trio.current_time() + patience_s
         warned = False
         async with self._appending:
@@ -157,12 +161,13 @@ class SharedNamespace:
             raise OSError(errno.EISDIR, os.strerror(errno.EISDIR))
         return self.tree.open(inode.ino, flags, keeps_setid)
 
-    async def placed(self, patience_s: float = REDIS_PATIENCE_S) -> None:
+    async def placed(self) -> None:
         """Until every seal made here so far has its place in the log (and
         so, on every node, comes before whatever happens after this call).
-        OSError(EIO) after `patience_s` (Redis unreachable): the seals keep
-        their bytes in RAM and get their places once it answers again."""
-        with trio.move_on_after(patience_s):
+        OSError(EIO) after the namespace's patience (Redis unreachable): the
+        seals keep their bytes in RAM and get their places once it answers
+        again."""
+        with trio.move_on_after(self.patience_s):
             while self._to_place:
                 await self._shrunk.wait()
             return

@@ -32,18 +32,18 @@ from . import snapshot
 from .events import Events, until_redis_answers
 from .log import ClusterError, SharedLog, Where
 from .members import BEAT_S, GONE_AFTER_S, Membership, dead_here
-from .namespace import SharedNamespace
+from .namespace import REDIS_PATIENCE_S, SharedNamespace
 
 log = logging.getLogger(__name__)
 
 
 class ClusterNode:
     def __init__(self, where: Where, store_url: str, tree: InodeTree, engine: Engine, node: str | None = None,
-                 snapshot_every: int = snapshot.EVERY) -> None:
+                 patience_s: float = REDIS_PATIENCE_S, snapshot_every: int = snapshot.EVERY) -> None:
         self.name = node or socket.gethostname()
         self.shared = SharedLog(where)
         self.shared.open(store_url)  # ClusterError: unreachable, refused, another store
-        self.namespace = SharedNamespace(tree, self.shared, self.name, engine)
+        self.namespace = SharedNamespace(tree, self.shared, self.name, engine, patience_s)
         self.members = Membership(self.shared, self.namespace.me, self.name)
         self.engine = engine
         self.events: Events | None = None

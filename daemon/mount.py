@@ -119,7 +119,7 @@ def serve(config: MountConfig, ready: Callable[[], None] | None = None) -> int:
         from ckptfs.cluster.node import ClusterNode
 
         node = ClusterNode(Where(config.cluster, config.cluster_password_file), config.store_url, tree, engine, config.node,
-                           snapshot_every=config.cluster_snapshot_every)
+                           patience_s=config.cluster_patience, snapshot_every=config.cluster_snapshot_every)
         node.join()
     metrics = Metrics()
     if config.metrics_port is not None:

@@ -118,6 +118,10 @@ def main() -> None:
                    "$CKPTFS_REDIS_PASSWORD or --cluster-password-file, never the URL on a shared machine.")
 @click.option("--cluster-password-file", type=GivenPath(dir_okay=False), metavar="FILE", help="A file holding the Redis password.")
 @click.option("--node", metavar="NAME", help="This node's name in the cluster (status and logs) [default: the host name].")
+@click.option("--cluster-patience", default=10.0, show_default=True, type=Number(0, 86400), metavar="S",
+              help="Cluster mode: how long a namespace change (mkdir, rename, unlink, ...) or a close keeps trying a Redis "
+                   "that does not answer before it fails with EIO (a closed file's bytes stay in RAM and are published once "
+                   "Redis answers). Give it more than a Redis failover takes.")
 @click.option("--cluster-snapshot-every", default=10_000, show_default=True, type=click.IntRange(1), metavar="N",
               help="Cluster mode, on the node that publishes: keep a snapshot of the namespace in Redis every N changes, "
                    "and trim the log of changes before it (nodes that join later load the snapshot).")
@@ -134,7 +138,7 @@ def main() -> None:
 def mount(mountpoint: str, store_url: str, memory_limit: str, reuse_ram: str, foreground: bool, log_file: str | None, log_level: str,
           fsync_mode: str, drain_timeout: float, store_timeout: float, store_options: tuple[str, ...], spill_dir: str | None,
           metrics_port: int | None, metrics_host: str, cluster: str | None, cluster_password_file: str | None, node: str | None,
-          cluster_snapshot_every: int, markers: tuple[str, ...], oom_score_adj: int) -> None:
+          cluster_patience: float, cluster_snapshot_every: int, markers: tuple[str, ...], oom_score_adj: int) -> None:
     """Mount a ckptfs file system at MOUNTPOINT, backed by the store at URL.
 
     Returns once the mount is live; the daemon keeps running in the background
@@ -219,7 +223,8 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, reuse_ram: str, fo
                              storage_options=options, spill_dir=os.path.abspath(spill_dir) if spill_dir else None,
                              metrics_port=metrics_port, metrics_host=metrics_host, cluster=cluster,
                              cluster_password_file=os.path.abspath(cluster_password_file) if cluster_password_file else None,
-                             node=node, cluster_snapshot_every=cluster_snapshot_every, oom_score_adj=oom_score_adj, markers=markers)
+                             node=node, cluster_patience=cluster_patience, cluster_snapshot_every=cluster_snapshot_every,
+                             oom_score_adj=oom_score_adj, markers=markers)
         _setup_logging(config)
         from ckptfs.daemon.mount import serve
 

@@ -694,6 +694,14 @@ def test_bad_cluster_snapshot_every(dirs, every):
     assert r.returncode == 2
 
 
+@pytest.mark.parametrize("patience", ["-1", "forever", "1e9"])
+def test_bad_cluster_patience(dirs, patience):
+    mp, store = dirs
+    r = run_cli("mount", str(mp), "--store", str(store), "--cluster", "redis://127.0.0.1:1/0", "--cluster-patience", patience)
+    assert_clean_error(r, "--cluster-patience")
+    assert r.returncode == 2
+
+
 def test_unknown_store_protocol(dirs):
     mp, _ = dirs
     assert_clean_error(run_cli("mount", str(mp), "--store", "nosuch://bucket/x"), "unknown store protocol", "nosuch")
