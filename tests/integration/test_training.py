@@ -241,26 +241,36 @@ def _wait_started(p: subprocess.Popen) -> None:
 
 
 def test_dying_gasp_on_sigterm_at_random_points(fresh_mount):
+    """Six trainers, each signalled at a random time after it started (they
+    run side by side: most of each run is starting Python and torch)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     m = fresh_mount
     rng = random.Random(20261121)
-    for run in range(6):
-        d = m.path(f"gasp-{run}")
-        p = _trainer(d, "run")
+    pauses = [rng.uniform(0.05, 0.6) for _ in range(6)]  # lands inside or outside the update section
+
+    def run(i: int) -> tuple[int, str, str]:
+        p = _trainer(m.path(f"gasp-{i}"), "run")
         _wait_started(p)
-        time.sleep(rng.uniform(0.05, 0.6))  # lands inside or outside the update section
+        time.sleep(pauses[i])
         out, err = signal_and_wait(p, signal.SIGTERM, 120)
-        assert p.returncode == 143, err  # 128 + SIGTERM, after the gasp
+        return p.returncode, out, err
+
+    with ThreadPoolExecutor(len(pauses)) as pool:
+        runs = list(pool.map(run, range(len(pauses))))
+    for i, (returncode, out, err) in enumerate(runs):
+        assert returncode == 143, err  # 128 + SIGTERM, after the gasp
         completed = [int(line.split()[1]) for line in out.splitlines() if line.startswith("completed")]
         last = completed[-1] if completed else 0
         assert "published" in err, err
         # published and verified in the store before the process exited
-        stored = m.store / f"gasp-{run}" / "dying-gasp.pt"
+        stored = m.store / f"gasp-{i}" / "dying-gasp.pt"
         assert stored.exists(), err
-        assert verify_store(m.store).clean
         saved = torch.load(stored, weights_only=False)
         # never torn: every element from one step, and that step is the last completed one
         assert torch.all(saved["w"] == saved["step"]), f"torn state: {saved['w'].unique()}"
         assert last <= saved["step"] <= last + 1, (last, saved["step"])
+    assert verify_store(m.store).clean
 
 
 def test_dying_gasp_saves_nothing_after_an_exception_inside_the_update(fresh_mount):
