@@ -389,18 +389,25 @@ def test_kill9_at_every_store_call_leaves_a_verifiable_prefix(tmp_path):
     crash points run three at a time (each daemon on a store of its own:
     most of a run is waiting on processes), until the workload ends before
     its crash point."""
-    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
-    crashes, n = 0, 3  # calls 1-2 (scan, claim) happen before the hook is armed
+    points = ((n, when) for n in range(3, 80) for when in ("before", "after"))  # calls 1-2 (scan, claim) come before the hook
+    crashes, ended, running = 0, False, set()
     with ThreadPoolExecutor(3) as pool:
-        while n < 80:
-            batch = [(k, when) for k in range(n, n + 3) for when in ("before", "after")]
-            died = list(pool.map(lambda point: _crash_at(tmp_path / f"{point[0]}-{point[1]}", *point), batch))
-            crashes += sum(died)
-            if not all(died):
-                assert crashes > 10, f"only {crashes} crash points: the workload makes fewer store calls than expected"
-                return
-            n += 3
+        while True:
+            while not ended and len(running) < 3 and (point := next(points, None)) is not None:
+                running.add(pool.submit(_crash_at, tmp_path / f"{point[0]}-{point[1]}", *point))
+            if not running:
+                break
+            done, running = wait(running, return_when=FIRST_COMPLETED)
+            for f in done:
+                if f.result():
+                    crashes += 1
+                else:
+                    ended = True  # the workload ended before this point: so it does before every later one
+        if ended:
+            assert crashes > 10, f"only {crashes} crash points: the workload makes fewer store calls than expected"
+            return
     raise AssertionError("the workload never finished without a crash")
 
 
