@@ -686,19 +686,12 @@ def test_memory_limit_is_of_the_cgroups_memory(dirs):
             stop_background_mount(mp)  # its daemon gone, the cgroup can go
 
 
-@pytest.mark.parametrize("every", ["0", "-5", "many"])
-def test_bad_cluster_snapshot_every(dirs, every):
+@pytest.mark.parametrize(("option", "value"), [("--cluster-snapshot-every", v) for v in ("0", "-5", "many")]
+                         + [("--cluster-patience", v) for v in ("-1", "forever", "1e9")])
+def test_bad_cluster_option(dirs, option, value):
     mp, store = dirs
-    r = run_cli("mount", str(mp), "--store", str(store), "--cluster", "redis://127.0.0.1:1/0", "--cluster-snapshot-every", every)
-    assert_clean_error(r, "--cluster-snapshot-every")
-    assert r.returncode == 2
-
-
-@pytest.mark.parametrize("patience", ["-1", "forever", "1e9"])
-def test_bad_cluster_patience(dirs, patience):
-    mp, store = dirs
-    r = run_cli("mount", str(mp), "--store", str(store), "--cluster", "redis://127.0.0.1:1/0", "--cluster-patience", patience)
-    assert_clean_error(r, "--cluster-patience")
+    r = run_cli("mount", str(mp), "--store", str(store), "--cluster", "redis://127.0.0.1:1/0", option, value)
+    assert_clean_error(r, option)
     assert r.returncode == 2
 
 
