@@ -249,23 +249,23 @@ def test_dying_gasp_on_sigterm_at_random_points(fresh_mount):
     rng = random.Random(20261121)
     pauses = [rng.uniform(0.05, 0.6) for _ in range(6)]  # lands inside or outside the update section
 
-    def run(i: int) -> tuple[int, str, str]:
+    def run(i: int) -> tuple[int, str, str, bool]:
         p = _trainer(m.path(f"gasp-{i}"), "run")
         _wait_started(p)
         time.sleep(pauses[i])
         out, err = signal_and_wait(p, signal.SIGTERM, 120)
-        return p.returncode, out, err
+        return p.returncode, out, err, (m.store / f"gasp-{i}" / "dying-gasp.pt").exists()  # as it exited
 
     with ThreadPoolExecutor(len(pauses)) as pool:
         runs = list(pool.map(run, range(len(pauses))))
-    for i, (returncode, out, err) in enumerate(runs):
+    for i, (returncode, out, err, stored_at_exit) in enumerate(runs):
         assert returncode == 143, err  # 128 + SIGTERM, after the gasp
         completed = [int(line.split()[1]) for line in out.splitlines() if line.startswith("completed")]
         last = completed[-1] if completed else 0
         assert "published" in err, err
         # published and verified in the store before the process exited
+        assert stored_at_exit, err
         stored = m.store / f"gasp-{i}" / "dying-gasp.pt"
-        assert stored.exists(), err
         saved = torch.load(stored, weights_only=False)
         # never torn: every element from one step, and that step is the last completed one
         assert torch.all(saved["w"] == saved["step"]), f"torn state: {saved['w'].unique()}"
