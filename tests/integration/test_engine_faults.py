@@ -362,7 +362,7 @@ def _crash_at(base, n: int, when: str) -> bool:
     try:
         checkpoint_workload(m)
         died = "crash-point test: SIGKILL" in m.log_text()
-        step1_was_complete = all(f"published 1/{n} " in m.log_text() for n in ("a", "b", "c", "commit"))
+        step1_was_complete = all(f"published 1/{name} " in m.log_text() for name in ("a", "b", "c", "commit"))
     finally:
         stop_mount(m)
     if not died:
@@ -386,16 +386,16 @@ def test_kill9_at_every_store_call_leaves_a_verifiable_prefix(tmp_path):
     """kill -9 of the daemon before and after each of its store calls during
     a small checkpoint workload: every time, after a remount the store is a
     consistent prefix, `verify` passes and no staging litter is left. The
-    crash points run three at a time (each daemon on a store of its own:
+    crash points run `at_once` at a time (each daemon on a store of its own:
     most of a run is waiting on processes), until the workload ends before
     its crash point."""
     from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
     points = ((n, when) for n in range(3, 80) for when in ("before", "after"))  # calls 1-2 (scan, claim) come before the hook
-    crashes, ended, running = 0, False, set()
-    with ThreadPoolExecutor(3) as pool:
+    crashes, ended, running, at_once = 0, False, set(), 3
+    with ThreadPoolExecutor(at_once) as pool:
         while True:
-            while not ended and len(running) < 3 and (point := next(points, None)) is not None:
+            while not ended and len(running) < at_once and (point := next(points, None)) is not None:
                 running.add(pool.submit(_crash_at, tmp_path / f"{point[0]}-{point[1]}", *point))
             if not running:
                 break
