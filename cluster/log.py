@@ -103,10 +103,10 @@ class Where:
         return os.environ.get(PASSWORD_ENV) or None
 
 
-def _client(where: Where, timeout_s: float) -> redis.Redis:
+def _client(where: Where, timeout_s: float, connect_s: float = CALL_TIMEOUT_S) -> redis.Redis:
     if not where.url.startswith(("redis://", "rediss://", "unix://")):
         raise ClusterError(f"not a Redis URL: {where.url!r} (expected redis://HOST:PORT/DB or rediss://... for TLS)")
-    kwargs: dict = {"socket_timeout": timeout_s, "socket_connect_timeout": CALL_TIMEOUT_S}
+    kwargs: dict = {"socket_timeout": timeout_s, "socket_connect_timeout": connect_s}
     password = where.password()
     if password is not None:
         kwargs["password"] = password
@@ -200,6 +200,11 @@ class SharedLog:
     def waiter(self, block_s: float) -> redis.Redis:
         """A connection of its own for blocking reads of up to `block_s`."""
         return _client(self.where, block_s + CALL_TIMEOUT_S)
+
+    def brief(self, timeout_s: float) -> redis.Redis:
+        """A connection of its own that waits at most `timeout_s` to connect
+        and for each call: for a call worth only a short wait."""
+        return _client(self.where, timeout_s, timeout_s)
 
     def head(self) -> int:
         return int(self._r.get(self.head_key) or 0)

@@ -7,13 +7,16 @@ from __future__ import annotations
 import errno
 import os
 import random
+import signal
 import stat
+import time
 
 import pytest
+import redis
 import trio
 from ckptfs.cluster import snapshot
 from ckptfs.cluster.log import PASSWORD_ENV, ClusterError, SharedLog, Where
-from ckptfs.cluster.members import Membership
+from ckptfs.cluster.members import LEAVE_TIMEOUT_S, Membership
 from ckptfs.cluster.namespace import SharedNamespace
 from ckptfs.fs.memory import MemoryPool
 from ckptfs.fs.tree import ROOT, InodeTree
@@ -286,3 +289,26 @@ async def test_a_snapshot_is_the_namespace_at_one_position_while_changes_go_on(r
     there._apply_all([e for e in there.log.read(0) if e[0] <= position])
     assert there.position == position
     assert picture(loaded) == picture(there.tree)
+
+
+def test_a_node_leaving_while_redis_stands_still_waits_briefly(redis_db):
+    """A daemon's exit takes it out of the cluster: its heartbeat, and the
+    publishing node's key, so that another node publishes at once. With
+    Redis stopped (SIGSTOP), that waited a whole Redis call (5 s) after
+    the daemon's other calls had timed out, a second signal or not."""
+    shared = SharedLog(_where(redis_db))
+    shared.open(STORE)
+    a = Membership(shared, "id-a", "a")
+    assert a.join()  # a publishes for the cluster
+    os.kill(redis_db.proc.pid, signal.SIGSTOP)
+    try:
+        began = time.monotonic()
+        with pytest.raises(redis.RedisError):
+            a.leave()
+        took = time.monotonic() - began
+    finally:
+        os.kill(redis_db.proc.pid, signal.SIGCONT)
+    assert took < 3 * LEAVE_TIMEOUT_S, took
+    a.leave()  # Redis answers: a leaves, key and all, and the next node to join publishes
+    assert a.members() == {} and a.leader() is None
+    assert Membership(shared, "id-b", "b").join()
