@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -74,8 +75,7 @@ class CheckpointManager:
         r = fallback.route(d, self.client_timeout)
         if r.kind == "store":  # the daemon cannot serve: never touch the mount (C7)
             log.warning("checkpoint %d goes straight to the store %s: %s", step, r.store_url, r.reason)
-            self.save_fn(state, d)  # the default (ckptfs.torch.save) takes the same route
-            storeio.write_file(fallback.open_route_store(r), f"{r.relpath}/{MARKER}", marker.encode())
+            self._save_to_store(r, state, marker)
             self._last_step, self._last_time = step, now
             return True
         # A re-save of a complete checkpoint goes beside it and takes its place
@@ -94,6 +94,25 @@ class CheckpointManager:
         self._last_step, self._last_time = step, now
         self.prune()
         return True
+
+    def _save_to_store(self, r: fallback.Route, state: Any, marker: str) -> None:
+        """`save_fn` writes into a local temporary directory (given the
+        mount's path, a save_fn of the user's own, such as DCP's, blocked
+        for good on the hung daemon, and the default one asked the daemon
+        again, for `ct.save`'s 5 s); then each file it wrote goes to the
+        store under the step's path, checksummed and recorded as the daemon
+        would, and the commit marker last."""
+        store = fallback.open_route_store(r)
+        with tempfile.TemporaryDirectory(prefix="ckptfs-fallback-") as local:
+            self.save_fn(state, local)
+            for top, dirs, files in os.walk(local):
+                dirs.sort()
+                for name in sorted(files):
+                    path = os.path.join(top, name)
+                    with open(path, "rb") as f:
+                        data = f.read()  # (in memory, as `ct.save`'s own fallback holds it)
+                    storeio.write_file(store, f"{r.relpath}/{os.path.relpath(path, local)}", data)
+        storeio.write_file(store, f"{r.relpath}/{MARKER}", marker.encode())
 
     def wait_until_published(self, timeout: float | None = None) -> None:
         """Until every checkpoint saved so far is in the store (a no-op

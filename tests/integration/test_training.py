@@ -60,14 +60,16 @@ def test_save_falls_back_to_the_store(fresh_mount, fault):
         os.kill(m.pid, signal.SIGSTOP)
     try:
         t0 = time.monotonic()
-        assert ct.save(state(2), m.path("run", "after.pt"), deadline_s=2.0) == "store"
+        assert ct.save(state(2), m.path("run", "after.pt"), deadline_s=1.0) == "store"
         assert time.monotonic() - t0 < 20
         files = store_files(m.store)
         assert "run/after.pt" in files and verify_store(m.store).clean
         assert same(torch.load(m.store / "run" / "after.pt", weights_only=False), state(2))  # a plain file (C8)
-        assert same(ct.load(m.path("run", "after.pt"), deadline_s=2.0), state(2))  # from the store, verified
-        mgr = ct.CheckpointManager(m.path("run"), ct.save_policy.EveryNSteps(1), client_timeout=2.0)
+        assert same(ct.load(m.path("run", "after.pt"), deadline_s=1.0), state(2))  # from the store, verified
+        mgr = ct.CheckpointManager(m.path("run"), ct.save_policy.EveryNSteps(1), client_timeout=1.0)
+        began = time.monotonic()
         assert mgr.save(7, state(7))  # the manager takes the same route, commit marker included
+        assert time.monotonic() - began < ct.DEADLINE_S  # the daemon asked once, within 1 s (its save asked again, 5 s more)
         assert {"run/step-7/state.pt", "run/step-7/ckptfs-commit.json"} <= set(store_files(m.store))
         assert verify_store(m.store).clean
         # corrupt it in the store: the fallback load must say so, not load garbage
@@ -75,10 +77,51 @@ def test_save_falls_back_to_the_store(fresh_mount, fault):
         data[-100] ^= 0xFF
         (m.store / "run" / "after.pt").write_bytes(bytes(data))
         with pytest.raises(IntegrityError, match="checksum mismatch"):
-            ct.load(m.path("run", "after.pt"), deadline_s=2.0)
+            ct.load(m.path("run", "after.pt"), deadline_s=1.0)
     finally:
         if fault == "hung":
             os.kill(m.pid, signal.SIGCONT)
+
+
+_OWN_SAVE = """
+import os, sys
+from ckptfs.checkpoint import CheckpointManager
+from ckptfs.policies import EveryNSteps
+def save_fn(state, d):  # any layout: a file, and one in a directory of its own
+    os.makedirs(os.path.join(d, "shards"))
+    for name, data in state.items():
+        with open(os.path.join(d, name), "wb") as f:
+            f.write(data)
+mgr = CheckpointManager(sys.argv[1], EveryNSteps(1), save_fn=save_fn, load_fn=None, client_timeout=1.0)
+assert mgr.save(1, {"meta.json": b"{}", "shards/0.bin": os.urandom(100_000)})
+"""
+
+
+def test_a_manager_saves_what_a_save_fn_of_the_users_own_writes_to_the_store_when_the_daemon_hangs(fresh_mount):
+    """The daemon is frozen: the manager gives the save_fn (say, DCP's) a
+    local directory, and writes what it wrote to the store, checksummed, the
+    commit marker last. Given the mount's path, the save_fn blocked for good
+    on the frozen daemon. (In a process of its own: it could not be stopped
+    otherwise.)"""
+    m = fresh_mount
+    os.kill(m.pid, signal.SIGSTOP)
+    try:
+        p = subprocess.Popen([sys.executable, "-c", _OWN_SAVE, str(m.path("run"))], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+        try:
+            _, err = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.kill(m.pid, signal.SIGCONT)  # first: what the child waits for in the mount ends, and it can exit
+            _, err = signal_and_wait(p, signal.SIGKILL)
+            raise AssertionError(f"the save blocked on the frozen daemon: {err[-2000:]}") from None
+    finally:
+        os.kill(m.pid, signal.SIGCONT)
+    assert p.returncode == 0, err[-3000:]
+    assert "goes straight to the store" in err
+    files = store_files(m.store)
+    assert set(files) == {"run/step-1/meta.json", "run/step-1/shards/0.bin", "run/step-1/ckptfs-commit.json"}, set(files)
+    assert files["run/step-1/meta.json"] == b"{}" and len(files["run/step-1/shards/0.bin"]) == 100_000
+    assert verify_store(m.store).clean
 
 
 # -- CheckpointManager ----------------------------------------------------------------
