@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptfs import fallback
-from ckptfs.client import CkptfsError, Client, RequestFailed, find_mount
+from ckptfs.client import CkptfsError, Client, DaemonUnavailable, RequestFailed, find_mount
 from ckptfs.writeback import storeio
 
 from .policies import Checkpoint, KeepAll, PreservationPolicy, SaveContext, SavePolicy
@@ -33,6 +33,7 @@ log = logging.getLogger("ckptfs.checkpoint")
 MARKER = "ckptfs-commit.json"
 NEXT, PREV = ".next", ".prev"  # a re-save of a step is made beside it, then takes its place (`_swap_in`)
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_STORED_MARKER = re.compile(rf"step-(\d+)/{re.escape(MARKER)}")
 _SWAP_DIR = re.compile(r"^step-(\d+)(\.next|\.prev)$")
 
 
@@ -123,9 +124,13 @@ class CheckpointManager:
             client.flush(self.directory, timeout=timeout)
 
     # -- reading ----------------------------------------------------------------
+    # With the daemon hung, each reads the store instead: what it holds is
+    # complete (its marker there) and published, and the mount is never
+    # touched (a hung daemon's mount blocks whatever looks into it).
     def all_steps(self) -> list[int]:
         """Complete checkpoints, published or not, oldest first."""
-        return [c.step for c in self._complete()]
+        r = self._route()
+        return [c.step for c in (self._in_store(r) if r.kind == "store" else self._complete())]
 
     def latest_step(self) -> int | None:
         """The newest checkpoint that is complete and published."""
@@ -133,12 +138,18 @@ class CheckpointManager:
         return published[-1] if published else None
 
     def checkpoints(self) -> list[Checkpoint]:
+        r = self._route()
+        if r.kind == "store":
+            return self._in_store(r)
         found = self._complete()
         states = self._states()
         return [Checkpoint(c.step, c.time, c.path, states is None or states.get(f"{c.path}/{MARKER}") == "published") for c in found]
 
     def restore(self, step: int | None = None) -> Any:
         """Load checkpoint `step` (default: the latest published one)."""
+        r = self._route()
+        if r.kind == "store":
+            return self._restore_from_store(r, step)
         if step is None:
             step = self.latest_step()
             if step is None:
@@ -152,7 +163,12 @@ class CheckpointManager:
         """Delete what the preservation policy drops, except the newest
         published checkpoint, which stays until a newer one is published
         (an unpublished one dropped meanwhile never reaches the store, C4).
-        Incomplete directories older than it (crashed saves) go too."""
+        Incomplete directories older than it (crashed saves) go too.
+        Nothing, with the daemon hung (the store is the daemon's to change)."""
+        r = self._route()
+        if r.kind == "store":
+            log.warning("%s: %s; pruning nothing", self.directory, r.reason)
+            return []
         cps = self.checkpoints()
         keep = set(self.preservation.keep(cps))
         published = [c.step for c in cps if c.published]
@@ -174,6 +190,48 @@ class CheckpointManager:
         return deleted
 
     # -- internals ----------------------------------------------------------------
+    def _route(self) -> fallback.Route:
+        return fallback.route(self.directory, self.client_timeout)
+
+    def _in_store(self, r: fallback.Route) -> list[Checkpoint]:
+        """The checkpoints whose markers are in the store behind a hung
+        daemon's mount, oldest first."""
+        store = fallback.open_route_store(r)
+        prefix = f"{r.relpath}/" if r.relpath else ""
+        out = []
+        for path in store.find(r.relpath):
+            m = _STORED_MARKER.fullmatch(path.removeprefix(prefix))
+            if m is None:
+                continue
+            try:
+                t = float(json.loads(storeio.read_file(store, path))["time"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            out.append(Checkpoint(int(m.group(1)), t, f"step-{m.group(1)}", True))
+        return sorted(out, key=lambda c: c.step)
+
+    def _restore_from_store(self, r: fallback.Route, step: int | None) -> Any:
+        """`load_fn` of a local temporary directory holding checkpoint
+        `step`'s files from the store, each verified against its checksum
+        (deleted once `load_fn` returns)."""
+        steps = [c.step for c in self._in_store(r)]
+        if step is None:
+            if not steps:
+                raise FileNotFoundError(f"no checkpoint in the store {r.store_url} for {self.directory}")
+            step = steps[-1]
+        elif step not in steps:
+            raise FileNotFoundError(f"checkpoint {step} of {self.directory} is not in the store {r.store_url}, or incomplete")
+        log.warning("%s: %s; loading checkpoint %d from the store %s", self.directory, r.reason, step, r.store_url)
+        store = fallback.open_route_store(r)
+        base = f"{r.relpath}/step-{step}" if r.relpath else f"step-{step}"
+        with tempfile.TemporaryDirectory(prefix="ckptfs-fallback-") as local:
+            for path in store.find(base):
+                dst = os.path.join(local, path.removeprefix(base + "/"))
+                os.makedirs(os.path.dirname(dst), exist_ok=True)
+                with open(dst, "wb") as f:
+                    f.write(storeio.read_file(store, path))
+            return self.load_fn(local)
+
     def _swap_in(self, step: int) -> None:
         """The complete re-save of `step` (in `step-N.next`) takes the place
         of the old one, which is then deleted. Each step is one rename or one
@@ -253,5 +311,7 @@ class CheckpointManager:
         try:
             rows = client.status(files=True, path=marker)["files"]
         except RequestFailed:  # pruned or deleted meanwhile: nothing in flight
+            return True
+        except DaemonUnavailable:  # hung or gone: the next save goes to the store, with nothing of the daemon's in flight before it
             return True
         return all(r["state"] == "published" for r in rows)

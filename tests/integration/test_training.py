@@ -86,23 +86,33 @@ def test_save_falls_back_to_the_store(fresh_mount, fault):
 _OWN_SAVE = """
 import os, sys
 from ckptfs.checkpoint import CheckpointManager
-from ckptfs.policies import EveryNSteps
+from ckptfs.policies import ContinuousCheckpointing
 def save_fn(state, d):  # any layout: a file, and one in a directory of its own
     os.makedirs(os.path.join(d, "shards"))
     for name, data in state.items():
         with open(os.path.join(d, name), "wb") as f:
             f.write(data)
-mgr = CheckpointManager(sys.argv[1], EveryNSteps(1), save_fn=save_fn, load_fn=None, client_timeout=1.0)
-assert mgr.save(1, {"meta.json": b"{}", "shards/0.bin": os.urandom(100_000)})
+def load_fn(d):
+    return {os.path.relpath(os.path.join(top, n), d): open(os.path.join(top, n), "rb").read() for top, _, ns in os.walk(d) for n in ns}
+mgr = CheckpointManager(sys.argv[1], ContinuousCheckpointing(), save_fn=save_fn, load_fn=load_fn, client_timeout=0.5)
+saved = {step: {"meta.json": str(step).encode(), "shards/0.bin": os.urandom(100_000)} for step in (1, 2)}
+for step, state in saved.items():
+    assert mgr.save(step, state)  # continuously: the one before is in the store, published
+assert mgr.all_steps() == [1, 2] and mgr.latest_step() == 2 and [c.published for c in mgr.checkpoints()] == [True, True]
+for step in (None, 1):
+    got = mgr.restore(step)
+    assert got.pop("ckptfs-commit.json") and got == saved[step or 2], got.keys()
+assert mgr.prune() == []
 """
 
 
 def test_a_manager_saves_what_a_save_fn_of_the_users_own_writes_to_the_store_when_the_daemon_hangs(fresh_mount):
     """The daemon is frozen: the manager gives the save_fn (say, DCP's) a
     local directory, and writes what it wrote to the store, checksummed, the
-    commit marker last. Given the mount's path, the save_fn blocked for good
-    on the frozen daemon. (In a process of its own: it could not be stopped
-    otherwise.)"""
+    commit marker last; it lists and restores checkpoints from the store.
+    Given the mount's path, the save_fn blocked for good on the frozen
+    daemon, and so did every read of the manager's. (In a process of its
+    own: it could not be stopped otherwise.)"""
     m = fresh_mount
     os.kill(m.pid, signal.SIGSTOP)
     try:
@@ -113,14 +123,14 @@ def test_a_manager_saves_what_a_save_fn_of_the_users_own_writes_to_the_store_whe
         except subprocess.TimeoutExpired:
             os.kill(m.pid, signal.SIGCONT)  # first: what the child waits for in the mount ends, and it can exit
             _, err = signal_and_wait(p, signal.SIGKILL)
-            raise AssertionError(f"the save blocked on the frozen daemon: {err[-2000:]}") from None
+            raise AssertionError(f"the manager blocked on the frozen daemon: {err[-2000:]}") from None
     finally:
         os.kill(m.pid, signal.SIGCONT)
     assert p.returncode == 0, err[-3000:]
     assert "goes straight to the store" in err
     files = store_files(m.store)
-    assert set(files) == {"run/step-1/meta.json", "run/step-1/shards/0.bin", "run/step-1/ckptfs-commit.json"}, set(files)
-    assert files["run/step-1/meta.json"] == b"{}" and len(files["run/step-1/shards/0.bin"]) == 100_000
+    assert set(files) == {f"run/step-{n}/{name}" for n in (1, 2) for name in ("meta.json", "shards/0.bin", "ckptfs-commit.json")}
+    assert files["run/step-1/meta.json"] == b"1" and len(files["run/step-1/shards/0.bin"]) == 100_000
     assert verify_store(m.store).clean
 
 
