@@ -47,6 +47,7 @@ class CheckpointManager:
         self.load_fn = load_fn
         self.client_timeout = client_timeout
         self._last_step: int | None = None
+        self._last_in_store = False  # the last save went straight to the store: published when it returned
         self._last_time: float | None = None
         r = fallback.route(self.directory, client_timeout)
         if r.kind == "store":  # a hung or dead daemon: touching the mount could block forever
@@ -77,7 +78,7 @@ class CheckpointManager:
         if r.kind == "store":  # the daemon cannot serve: never touch the mount (C7)
             log.warning("checkpoint %d goes straight to the store %s: %s", step, r.store_url, r.reason)
             self._save_to_store(r, state, marker)
-            self._last_step, self._last_time = step, now
+            self._last_step, self._last_time, self._last_in_store = step, now, True
             return True
         # A re-save of a complete checkpoint goes beside it and takes its place
         # only once complete: deleting it first would leave none at all (in the
@@ -92,7 +93,7 @@ class CheckpointManager:
             f.write(marker)
         if work != d:
             self._swap_in(step)
-        self._last_step, self._last_time = step, now
+        self._last_step, self._last_time, self._last_in_store = step, now, False
         self.prune()
         return True
 
@@ -302,7 +303,7 @@ class CheckpointManager:
         return {r["path"].removeprefix(prefix): r["state"] for r in rows}
 
     def _previous_published(self) -> bool:
-        if self._last_step is None:
+        if self._last_step is None or self._last_in_store:  # (not asking a daemon that did not answer, for each step again)
             return True
         client = self._client()
         if client is None:

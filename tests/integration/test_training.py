@@ -86,6 +86,7 @@ def test_save_falls_back_to_the_store(fresh_mount, fault):
 _OWN_SAVE = """
 import os, sys
 from ckptfs.checkpoint import CheckpointManager
+from ckptfs.client import Client
 from ckptfs.policies import ContinuousCheckpointing
 def save_fn(state, d):  # any layout: a file, and one in a directory of its own
     os.makedirs(os.path.join(d, "shards"))
@@ -95,42 +96,59 @@ def save_fn(state, d):  # any layout: a file, and one in a directory of its own
 def load_fn(d):
     return {os.path.relpath(os.path.join(top, n), d): open(os.path.join(top, n), "rb").read() for top, _, ns in os.walk(d) for n in ns}
 mgr = CheckpointManager(sys.argv[1], ContinuousCheckpointing(), save_fn=save_fn, load_fn=load_fn, client_timeout=0.5)
-saved = {step: {"meta.json": str(step).encode(), "shards/0.bin": os.urandom(100_000)} for step in (1, 2)}
-for step, state in saved.items():
-    assert mgr.save(step, state)  # continuously: the one before is in the store, published
-assert mgr.all_steps() == [1, 2] and mgr.latest_step() == 2 and [c.published for c in mgr.checkpoints()] == [True, True]
+saved = {step: {"meta.json": str(step).encode(), "shards/0.bin": os.urandom(100_000)} for step in (1, 2, 3)}
+assert mgr.save(1, saved[1])
+mgr.wait_until_published(timeout=60)
+print("published", flush=True)
+sys.stdin.readline()  # the daemon is frozen now
+asked = []
+status = Client.status
+Client.status = lambda self, *a, **kw: (asked.append(kw), status(self, *a, **kw))[1]
+for step in (2, 3):
+    assert mgr.save(step, saved[step])  # continuously
+assert len(asked) == 1, asked  # 2: is 1 published? No answer: 2 goes to the store. 3: 2 is in the store, published
+assert mgr.all_steps() == [1, 2, 3] and mgr.latest_step() == 3 and all(c.published for c in mgr.checkpoints())
 for step in (None, 1):
     got = mgr.restore(step)
-    assert got.pop("ckptfs-commit.json") and got == saved[step or 2], got.keys()
+    assert got.pop("ckptfs-commit.json") and got == saved[step or 3], got.keys()
 assert mgr.prune() == []
 """
 
 
-def test_a_manager_saves_what_a_save_fn_of_the_users_own_writes_to_the_store_when_the_daemon_hangs(fresh_mount):
-    """The daemon is frozen: the manager gives the save_fn (say, DCP's) a
-    local directory, and writes what it wrote to the store, checksummed, the
-    commit marker last; it lists and restores checkpoints from the store.
-    Given the mount's path, the save_fn blocked for good on the frozen
-    daemon, and so did every read of the manager's. (In a process of its
-    own: it could not be stopped otherwise.)"""
+def test_a_manager_whose_daemon_hangs_saves_lists_and_restores_through_the_store(fresh_mount):
+    """A manager saves checkpoint 1 into the mount, and its daemon freezes:
+    the continuous policy saves on (its question whether 1 is published,
+    unanswered, raised DaemonUnavailable into the training loop); the
+    save_fn (say, DCP's) writes into a local directory whose files go to
+    the store, checksummed, the commit marker last (given the mount's path,
+    it blocked for good on the frozen daemon); checkpoints are listed and
+    restored from the store (a read of the mount blocked too). (In a
+    process of its own: it could not be stopped otherwise.)"""
     m = fresh_mount
-    os.kill(m.pid, signal.SIGSTOP)
+    p = subprocess.Popen([sys.executable, "-c", _OWN_SAVE, str(m.path("run"))], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
     try:
-        p = subprocess.Popen([sys.executable, "-c", _OWN_SAVE, str(m.path("run"))], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True)
+        assert p.stdout.readline().strip() == "published", p.communicate(timeout=60)[1][-3000:]
+        os.kill(m.pid, signal.SIGSTOP)
         try:
+            p.stdin.write("frozen\n")
+            p.stdin.flush()
             _, err = p.communicate(timeout=30)
         except subprocess.TimeoutExpired:
             os.kill(m.pid, signal.SIGCONT)  # first: what the child waits for in the mount ends, and it can exit
             _, err = signal_and_wait(p, signal.SIGKILL)
             raise AssertionError(f"the manager blocked on the frozen daemon: {err[-2000:]}") from None
+        finally:
+            os.kill(m.pid, signal.SIGCONT)
     finally:
-        os.kill(m.pid, signal.SIGCONT)
+        if p.poll() is None:
+            p.kill()
+            p.wait()
     assert p.returncode == 0, err[-3000:]
     assert "goes straight to the store" in err
     files = store_files(m.store)
-    assert set(files) == {f"run/step-{n}/{name}" for n in (1, 2) for name in ("meta.json", "shards/0.bin", "ckptfs-commit.json")}
-    assert files["run/step-1/meta.json"] == b"1" and len(files["run/step-1/shards/0.bin"]) == 100_000
+    assert set(files) == {f"run/step-{n}/{name}" for n in (1, 2, 3) for name in ("meta.json", "shards/0.bin", "ckptfs-commit.json")}
+    assert files["run/step-2/meta.json"] == b"2" and len(files["run/step-2/shards/0.bin"]) == 100_000
     assert verify_store(m.store).clean
 
 
