@@ -17,7 +17,7 @@ from typing import NoReturn
 import click
 
 from ckptfs import runtime
-from ckptfs.client import AccessDenied, CkptfsError, Client, DaemonUnavailable, FlushIncomplete, NotMounted, RequestFailed
+from ckptfs.client import IO_TIMEOUT_S, AccessDenied, CkptfsError, Client, DaemonUnavailable, FlushIncomplete, NotMounted, RequestFailed
 from ckptfs.escape import printable
 
 from .paths import GivenPath
@@ -41,7 +41,7 @@ def _exit_code(exc: CkptfsError) -> int:
     return EXIT_INCOMPLETE
 
 
-def _client(path: str, timeout: float = 10.0, draining: bool = False) -> Client:
+def _client(path: str, timeout: float = IO_TIMEOUT_S, draining: bool = False) -> Client:
     """The client of the mount `path` is on; `draining`: or of the daemon of
     mount point `path` after its unmount, while it still publishes (an
     interrupted or running `umount`): it answers for the whole mount."""
@@ -78,7 +78,10 @@ def _console():
 @click.option("--interval", default=1.0, show_default=True, type=Number(0.1, 86400), metavar="S",
               help="Seconds between refreshes with --watch.")
 @click.option("--cluster", is_flag=True, help="Also every node of the mount's cluster: what each has not published yet, and what was lost.")
-def status(mountpoint: str | None, as_json: bool, files: str | None, watch: bool, interval: float, cluster: bool) -> None:
+@click.option("--timeout", default=IO_TIMEOUT_S, show_default=True, type=Number(0.1, 86400), metavar="S",
+              help="Seconds to wait for a daemon's answer before reporting it as not answering (hung).")
+def status(mountpoint: str | None, as_json: bool, files: str | None, watch: bool, interval: float, cluster: bool,
+           timeout: float) -> None:
     """What is durable yet: totals, and per file with --files.
 
     With no MOUNTPOINT: every ckptfs mount on this machine, and this user's
@@ -90,9 +93,9 @@ def status(mountpoint: str | None, as_json: bool, files: str | None, watch: bool
     if mountpoint is None and files and os.path.isabs(files):  # `status --files /mnt/ckpt`: the mount that path is on
         mountpoint = files
     if mountpoint is not None:
-        client = _client(mountpoint, draining=True)
+        client = _client(mountpoint, timeout, draining=True)
         if client.relpath:  # a path on the mount: the status is the whole mount's
-            client = _client(client.mountpoint)
+            client = _client(client.mountpoint, timeout)
         mps = [client.mountpoint]
         if files:
             files = os.path.join(client.mountpoint, files) if not os.path.isabs(files) else files
@@ -101,13 +104,13 @@ def status(mountpoint: str | None, as_json: bool, files: str | None, watch: bool
             _fail("--files with a relative PATH needs a MOUNTPOINT", EXIT_USAGE)
         mps = _every_mount()
     if not watch:
-        code = _show_status(mps, as_json, files, single=client, cluster=cluster)
+        code = _show_status(mps, as_json, files, timeout, single=client, cluster=cluster)
         sys.exit(code)
     try:
         while True:
             if sys.stdout.isatty():
                 click.clear()
-            _show_status(mps if mountpoint is not None else _every_mount(), as_json, files, single=client, cluster=cluster)
+            _show_status(mps if mountpoint is not None else _every_mount(), as_json, files, timeout, single=client, cluster=cluster)
             sys.stdout.flush()
             time.sleep(interval)
     except KeyboardInterrupt:
@@ -120,9 +123,9 @@ def _every_mount() -> list[str]:
     return runtime.ckptfs_mounts() + [info.mountpoint for info in runtime.unmounted_daemons()]
 
 
-def _client_of(mp: str) -> Client:
+def _client_of(mp: str, timeout: float) -> Client:
     try:
-        return Client(mp)
+        return Client(mp, timeout=timeout)
     except NotMounted:
         found = Client.draining(mp)  # unmounted since it was listed: still publishing, or gone
         if found is None:
@@ -130,12 +133,13 @@ def _client_of(mp: str) -> Client:
         return found[1]
 
 
-def _show_status(mps: list[str], as_json: bool, files: str | None, single: Client | None, cluster: bool = False) -> int:
+def _show_status(mps: list[str], as_json: bool, files: str | None, timeout: float, single: Client | None,
+                 cluster: bool = False) -> int:
     """Status of every mount in `mps`, or of the one `single` is the client of."""
     reports, code = [], 0
     for mp in mps:
         try:
-            client = single if single is not None else _client_of(mp)
+            client = single if single is not None else _client_of(mp, timeout)
             reports.append(client.status(files=files is not None, path=files or None, cluster=cluster))
         except NotMounted as exc:
             if single is not None:
