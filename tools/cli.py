@@ -84,6 +84,9 @@ def main() -> None:
     runtime.raise_open_files_limit()  # the daemon's store walks, verify's
 
 
+CLUSTER_ONLY = ("cluster_password_file", "node", "cluster_patience", "cluster_snapshot_every")  # mount's options that need --cluster
+
+
 @main.command()
 @click.argument("mountpoint", type=GivenPath())
 @click.option("--store", "store_url", required=True, type=StoreURL(), metavar="URL", help="Durable store: a local directory or any fsspec URL (file://, s3://, gs://).")
@@ -156,6 +159,13 @@ def mount(mountpoint: str, store_url: str, memory_limit: str, reuse_ram: str, fo
             os.write(ready_fd, f"{code} {printable(message)}\n".encode(errors="backslashreplace"))
         _fail(message, code)
 
+    if cluster is None:  # a cluster option without --cluster: a mistake (a node of a cluster mounted alone?), not ignored
+        ctx = click.get_current_context()
+        given = [f"--{name.replace('_', '-')}" for name in CLUSTER_ONLY
+                 if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
+        if given:
+            refuse(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for cluster mode: give --cluster URL too, "
+                   f"or leave {'it' if len(given) == 1 else 'them'} out", 2)
     ram = total_ram()
     try:
         limit = parse_size(memory_limit, total=ram)
