@@ -206,7 +206,10 @@ class CheckpointManager:
                 continue
             try:
                 t = float(json.loads(storeio.read_file(store, path))["time"])
-            except (ValueError, KeyError, TypeError):
+            except storeio.IntegrityError as exc:  # its bytes are not what was written: not a checkpoint to load
+                log.warning("%s: leaving checkpoint %s out: %s", self.directory, m.group(1), exc)
+                continue
+            except (ValueError, KeyError, TypeError, FileNotFoundError):  # garbled, or gone since it was listed
                 continue
             out.append(Checkpoint(int(m.group(1)), t, f"step-{m.group(1)}", True))
         return sorted(out, key=lambda c: c.step)

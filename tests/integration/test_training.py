@@ -3,6 +3,7 @@ its policies, the dying gasp, and `ckptfs advise --measure`."""
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import signal
@@ -45,7 +46,7 @@ def test_save_and_load_through_the_mount(fresh_mount):
 
 
 @pytest.mark.parametrize("fault", ["killed", "hung"])
-def test_save_falls_back_to_the_store(fresh_mount, fault):
+def test_save_falls_back_to_the_store(fresh_mount, fault, caplog):
     m = fresh_mount
     p = m.path("run", "model.pt")
     assert ct.save(state(1), p) == "mount"
@@ -78,6 +79,13 @@ def test_save_falls_back_to_the_store(fresh_mount, fault):
         (m.store / "run" / "after.pt").write_bytes(bytes(data))
         with pytest.raises(IntegrityError, match="checksum mismatch"):
             ct.load(m.path("run", "after.pt"), deadline_s=1.0)
+        # a marker corrupted in the store: its checkpoint is left out of the listing, which goes on
+        assert mgr.save(8, state(8)) and mgr.all_steps() == [7, 8]
+        marker = m.store / "run" / "step-7" / "ckptfs-commit.json"
+        marker.write_bytes(marker.read_bytes().replace(b"{", b"[", 1))
+        with caplog.at_level(logging.WARNING, logger="ckptfs"):
+            assert mgr.all_steps() == [8] and mgr.latest_step() == 8
+        assert "leaving checkpoint 7 out" in caplog.text and "checksum mismatch" in caplog.text
     finally:
         if fault == "hung":
             os.kill(m.pid, signal.SIGCONT)
