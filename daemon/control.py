@@ -137,12 +137,18 @@ class ControlServer:
 
     async def flush(self, stream: trio.SocketStream, path: str, timeout: float) -> dict:
         path = self._resolved(path)
+        deadline = trio.current_time() + timeout
+        with trio.move_on_at(deadline):  # what was written straight to the store meanwhile is in the mount first
+            try:
+                await self.engine.outside.take()
+            except Exception as exc:  # the store fails now: its files are taken in later
+                log.info("flush: cannot look for files written straight to the store now: %s", exc)
         self.tree.seal_closed()  # a file closed just before this request is in the barrier, whatever its RELEASE does
         ops = self.engine.barrier(path)
         total_files, total_bytes = _left(ops)
         waiting = Left(self.engine, ops)
         reported = -math.inf
-        with trio.move_on_after(timeout) as waited:
+        with trio.move_on_at(deadline) as waited:
             # Checked at every change (cheap: see Left), reported every PROGRESS_EVERY_S.
             while not waiting.settled():  # else nothing left, or only what waits for a parked file: never by itself
                 if trio.current_time() - reported >= PROGRESS_EVERY_S:

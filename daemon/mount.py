@@ -234,6 +234,8 @@ async def _main(config: MountConfig, tree: InodeTree, engine: Engine, control: C
             gc.freeze()
         await engine.claim(new_daemon_id(), started)
         nursery.start_soon(control.ledger.keep_up)  # first: the files just restored, counted in batches
+        if node is None:
+            nursery.start_soon(engine.outside.run)  # files the torch helpers write straight to the store from now on
         engine.calls.crash_at = _crash_point()
         if n:
             log.info("the store holds %d files: shown now, loaded on first use", n)
@@ -254,6 +256,7 @@ async def _main(config: MountConfig, tree: InodeTree, engine: Engine, control: C
         # Idle workers are kept: each new one would malloc a fresh 1 MiB buffer.
         await pyfuse3.main(min_tasks=8, max_tasks=64)
         signals.serving = False  # the session is closed next: pyfuse3.terminate() on it would crash
+        engine.outside.stop()  # the mount is gone: the store's files are the next mount's to show
         unmount()  # no new work from here on
         for inode in tree.open_for_write():  # still open: their bytes now are what we have
             tree.seal(inode)

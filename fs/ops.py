@@ -120,6 +120,7 @@ class Operations(pyfuse3.Operations):
         self._connected = False  # the kernel's INIT came (`init`): before it, it caches nothing, and refuses notifications
         if shared is not None:
             shared.elsewhere = self._changed_elsewhere
+        engine.outside.entry_changed = self._taken_in
         self.fsync_durable = fsync_durable
         self.metrics = metrics
         self.virtual_xattr = virtual_xattr
@@ -151,6 +152,12 @@ class Operations(pyfuse3.Operations):
             pyfuse3.invalidate_entry_async(args[2], args[3], ignore_enoent=True)
         elif op in ("sealed", "setattr", "setxattr", "removexattr"):
             self._invalidations.put((args[0], op != "sealed"))
+
+    def _taken_in(self, parent: int, name: bytes) -> None:
+        """A file written straight to the store took this name in the tree
+        (`writeback.outside`), not through the kernel: it forgets the name."""
+        if self._connected:
+            self._invalidations.put((parent, name))
 
     async def _change(self, op: str, *args: Any, **kwargs: Any) -> Any:
         """A change of names, links or attributes: the tree's method `op`,
@@ -457,15 +464,18 @@ class Operations(pyfuse3.Operations):
 
 
 class _Invalidations:
-    """Inodes whose cached attributes (and pages) the kernel must drop, sent
-    from a thread of their own: dropping pages waits for their locks, which
-    a read in progress holds until this daemon answers it."""
+    """Inodes whose cached attributes (and pages) the kernel must drop, and
+    names it must forget, sent from a thread of their own: dropping pages
+    waits for their locks, which a read in progress holds until this daemon
+    answers it. A kernel that let go of the mount meanwhile (an unmount)
+    refuses them: nothing is left to forget."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[int, bool]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[int, bool | bytes]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
-    def put(self, item: tuple[int, bool]) -> None:
+    def put(self, item: tuple[int, bool | bytes]) -> None:
+        """(inode, whether attributes only), or (directory inode, name)."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="ckptfs-invalidate", daemon=True)
             self._thread.start()
@@ -473,12 +483,15 @@ class _Invalidations:
 
     def _run(self) -> None:
         while True:
-            ino, attr_only = self._queue.get()
+            ino, what = self._queue.get()
             try:
-                pyfuse3.invalidate_inode(ino, attr_only)
+                if isinstance(what, bytes):
+                    pyfuse3.invalidate_entry(ino, what)
+                else:
+                    pyfuse3.invalidate_inode(ino, what)
             except OSError as exc:  # ENOENT: the kernel holds no reference to it
                 if exc.errno != errno.ENOENT:
-                    log.debug("cannot invalidate inode %d: %s", ino, exc)
+                    log.debug("cannot invalidate %s of inode %d: %s", "an entry" if isinstance(what, bytes) else "the attributes", ino, exc)
 
 
 CAP_FSETID = 4

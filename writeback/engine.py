@@ -38,6 +38,7 @@ from .backend import HEARTBEAT_S, IMAGE, INDEX, Backend, Staged, StoreError
 from .calls import Deadlines, StoreCalls, permanent
 from .journal import LOST, Attrs, Exchange, FileGen, Link, Mkdir, Op, Remove, Rename, Snapshot, Symlink, kind
 from .manifest import Digest, Meta, record_path
+from .outside import Outside
 from .publisher import MARKERS, Publisher
 from .replica import Dir, File, Replica, Shown
 from .replica import Link as RLink
@@ -206,6 +207,7 @@ class Engine:
         self._sealed_elsewhere: dict[int, int] = {}  # cluster mode: inode -> the newest generation sealed elsewhere, applied here
         self._staged_early: dict[tuple[int, int], tuple[Staged, Digest]] = {}  # staged before its seal was applied here
         self._publishing = trio.CancelScope()  # the publisher's run (a node taking over publishing starts another)
+        self.outside = Outside(self)  # files written straight to the store while this daemon did not answer
 
     def cluster(self, link: ClusterLink, publisher: Publisher) -> None:
         """Cluster mode: the journal is the whole cluster's (every node's

@@ -15,6 +15,7 @@ import errno
 import json
 import logging
 import re
+import time
 import uuid
 import zlib
 from typing import NamedTuple
@@ -520,9 +521,12 @@ def _of_row(row: list) -> Record:
     return _tuple(Record, row)
 
 
-def mark_outside(backend: Backend) -> None:
-    """Records are about to change without a daemon: the index is not to be trusted."""
-    backend.put(f"{OUTSIDE}/{uuid.uuid4().hex}", b"")
+def mark_outside(backend: Backend, path: str = "") -> None:
+    """Records are about to change without a daemon: the index is not to be
+    trusted. Or, given `path`: the file there was written (published) without
+    a daemon, and a daemon that lives on takes it into its mount
+    (`outside.py`). Named by the time they are made, so listed in order."""
+    backend.put(f"{OUTSIDE}/{time.time_ns():020d}-{uuid.uuid4().hex}", path.encode("utf-8", "surrogateescape"))
 
 
 def hasher() -> xxhash.xxh3_128:

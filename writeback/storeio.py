@@ -527,6 +527,8 @@ def write_file(backend: Backend, path: str, data: bytes | memoryview, mode: int 
         with contextlib.suppress(Exception):  # the first error is the one to tell
             backend.discard(staged)
         raise
+    if backend.records_changed is None:  # written: a daemon that lives on takes it into its mount (`outside.py`)
+        manifest.mark_outside(backend, path)
     return digest
 
 

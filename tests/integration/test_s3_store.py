@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import io
 import os
 
 import pytest
@@ -38,6 +39,43 @@ def test_mount_over_s3_save_umount_remount_load(s3, tmp_path):
         assert again.path("run", "latest").read_text() == "7"
         loaded = torch.load(again.path("run", "checkpoint-7", "model.pt"))
         assert torch.equal(loaded["w"], sd["w"])
+    finally:
+        stop_mount(again)
+
+
+def test_a_save_straight_to_s3_while_the_daemon_hung_is_shown_by_its_mount_once_it_answers(s3, tmp_path):
+    """The daemon freezes; `ckptfs.torch.save` writes a newer checkpoint and
+    a new one straight to the bucket. Once the daemon answers again, its
+    mount shows both (a flush takes them in first), the older bytes are
+    never published over them, and a remount shows the same."""
+    import signal
+
+    import ckptfs.torch as ct
+
+    url = s3.bucket("outside")
+    m = start_mount(tmp_path, extra=("--store", url, *s3.cli_options()))
+    m.allowed_log_errors += ["the mount shows it now"]
+    try:
+        ct.save({"step": torch.tensor(1)}, m.path("run", "model.pt"))
+        assert run_cli("flush", str(m.mountpoint), "--timeout", "60").returncode == 0
+        os.kill(m.pid, signal.SIGSTOP)
+        try:
+            for path, step in (("run/model.pt", 2), ("run/step-2/model.pt", 2)):
+                assert ct.save({"step": torch.tensor(step)}, m.path(path), deadline_s=1.0, storage_options=s3.options()) == "store"
+        finally:
+            os.kill(m.pid, signal.SIGCONT)
+        assert run_cli("flush", str(m.mountpoint), "--timeout", "60").returncode == 0
+        for path in ("run/model.pt", "run/step-2/model.pt"):
+            assert torch.load(m.path(path))["step"] == 2
+        assert {p: torch.load(io.BytesIO(b))["step"] for p, b in objects(s3, "outside").items()} == {
+            "run/model.pt": 2, "run/step-2/model.pt": 2}
+        assert verify(open_store(url, s3.options())).clean
+        assert run_cli("umount", str(m.mountpoint)).returncode == 0
+    finally:
+        stop_mount(m)
+    again = start_mount(tmp_path, extra=("--store", url, *s3.cli_options()))
+    try:
+        assert torch.load(again.path("run", "model.pt"))["step"] == 2 and torch.load(again.path("run", "step-2", "model.pt"))["step"] == 2
     finally:
         stop_mount(again)
 

@@ -48,6 +48,7 @@ def test_save_and_load_through_the_mount(fresh_mount):
 @pytest.mark.parametrize("fault", ["killed", "hung"])
 def test_save_falls_back_to_the_store(fresh_mount, fault, caplog):
     m = fresh_mount
+    m.allowed_log_errors += ["the mount shows it now", "cannot be taken in: run/after.pt: checksum mismatch"]  # once back
     p = m.path("run", "model.pt")
     assert ct.save(state(1), p) == "mount"
     # Published before the fault: a daemon frozen or killed while it moves the
@@ -158,6 +159,15 @@ def test_a_manager_whose_daemon_hangs_saves_lists_and_restores_through_the_store
     assert set(files) == {f"run/step-{n}/{name}" for n in (1, 2, 3) for name in ("meta.json", "shards/0.bin", "ckptfs-commit.json")}
     assert files["run/step-2/meta.json"] == b"2" and len(files["run/step-2/shards/0.bin"]) == 100_000
     assert verify_store(m.store).clean
+    # The daemon, back, takes what was saved meanwhile into the mount by itself (no flush): a
+    # trainer restarted from the mount resumes from checkpoint 3, not 1.
+    m.allowed_log_errors.append("the mount shows it now")
+    mgr = ct.CheckpointManager(m.path("run"), load_fn=lambda d: {n: (Path(d) / n).read_bytes() for n in ("meta.json", "shards/0.bin")})
+    wait_until(lambda: mgr.all_steps() == [1, 2, 3], 30, "checkpoints 2 and 3 in the mount")
+    mgr.wait_until_published(timeout=60)  # (taken in, each file is published again: the same bytes)
+    assert mgr.latest_step() == 3 and mgr.restore() == {"meta.json": b"3", "shards/0.bin": files["run/step-3/shards/0.bin"]}
+    assert run_cli("flush", str(m.mountpoint), "--timeout", "60").returncode == 0
+    assert store_files(m.store) == files and verify_store(m.store).clean
 
 
 # -- CheckpointManager ----------------------------------------------------------------
@@ -423,9 +433,11 @@ def test_store_fallback_is_seen_after_a_remount(tmp_path):
 def test_a_fallback_save_is_not_overwritten_by_the_daemons_older_generation(fresh_mount):
     """Generation A is queued in the daemon (the store is down); the daemon
     then hangs and `ckptfs.torch.save` writes a newer B straight to the
-    store. When the daemon is back it must not publish A over B."""
+    store. When the daemon is back it must not publish A over B, and the
+    mount shows B (it showed A until the next mount: a trainer restarted
+    from it loaded the older checkpoint)."""
     m = fresh_mount
-    m.allowed_log_errors += [*OUTAGE_LOG, "keeping it", "retrying"]
+    m.allowed_log_errors += [*OUTAGE_LOG, "keeping it", "retrying", "the mount shows it now"]
     p = m.path("run", "model.pt")
     assert ct.save(state(1), p) == "mount"
     ct.CheckpointManager(m.path("run")).wait_until_published(timeout=60)
@@ -439,4 +451,6 @@ def test_a_fallback_save_is_not_overwritten_by_the_daemons_older_generation(fres
         os.kill(m.pid, signal.SIGCONT)
     assert run_cli("flush", str(m.mountpoint), "--timeout", "120").returncode == 0
     assert same(torch.load(m.store / "run" / "model.pt", weights_only=False), state(3))
+    assert same(torch.load(p, weights_only=False), state(3))  # the name the kernel had cached, looked up again
+    assert same(ct.load(p), state(3)) and os.listdir(m.path("run")) == ["model.pt"]
     assert verify_store(m.store).clean

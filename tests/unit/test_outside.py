@@ -1,0 +1,164 @@
+"""Files the torch helpers wrote straight to the store while the daemon did
+not answer (C7) are taken into a mount that lives on (`writeback.outside`):
+the mount shows what the store holds, unless the mount changed since."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from ckptfs.writeback.backend import open_store
+from ckptfs.writeback.storeio import write_file
+from ckptfs.writeback.verify import verify
+
+from tests.unit.test_engine import Rig, run_until_flushed
+
+W = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+
+
+def _helper(rig: Rig):
+    """The store as a torch helper's fallback opens it: no daemon of its own."""
+    return open_store(rig.url)
+
+
+def _read(rig: Rig, path: str) -> bytes | None:
+    node = rig.store.inode_at(path)
+    return None if node is None else bytes(node.data.read(0, node.data.size))
+
+
+async def test_a_file_written_straight_to_the_store_replaces_the_older_one_in_the_mount(tmp_path):
+    rig = Rig(tmp_path / "store")
+    rig.mkdir("run")
+    rig.write("run/model.pt", b"old")
+    took = []
+
+    async def body():
+        await rig.engine.flush()
+        write_file(_helper(rig), "run/model.pt", b"newer, from the fallback")
+        took.append(await rig.engine.outside.take())
+        took.append(await rig.engine.outside.take())  # taken once
+
+    await run_until_flushed(rig, body)
+    assert took == [1, 0]
+    assert _read(rig, "run/model.pt") == b"newer, from the fallback"
+    assert rig.files() == {"run/model.pt": b"newer, from the fallback"}
+    assert sorted(rig.store.get(rig.store.inode_at("run").ino).children) == [b"model.pt"]  # no hidden name left
+    assert verify(rig.backend).clean
+
+
+@pytest.mark.parametrize("when", ["before its turn", "refused at its turn"])
+async def test_an_older_generation_queued_in_the_mount_gives_way_to_the_store_file(tmp_path, when):
+    """A generation sealed before the helper's write (queued: the store was
+    down, the daemon hung) never reaches the store, and the mount shows the
+    store's file, whether it is taken in before that generation's turn or
+    after its publication was refused (the store's file is newer)."""
+    rig = Rig(tmp_path / "store")
+    rig.write("model.pt", b"queued while the store was down")  # sealed, not published: the engine is not running
+    write_file(_helper(rig), "model.pt", b"newer, from the fallback")
+    if when == "refused at its turn":
+        await run_until_flushed(rig)
+        assert _read(rig, "model.pt") == b"queued while the store was down"
+    assert await rig.engine.outside.take() == 1
+    await run_until_flushed(rig)
+    assert _read(rig, "model.pt") == b"newer, from the fallback"
+    assert rig.files() == {"model.pt": b"newer, from the fallback"}
+
+
+async def test_a_checkpoint_written_straight_to_the_store_appears_with_its_directories(tmp_path):
+    rig = Rig(tmp_path / "store")
+    rig.mkdir("run")
+    helper = _helper(rig)
+
+    async def body():
+        await rig.engine.flush()
+        for name, data in (("state.pt", b"s" * 100_000), ("shards/0.bin", b"0" * 10), ("ckptfs-commit.json", b"{}")):
+            write_file(helper, f"run/step-2/{name}", data)
+        assert await rig.engine.outside.take() == 3
+
+    await run_until_flushed(rig, body)
+    assert _read(rig, "run/step-2/state.pt") == b"s" * 100_000
+    assert _read(rig, "run/step-2/shards/0.bin") == b"0" * 10
+    assert _read(rig, "run/step-2/ckptfs-commit.json") == b"{}"
+    assert set(rig.files()) == {"run/step-2/state.pt", "run/step-2/shards/0.bin", "run/step-2/ckptfs-commit.json"}
+
+
+async def test_a_file_changed_in_the_mount_after_the_write_to_the_store_is_kept(tmp_path):
+    rig = Rig(tmp_path / "store")
+    rig.write("model.pt", b"v1")
+
+    async def body():
+        await rig.engine.flush()
+        write_file(_helper(rig), "model.pt", b"v2, from the fallback")
+        rig.write("model.pt", b"v3, written in the mount after it")
+        assert await rig.engine.outside.take() == 0
+
+    await run_until_flushed(rig, body)
+    assert _read(rig, "model.pt") == b"v3, written in the mount after it"
+    assert rig.files() == {"model.pt": b"v3, written in the mount after it"}
+
+
+@pytest.mark.parametrize("how", ["removed", "renamed away", "its directory removed"])
+async def test_a_name_the_mount_let_go_of_after_the_write_to_the_store_is_not_made_again(tmp_path, how):
+    """(The engine stopped while the mount changes and takes files in: the
+    store still has the file when its record is read.)"""
+    rig = Rig(tmp_path / "store")
+    rig.mkdir("d")
+    rig.write("d/model.pt", b"v1")
+    await run_until_flushed(rig)
+    write_file(_helper(rig), "d/model.pt", b"v2, from the fallback")
+    if how == "removed":
+        rig.unlink("d/model.pt")
+    elif how == "renamed away":
+        rig.rename("d/model.pt", "kept.pt")
+    else:
+        rig.unlink("d/model.pt")
+        rig.store.rmdir(rig.store.inode_at("").ino, b"d")
+    assert await rig.engine.outside.take() == 0
+    await run_until_flushed(rig)
+    assert rig.store.inode_at("d/model.pt") is None
+    assert "d/model.pt" not in rig.files()  # (renamed away: the store's file at the name moved with it)
+
+
+async def test_a_file_open_for_writing_holds_back_what_was_written_after_it(tmp_path):
+    """A file the mount is writing is left for a later look, and so is what
+    the helper wrote after it: a completion marker is never taken in before
+    the files written before it. Sealed after the helper's write, the
+    mount's file is the newer. (The engine stopped meanwhile: the mount's
+    file is not published before the look.)"""
+    rig = Rig(tmp_path / "store")
+    rig.mkdir("step-2")
+    h = rig.write("step-2/state.pt", b"being written", keep_open=True)
+    await run_until_flushed(rig)
+    helper = _helper(rig)
+    write_file(helper, "step-2/state.pt", b"saved by the helper")
+    write_file(helper, "step-2/commit_success.txt", b"done")
+    assert await rig.engine.outside.take() == 0
+    assert rig.store.inode_at("step-2/commit_success.txt") is None
+    rig.store.release(h.fh)  # sealed now, after the helper's write
+    assert await rig.engine.outside.take() == 1
+    await run_until_flushed(rig)
+    assert _read(rig, "step-2/state.pt") == b"being written"
+    assert _read(rig, "step-2/commit_success.txt") == b"done"
+    assert rig.files() == {"step-2/state.pt": b"being written", "step-2/commit_success.txt": b"done"}
+
+
+async def test_a_mark_naming_no_file_of_the_mount_is_left_alone(tmp_path, caplog):
+    """Marks are the store's, and anyone who may write it may plant one:
+    one naming ckptfs's own prefix, a path out of the store, or a path the
+    store has no file at is left alone, and what was written after it is
+    taken in."""
+    from ckptfs.writeback import manifest
+
+    rig = Rig(tmp_path / "store")
+    helper = _helper(rig)
+    for planted in (".ckptfs/index", "../../etc/passwd", "a//b", "not/there"):
+        manifest.mark_outside(helper, planted)
+    write_file(helper, "model.pt", b"saved by the helper")
+
+    async def body():
+        assert await rig.engine.outside.take() == 1
+
+    await run_until_flushed(rig, body)
+    assert _read(rig, "model.pt") == b"saved by the helper"
+    assert rig.files() == {"model.pt": b"saved by the helper"}
+    assert sum("no file of the mount: left alone" in r.getMessage() for r in caplog.records) == 3

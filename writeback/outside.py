@@ -1,0 +1,249 @@
+"""Files written to the store while this daemon did not answer, taken into
+the mount.
+
+The torch helpers write straight to the store when the daemon does not
+answer in time (C7); `storeio.write_file` leaves a mark under
+`manifest.OUTSIDE` before it changes anything (the manifest index is then
+not to be trusted), and one naming the path once the file is published
+there. A daemon that was only slow or frozen, not dead, lives on: its
+mount kept showing the bytes it had (a trainer restarted from it loaded
+the checkpoint before), and the store the newer ones, until the next
+mount. Now it lists the marks every `POLL_S` and at each `ckptfs flush`,
+in the order they were made; for each path it reads the store's file
+(verified) and gives the mount those bytes under that name, as a writer
+of the mount would: written at a hidden name and renamed over it, so a
+failure halfway leaves the mount's file as it was, and a reader holding
+the old file open reads on. The file is then published again (the same
+bytes). The mount's file is kept instead when it changed after the write
+to the store (it is newer, and published over it in its turn), and a name
+the mount removed or renamed away since is not made again (its directory
+changed after the write). The marks stay for the next mount
+(`Engine.claim` removes them, once it has read every record).
+
+Single-node mounts only: in cluster mode names change through the
+cluster's log (the marks then wait for the next mount).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import secrets
+import stat
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+import trio
+
+from . import manifest, storeio
+from .backend import META
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+log = logging.getLogger(__name__)
+
+POLL_S = 5.0  # how often the daemon lists the marks of writes straight to the store
+ROOM_PATIENCE_S = 30.0  # how long taking a file in waits for room in the RAM budget
+HIDDEN = ".ckptfs-taking-in."  # the hidden name a file is written at before it takes its name
+
+
+class Inode(Protocol):
+    ino: int
+    mode: int
+    uid: int
+    gid: int
+    ctime_ns: int
+    writers: int
+    is_dir: bool
+    is_reg: bool
+
+
+class Handle(Protocol):
+    fh: int
+    inode: Inode
+
+
+class Writable(Protocol):
+    """What taking a file in does to the mount (fs.tree.InodeTree): what a
+    writer of the mount does, journaled as its changes are."""
+
+    def inode_at(self, path: str) -> Inode | None: ...
+    def mkdir(self, parent: int, name: bytes, mode: int, uid: int, gid: int) -> Inode: ...
+    def create(self, parent: int, name: bytes, mode: int, flags: int, uid: int, gid: int) -> Handle: ...
+    def write(self, fh: int, off: int, data: bytes) -> int: ...
+    def setattr(self, ino: int, *, mtime_ns: int | None = None) -> Inode: ...
+    def release(self, fh: int) -> Inode | None: ...
+    def rename(self, parent: int, name: bytes, new_parent: int, new_name: bytes, flags: int = 0) -> None: ...
+    def unlink(self, parent: int, name: bytes) -> Inode: ...
+    def free_bytes(self) -> int: ...
+    def ram_for(self, size: int) -> int: ...
+
+
+class Outside:
+    def __init__(self, engine: Engine) -> None:
+        self.e = engine
+        self.taken: set[str] = set()  # marks dealt with (they stay in the store until the next mount)
+        self._lock = trio.Lock()
+        # What taking files in left (inode -> its ctime then, and a file's digest): a change
+        # of its own is not a change of the mount's that would keep the store's next file out.
+        self._left: dict[int, tuple[int, manifest.Digest | None]] = {}
+        # Told of each name the mount's tree changed here, not through the kernel
+        # (parent inode, name): the FUSE layer makes the kernel forget what it cached.
+        self.entry_changed: Callable[[int, bytes], None] = lambda parent, name: None
+        self.stopped = False  # the mount is gone (its daemon drains): nothing is taken in any more
+        self._waiting: set[str] = set()  # paths waiting for room in RAM (said once)
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    async def run(self) -> None:
+        while not self.stopped:
+            await trio.sleep(POLL_S)
+            try:
+                await self.take()
+            except Exception as exc:  # a store that fails now: the next poll tries again
+                log.debug("cannot look for files written straight to the store: %s", exc)
+
+    async def take(self) -> int:
+        """Take into the mount what was written straight to the store since
+        the last look, in the order it was written; how many files it took."""
+        if self.e.link is not None or self.stopped:
+            return 0
+        async with self._lock:
+            marks = [m for m in await self.e.calls.run("list the writes straight to the store", self.e.backend.find, manifest.OUTSIDE)
+                     if m not in self.taken]
+            n = 0
+            for mark in sorted(marks):  # named by the time of the write
+                try:
+                    named = await self.e.calls.run(f"read {mark}", self.e.backend.read_all, mark)
+                except FileNotFoundError:  # gone since it was listed
+                    self.taken.add(mark)
+                    continue
+                if not named:  # a write begun (it may have failed): its mark naming the path comes once it is done
+                    self.taken.add(mark)
+                    continue
+                path = named.decode("utf-8", "surrogateescape")
+                if not path or not storeio.nameable(path) or path.split("/")[0] == META:  # no file a helper writes
+                    log.warning("%s names %r, no file of the mount: left alone", mark, path)
+                    self.taken.add(mark)
+                    continue
+                try:
+                    done, took = await self._take_file(path)
+                except (FileNotFoundError, NotADirectoryError, storeio.IntegrityError, *manifest.UNREADABLE) as exc:
+                    log.warning("%s was written to the store while this daemon did not answer, and cannot be taken in: %s", path, exc)
+                    done, took = True, False
+                if not done:
+                    break  # (in order: a completion marker is not taken in before the files written before it)
+                self.taken.add(mark)
+                n += took
+            return n
+
+    async def _take_file(self, path: str) -> tuple[bool, bool]:
+        """(whether the mark of `path` is dealt with, whether the mount took the store's file)."""
+        rec = await self.e.calls.run(f"read the record of {path}", manifest.read, self.e.backend, path)
+        if rec is None or rec.kind != "file" or rec.current is None:
+            return True, False  # gone again, or not a file: nothing to take
+        why = self._keeps(path, rec)
+        if why is not None:
+            return why != "open", False
+        data = await self.e.calls.run(f"read {path}", storeio.read_file, self.e.backend, path, nbytes=rec.current.size)
+        tree: Writable = self.e.ns  # type: ignore[assignment]
+        need = tree.ram_for(len(data))
+        if tree.free_bytes() < need and not await self.e.make_room(need, ROOM_PATIENCE_S):
+            self._no_room(path)
+            return False, False
+        # Nothing awaited from here on: the decision holds for what is done.
+        if self.stopped:
+            return False, False
+        why = self._keeps(path, rec)
+        if why is not None:
+            return why != "open", False
+        try:
+            self._write(tree, path, data, rec)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                log.warning("%s was written to the store while this daemon did not answer, and the mount cannot take it in: %s",
+                            path, exc.strerror or exc)
+                return True, False
+            self._no_room(path)
+            return False, False
+        log.warning("%s: the store holds a newer file, written there directly while this daemon did not answer "
+                    "(the torch helpers' fallback): the mount shows it now", path)
+        return True, True
+
+    def _no_room(self, path: str) -> None:
+        if path not in self._waiting:  # said once, not at every look
+            self._waiting.add(path)
+            log.warning("%s was written to the store while this daemon did not answer; no room in RAM to take it in now: "
+                        "trying again at each look (a remount shows it)", path)
+
+    def _unchanged_since(self, node: Inode, written_ns: int) -> bool:
+        """Whether the mount left `node` alone since `written_ns` (taking files in aside)."""
+        left = self._left.get(node.ino)
+        return node.ctime_ns < written_ns or (left is not None and left[0] == node.ctime_ns)
+
+    def _keeps(self, path: str, rec: manifest.Record) -> str | None:
+        """Why the mount keeps what it has at `path` (None: it takes the store's file)."""
+        tree: Writable = self.e.ns  # type: ignore[assignment]
+        node = tree.inode_at(path)
+        if node is not None:
+            if not node.is_reg:
+                return "not a file in the mount"
+            if node.writers:
+                return "open"  # written to now: newer once sealed; looked at again if not
+            left = self._left.get(node.ino)
+            if left is not None and left == (node.ctime_ns, rec.current):
+                return "taken in already"
+            gen = self.e.pending.get(node.ino)  # sealed, not published yet: newer if sealed after, as the publisher has it
+            if not self._unchanged_since(node, rec.written_ns) or (gen is not None and int(gen.sealed_at * 1e9) >= rec.written_ns):
+                return "changed in the mount since"
+            shown = self.e.publisher_shown(node.ino)  # where the store shows this file's newest published bytes
+            if shown is not None and shown[0] == path and shown[1].digest == rec.current and node.ino not in self.e.pending:
+                return "the same bytes"
+            return None
+        # Made anew only where nothing changed since the write to the store: a name the mount
+        # removed or renamed away later changed its directory then.
+        at = path
+        while True:
+            at = at.rpartition("/")[0]
+            d = tree.inode_at(at)
+            if d is not None:
+                return None if d.is_dir and self._unchanged_since(d, rec.written_ns) else "its directory changed in the mount since"
+
+    def _write(self, tree: Writable, path: str, data: bytes, rec: manifest.Record) -> None:
+        """The store's bytes at `path` in the mount: written at a hidden name
+        in its directory (made as needed), then renamed over it."""
+        parts = [os.fsencode(p) for p in path.split("/")]
+        d = tree.inode_at("")
+        assert d is not None
+        made: tuple[int, bytes] | None = None  # the first directory made: the kernel forgets that name
+        for i, part in enumerate(parts[:-1]):
+            found = tree.inode_at("/".join(path.split("/")[: i + 1]))
+            if found is None:
+                made = made or (d.ino, part)
+                found = tree.mkdir(d.ino, part, 0o755, d.uid, d.gid)
+                self._left[d.ino] = (d.ctime_ns, None)
+                self._left[found.ino] = (found.ctime_ns, None)
+            d = found
+        old = tree.inode_at(path)
+        owner = (old.uid, old.gid) if old is not None else (rec.uid if rec.uid is not None else d.uid, rec.gid if rec.gid is not None else d.gid)
+        mode = stat.S_IMODE(old.mode) if old is not None else rec.mode
+        hidden = (HIDDEN + secrets.token_hex(8)).encode()
+        h = tree.create(d.ino, hidden, mode, os.O_WRONLY | os.O_CREAT | os.O_EXCL, *owner)
+        try:
+            view = memoryview(data)
+            for off in range(0, len(view), 1 << 20):
+                tree.write(h.fh, off, view[off : off + (1 << 20)])
+            if rec.mtime_ns is not None:
+                tree.setattr(h.inode.ino, mtime_ns=rec.mtime_ns)
+        except BaseException:
+            tree.unlink(d.ino, hidden)  # unlinked before its seal: never published (C4)
+            tree.release(h.fh)
+            raise
+        tree.release(h.fh)
+        tree.rename(d.ino, hidden, d.ino, parts[-1])
+        self._left[h.inode.ino] = (h.inode.ctime_ns, rec.current)
+        self._left[d.ino] = (d.ctime_ns, None)
+        self.entry_changed(*(made or (d.ino, parts[-1])))
