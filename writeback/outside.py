@@ -11,9 +11,10 @@ the checkpoint before), and the store the newer ones, until the next
 mount. Now it lists the marks every `POLL_S` and at each `ckptfs flush`,
 in the order they were made; for each path it reads the store's file
 (verified) and gives the mount those bytes under that name, as a writer
-of the mount would: written at a hidden name and renamed over it, so a
-failure halfway leaves the mount's file as it was, and a reader holding
-the old file open reads on. The file is then published again (the same
+of the mount would: written at a hidden name, a piece at a time (the
+mount serves in between), and renamed over it, so a failure halfway, or a
+change the mount made meanwhile, leaves the mount's file as it was, and a
+reader holding the old file open reads on. The file is then published again (the same
 bytes). The mount's file is kept instead when it changed after the write
 to the store (it is newer, and published over it in its turn), and a name
 the mount removed or renamed away since is not made again (its directory
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 POLL_S = 5.0  # how often the daemon lists the marks of writes straight to the store
 ROOM_PATIENCE_S = 30.0  # how long taking a file in waits for room in the RAM budget
 HIDDEN = ".ckptfs-taking-in."  # the hidden name a file is written at before it takes its name
+PIECE = 1 << 20  # written at a time; the mount serves its requests between two
 
 
 class Inode(Protocol):
@@ -154,14 +156,8 @@ class Outside:
         if tree.free_bytes() < need and not await self.e.make_room(need, ROOM_PATIENCE_S):
             self._no_room(path)
             return False, False
-        # Nothing awaited from here on: the decision holds for what is done.
-        if self.stopped:
-            return False, False
-        why = self._keeps(path, rec)
-        if why is not None:
-            return why != "open", False
         try:
-            self._write(tree, path, data, rec)
+            took = await self._write(tree, path, data, rec)
         except OSError as exc:
             if exc.errno != errno.ENOSPC:
                 log.warning("%s was written to the store while this daemon did not answer, and the mount cannot take it in: %s",
@@ -169,9 +165,10 @@ class Outside:
                 return True, False
             self._no_room(path)
             return False, False
-        log.warning("%s: the store holds a newer file, written there directly while this daemon did not answer "
-                    "(the torch helpers' fallback): the mount shows it now", path)
-        return True, True
+        if took:
+            log.warning("%s: the store holds a newer file, written there directly while this daemon did not answer "
+                        "(the torch helpers' fallback): the mount shows it now", path)
+        return took is not None, bool(took)
 
     def _no_room(self, path: str) -> None:
         if path not in self._waiting:  # said once, not at every look
@@ -200,7 +197,7 @@ class Outside:
             if not self._unchanged_since(node, rec.written_ns) or (gen is not None and int(gen.sealed_at * 1e9) >= rec.written_ns):
                 return "changed in the mount since"
             shown = self.e.publisher_shown(node.ino)  # where the store shows this file's newest published bytes
-            if shown is not None and shown[0] == path and shown[1].digest == rec.current and node.ino not in self.e.pending:
+            if shown is not None and shown[0] == path and shown[1].digest == rec.current and gen is None:
                 return "the same bytes"
             return None
         # Made anew only where nothing changed since the write to the store: a name the mount
@@ -212,38 +209,66 @@ class Outside:
             if d is not None:
                 return None if d.is_dir and self._unchanged_since(d, rec.written_ns) else "its directory changed in the mount since"
 
-    def _write(self, tree: Writable, path: str, data: bytes, rec: manifest.Record) -> None:
+    def _why_kept(self, path: str, rec: manifest.Record) -> str | None:
+        return "stopped" if self.stopped else self._keeps(path, rec)
+
+    async def _write(self, tree: Writable, path: str, data: bytes, rec: manifest.Record) -> bool | None:
         """The store's bytes at `path` in the mount: written at a hidden name
-        in its directory (made as needed), then renamed over it."""
-        parts = [os.fsencode(p) for p in path.split("/")]
-        d = tree.inode_at("")
-        assert d is not None
-        made: tuple[int, bytes] | None = None  # the first directory made: the kernel forgets that name
-        for i, part in enumerate(parts[:-1]):
-            found = tree.inode_at("/".join(path.split("/")[: i + 1]))
-            if found is None:
-                made = made or (d.ino, part)
-                found = tree.mkdir(d.ino, part, 0o755, d.uid, d.gid)
-                self._left[d.ino] = (d.ctime_ns, None)
-                self._left[found.ino] = (found.ctime_ns, None)
-            d = found
+        in the deepest directory on the way there that the mount has, a
+        piece at a time (the mount serves in between), then renamed to
+        `path` (its directories made first) unless the mount changed what
+        the decision rests on meanwhile. True: taken in; False: the mount
+        keeps its own; None: to be looked at again."""
+        why = self._why_kept(path, rec)
+        if why is not None:
+            return None if why in ("open", "stopped") else False
+        names = path.split("/")
+        at = len(names) - 1
+        while (d := tree.inode_at("/".join(names[:at]))) is None:
+            at -= 1
         old = tree.inode_at(path)
         owner = (old.uid, old.gid) if old is not None else (rec.uid if rec.uid is not None else d.uid, rec.gid if rec.gid is not None else d.gid)
         mode = stat.S_IMODE(old.mode) if old is not None else rec.mode
-        hidden = (HIDDEN + secrets.token_hex(8)).encode()
-        h = tree.create(d.ino, hidden, mode, os.O_WRONLY | os.O_CREAT | os.O_EXCL, *owner)
+        hidden = HIDDEN + secrets.token_hex(8)
+        h = tree.create(d.ino, os.fsencode(hidden), mode, os.O_WRONLY | os.O_CREAT | os.O_EXCL, *owner)
+        self._left[d.ino] = (d.ctime_ns, None)
+        ours = "/".join([*names[:at], hidden])
         try:
             view = memoryview(data)
-            for off in range(0, len(view), 1 << 20):
-                tree.write(h.fh, off, view[off : off + (1 << 20)])
-            if rec.mtime_ns is not None:
-                tree.setattr(h.inode.ino, mtime_ns=rec.mtime_ns)
+            for off in range(0, len(view), PIECE):
+                tree.write(h.fh, off, view[off : off + PIECE])
+                await trio.sleep(0)
         except BaseException:
-            tree.unlink(d.ino, hidden)  # unlinked before its seal: never published (C4)
-            tree.release(h.fh)
+            self._drop(tree, d.ino, hidden, ours, h)
             raise
+        # Nothing awaited from here on: the decision holds for what is done.
+        if tree.inode_at(ours) is not h.inode:  # moved or removed by someone else meanwhile: theirs now
+            tree.release(h.fh)
+            return None
+        why = self._why_kept(path, rec)
+        if why is not None:
+            self._drop(tree, d.ino, hidden, ours, h)
+            return None if why in ("open", "stopped") else False
+        if rec.mtime_ns is not None:
+            tree.setattr(h.inode.ino, mtime_ns=rec.mtime_ns)
+        made: tuple[int, bytes] | None = None  # the first directory made: the kernel forgets that name
+        top = d
+        for name in names[at:-1]:
+            made = made or (d.ino, os.fsencode(name))
+            sub = tree.mkdir(d.ino, os.fsencode(name), 0o755, d.uid, d.gid)
+            self._left[d.ino] = (d.ctime_ns, None)
+            d = sub
         tree.release(h.fh)
-        tree.rename(d.ino, hidden, d.ino, parts[-1])
+        tree.rename(top.ino, os.fsencode(hidden), d.ino, os.fsencode(names[-1]))
         self._left[h.inode.ino] = (h.inode.ctime_ns, rec.current)
+        self._left[top.ino] = (top.ctime_ns, None)
         self._left[d.ino] = (d.ctime_ns, None)
-        self.entry_changed(*(made or (d.ino, parts[-1])))
+        self.entry_changed(*(made or (d.ino, os.fsencode(names[-1]))))
+        return True
+
+    @staticmethod
+    def _drop(tree: Writable, parent: int, hidden: str, ours: str, h: Handle) -> None:
+        """The hidden file goes, unlinked before its seal: never published (C4)."""
+        if tree.inode_at(ours) is h.inode:
+            tree.unlink(parent, os.fsencode(hidden))
+        tree.release(h.fh)

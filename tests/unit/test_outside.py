@@ -162,3 +162,35 @@ async def test_a_mark_naming_no_file_of_the_mount_is_left_alone(tmp_path, caplog
     assert _read(rig, "model.pt") == b"saved by the helper"
     assert rig.files() == {"model.pt": b"saved by the helper"}
     assert sum("no file of the mount: left alone" in r.getMessage() for r in caplog.records) == 3
+
+
+async def test_a_change_of_the_mount_while_a_large_file_is_taken_in_is_honoured(tmp_path):
+    """A large file is written into the mount a piece at a time, the mount
+    serving in between; a write of the mount's own to that name meanwhile
+    is newer: the piece written so far goes (never published), and the
+    mount keeps its file. (The engine stopped: nothing is published
+    before the look.)"""
+    import trio
+
+    rig = Rig(tmp_path / "store")
+    rig.write("model.pt", b"v1")
+    await run_until_flushed(rig)
+    write_file(_helper(rig), "model.pt", os.urandom(5 << 20))
+    took = []
+
+    async def taking():
+        took.append(await rig.engine.outside.take())
+
+    def hidden() -> list[bytes]:
+        return [n for n in rig.store.get(rig.store.inode_at("").ino).children if n.startswith(b".ckptfs-taking-in.")]
+
+    async with trio.open_nursery() as n:
+        n.start_soon(taking)
+        with trio.fail_after(30):
+            while not hidden():  # the first piece is in
+                await trio.sleep(0)
+        rig.write("model.pt", b"v3, written in the mount meanwhile")
+    assert took == [0] and hidden() == []
+    await run_until_flushed(rig)
+    assert _read(rig, "model.pt") == b"v3, written in the mount meanwhile"
+    assert rig.files() == {"model.pt": b"v3, written in the mount meanwhile"}
