@@ -11,7 +11,9 @@ through the mount lists them all.
   three cases;
 - right after the local restart from the index: `status` (the totals) and
   `status --files` (every file), each while another thread lists a
-  directory of the mount again and again (the mount must keep serving).
+  directory of the mount again and again (the mount must keep serving);
+  then `status --files PATH` of one directory of 1,000 files against
+  `status --files` of all of them (its cost must follow the prefix).
 
 The store is filled once through a mount (created, flushed, unmounted).
 Rounds are interleaved; medians. Run as root:
@@ -137,6 +139,12 @@ def status_while_serving(mp: Path, t: dict[str, list[float]]) -> None:
     finally:
         stop.set()
         th.join()
+    # the rows of one directory against every row, both client calls in this process
+    for key, path in (("files prefix", mp / "d0000"), ("files all", None)):
+        t0 = time.perf_counter()
+        rows = c.status(files=True, path=path)["files"]
+        t[key].append(time.perf_counter() - t0)
+        t[f"{key} rows"].append(len(rows))
 
 
 def main() -> None:
@@ -150,7 +158,8 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="ckptfs-remount-", dir=args.disk_dir))
     t: dict[str, list[float]] = {k: [] for k in ("local index", "local crash", "local none", "local find", "s3 index", "s3 crash",
                                                  "s3 none", "status", "status listdir", "status files", "status files listdir",
-                                                 "idle listdir")}
+                                                 "idle listdir", "files prefix", "files all", "files prefix rows",
+                                                 "files all rows")}
     server = None
     try:
         mp, store = base / "mnt", base / "store"
@@ -204,16 +213,22 @@ def main() -> None:
         lines.append(f"| the same over S3 (SeaweedFS on loopback), {m:,} files, after a clean exit | {med['s3 index']:.2f} s | <= 3 s | "
                      f"{'yes' if med['s3 index'] <= 3 else 'no'} |")
     ms = {k: med[k] * 1000 for k in ("status", "status listdir", "status files listdir", "idle listdir")}
+    share, cost = med["files prefix rows"] / med["files all rows"], med["files prefix"] / med["files all"]
     lines += [
         f"| `status` with {n:,} files, right after the restart (client call) | {ms['status']:.0f} ms | <= 50 ms | "
         f"{'yes' if ms['status'] <= 50 else 'no'} |",
         f"| the mount keeps serving during `ckptfs status --files --json` of all {n:,} files ({med['status files']:.2f} s): longest listing of a "
         f"directory of 1,000 files meanwhile | {ms['status files listdir']:.0f} ms (idle: {ms['idle listdir']:.0f} ms) | (none) | |",
+        f"| `status --files PATH` of {share:.1%} of the files (one directory), vs `status --files` of all (client calls; share of the time) "
+        f"| {cost:.1%} ({med['files prefix'] * 1000:.0f} ms against {med['files all']:.2f} s) | proportional to the prefix "
+        f"(at most twice its share) | {'yes' if cost <= 2 * share else 'no'} |",
         "",
         "- ms, `status`: " + " ".join(f"{x * 1000:.0f}" for x in t["status"]) + "; longest listing meanwhile: "
         + " ".join(f"{x * 1000:.0f}" for x in t["status listdir"]),
         "- seconds, `ckptfs status --files --json`: " + " ".join(f"{x:.2f}" for x in t["status files"]) + "; longest listing meanwhile (ms): "
         + " ".join(f"{x * 1000:.0f}" for x in t["status files listdir"]),
+        "- seconds, `status --files PATH` of one directory: " + " ".join(f"{x:.3f}" for x in t["files prefix"]) + "; of all: "
+        + " ".join(f"{x:.2f}" for x in t["files all"]),
         "- seconds, local, after a clean exit: " + " ".join(f"{x:.2f}" for x in t["local index"]),
         "- seconds, local, after a crash (from the image its claim left): " + " ".join(f"{x:.2f}" for x in t["local crash"]),
         "- seconds, local, after a crash with no image (one record read per file): " + " ".join(f"{x:.2f}" for x in t["local none"]),
