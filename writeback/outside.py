@@ -39,6 +39,7 @@ import trio
 
 from . import manifest, storeio
 from .backend import META
+from .calls import permanent
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -49,6 +50,10 @@ POLL_S = 5.0  # how often the daemon lists the marks of writes straight to the s
 ROOM_PATIENCE_S = 30.0  # how long taking a file in waits for room in the RAM budget
 HIDDEN = ".ckptfs-taking-in."  # the hidden name a file is written at before it takes its name
 PIECE = 1 << 20  # written at a time; the mount serves its requests between two
+# A file that can never be taken in as it is (gone, garbled, its bytes not its record's, or a failure the
+# store gives again: `calls.permanent`) is left out with a warning, and what was written after it is taken
+# in. Any other failure is the store's now: that file and those after it wait for the next look.
+CANNOT = (FileNotFoundError, NotADirectoryError, storeio.IntegrityError, *manifest.UNREADABLE)
 
 
 class Inode(Protocol):
@@ -95,7 +100,7 @@ class Outside:
         # (parent inode, name): the FUSE layer makes the kernel forget what it cached.
         self.entry_changed: Callable[[int, bytes], None] = lambda parent, name: None
         self.stopped = False  # the mount is gone (its daemon drains): nothing is taken in any more
-        self._waiting: set[str] = set()  # paths waiting for room in RAM (said once)
+        self._waiting: set[str] = set()  # paths to be taken in at a later look (said once)
 
     def stop(self) -> None:
         self.stopped = True
@@ -133,7 +138,10 @@ class Outside:
                     continue
                 try:
                     done, took = await self._take_file(path)
-                except (FileNotFoundError, NotADirectoryError, storeio.IntegrityError, *manifest.UNREADABLE) as exc:
+                except Exception as exc:
+                    if not isinstance(exc, CANNOT) and not permanent(exc):  # the store fails now: this mark and those after it wait
+                        self._later(path, f"it cannot be read now ({exc})")
+                        raise
                     log.warning("%s was written to the store while this daemon did not answer, and cannot be taken in: %s", path, exc)
                     done, took = True, False
                 if not done:
@@ -154,7 +162,7 @@ class Outside:
         tree: Writable = self.e.ns  # type: ignore[assignment]
         need = tree.ram_for(len(data))
         if tree.free_bytes() < need and not await self.e.make_room(need, ROOM_PATIENCE_S):
-            self._no_room(path)
+            self._later(path, "no room in RAM to take it in now")
             return False, False
         try:
             took = await self._write(tree, path, data, rec)
@@ -163,18 +171,18 @@ class Outside:
                 log.warning("%s was written to the store while this daemon did not answer, and the mount cannot take it in: %s",
                             path, exc.strerror or exc)
                 return True, False
-            self._no_room(path)
+            self._later(path, "no room in RAM to take it in now")
             return False, False
         if took:
             log.warning("%s: the store holds a newer file, written there directly while this daemon did not answer "
                         "(the torch helpers' fallback): the mount shows it now", path)
         return took is not None, bool(took)
 
-    def _no_room(self, path: str) -> None:
+    def _later(self, path: str, why: str) -> None:
         if path not in self._waiting:  # said once, not at every look
             self._waiting.add(path)
-            log.warning("%s was written to the store while this daemon did not answer; no room in RAM to take it in now: "
-                        "trying again at each look (a remount shows it)", path)
+            log.warning("%s was written to the store while this daemon did not answer; %s: trying again at each look "
+                        "(a remount shows it)", path, why)
 
     def _unchanged_since(self, node: Inode, written_ns: int) -> bool:
         """Whether the mount left `node` alone since `written_ns` (taking files in aside)."""

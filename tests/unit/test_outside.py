@@ -11,7 +11,7 @@ from ckptfs.writeback.backend import open_store
 from ckptfs.writeback.storeio import write_file
 from ckptfs.writeback.verify import verify
 
-from tests.unit.test_engine import Rig, run_until_flushed
+from tests.unit.test_engine import FaultyBackend, Rig, run_until_flushed
 
 W = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
 
@@ -194,3 +194,45 @@ async def test_a_change_of_the_mount_while_a_large_file_is_taken_in_is_honoured(
     await run_until_flushed(rig)
     assert _read(rig, "model.pt") == b"v3, written in the mount meanwhile"
     assert rig.files() == {"model.pt": b"v3, written in the mount meanwhile"}
+
+
+class _ReadsFail(FaultyBackend):
+    """The store, its reads of file data failing while `down` (the listing,
+    the marks and the records still come)."""
+
+    def __getattr__(self, name):
+        return super().__getattr__(name) if name == "read" else getattr(self.inner, name)
+
+
+async def test_a_file_the_store_cannot_give_is_left_out_and_one_it_fails_to_give_now_waits(tmp_path, caplog):
+    """A symlink planted where the helper's file was is never followed: that
+    file can never be taken in, and is left out with a warning; what was
+    written after it is taken in. A read the store fails now holds that
+    file, and what was written after it, for the next look, said once."""
+    rig = Rig(tmp_path / "store")
+    helper = _helper(rig)
+    write_file(helper, "a.pt", b"a")
+    write_file(helper, "b.pt", b"b")
+    (tmp_path / "secret").write_bytes(b"not the store's")
+    (tmp_path / "store" / "a.pt").unlink()
+    (tmp_path / "store" / "a.pt").symlink_to(tmp_path / "secret")
+    assert await rig.engine.outside.take() == 1
+    assert _read(rig, "a.pt") is None and _read(rig, "b.pt") == b"b"
+    assert sum("a.pt was written to the store while this daemon did not answer, and cannot be taken in" in r.getMessage()
+               for r in caplog.records) == 1
+
+    write_file(helper, "c.pt", b"c")
+    write_file(helper, "d.pt", b"d")
+    rig.engine.backend = failing = _ReadsFail(rig.backend, error_rate=0.0, latency_s=0.0)
+    failing.down = True
+    for _ in range(2):
+        with pytest.raises(ConnectionError):
+            await rig.engine.outside.take()
+    assert _read(rig, "c.pt") is None and _read(rig, "d.pt") is None
+    assert sum("c.pt was written to the store while this daemon did not answer; it cannot be read now" in r.getMessage()
+               for r in caplog.records) == 1
+    failing.down = False
+    assert await rig.engine.outside.take() == 2
+    await run_until_flushed(rig)
+    (tmp_path / "store" / "a.pt").unlink()  # (the planted link)
+    assert rig.files() == {"b.pt": b"b", "c.pt": b"c", "d.pt": b"d"}
