@@ -309,13 +309,15 @@ class CheckpointManager:
         if self._last_step is None or self._last_in_store:  # (not asking a daemon that did not answer, for each step again)
             return True
         client = self._client()
-        if client is None:
-            return True
+        if client is None or fallback.unanswered.why(client.mountpoint) is not None:
+            return True  # (not on ckptfs; or the daemon did not answer lately: the next save goes to the store)
         marker = os.path.join(self.step_dir(self._last_step), MARKER)
         try:
             rows = client.status(files=True, path=marker)["files"]
         except RequestFailed:  # pruned or deleted meanwhile: nothing in flight
             return True
-        except DaemonUnavailable:  # hung or gone: the next save goes to the store, with nothing of the daemon's in flight before it
+        except DaemonUnavailable as exc:  # hung or gone: the next save goes to the store, with nothing of the daemon's in flight before it
+            if exc.hung:
+                fallback.unanswered.add(client.mountpoint, str(exc), self.client_timeout)
             return True
         return all(r["state"] == "published" for r in rows)

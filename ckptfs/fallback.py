@@ -5,15 +5,24 @@ decision is made without touching the mount: /proc/mounts says whether the
 path is on a ckptfs mount, the daemon's control socket (with a timeout) says
 whether it answers, and the mount's runtime record (`ckptfs.runtime`, kept
 outside the mount, left behind when a daemon dies) gives the store URL.
+
+A daemon that did not answer in time is not waited for again by every call
+of this process: its mount is routed to the store at once while a thread of
+this process asks the daemon again every ASK_AGAIN_S (`_Unanswered`); once it
+answers, its mount is routed to it again.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+import time
 from dataclasses import dataclass
 
 from ckptfs import runtime
-from ckptfs.client import CkptfsError, Client, find_mount
+from ckptfs.client import CkptfsError, Client, DaemonUnavailable, find_mount
+
+ASK_AGAIN_S = 1.0  # a daemon that did not answer in time is asked again this often, in the background
 
 
 @dataclass(frozen=True)
@@ -41,17 +50,78 @@ def route(path: str | os.PathLike[str], deadline_s: float = 5.0) -> Route:
         mountpoint, rel = found
         mounted = False
     if mounted:
-        try:
-            Client(mountpoint, timeout=deadline_s).ping()
-            return Route("mount", p, rel)
-        except CkptfsError as exc:
-            reason = str(exc)
+        reason = unanswered.why(mountpoint)
+        if reason is None:
+            try:
+                Client(mountpoint, timeout=deadline_s).ping()
+                return Route("mount", p, rel)
+            except CkptfsError as exc:
+                reason = str(exc)
+                if isinstance(exc, DaemonUnavailable) and exc.hung:
+                    unanswered.add(mountpoint, reason, deadline_s)
     else:
         reason = f"{mountpoint} is no longer mounted"
     info = runtime.MountInfo.read(mountpoint)
     if info is None:
         raise NoStore(f"cannot save {p}: {reason}, and the store behind {mountpoint} is unknown")
     return Route("store", p, rel, info.store_url, reason)
+
+
+class _Unanswered:
+    """The mounts whose daemon did not answer in time (hung, or too busy to
+    answer its control socket), each with why: a thread asks each daemon
+    again every ASK_AGAIN_S (as long as it waits for the answer) and forgets
+    it once it answers, or once its mount is gone. A process forked
+    meanwhile starts with none (the thread is not forked)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._mounts: dict[str, tuple[str, float]] = {}  # mountpoint -> (why, seconds to wait for an answer)
+        self._asking = False  # the thread runs
+
+    def why(self, mountpoint: str) -> str | None:
+        """Why the mount's daemon is not asked now (None: it is)."""
+        with self._lock:
+            found = self._mounts.get(mountpoint)
+        return None if found is None else f"{found[0]}; asked again every {ASK_AGAIN_S:g}s"
+
+    def add(self, mountpoint: str, why: str, deadline_s: float) -> None:
+        with self._lock:
+            self._mounts[mountpoint] = (why, deadline_s)
+            if self._asking:
+                return
+            self._asking = True
+        threading.Thread(target=self._ask_again, name="ckptfs-ask-again", daemon=True).start()
+
+    def _ask_again(self) -> None:
+        while True:
+            time.sleep(ASK_AGAIN_S)
+            with self._lock:
+                mounts = dict(self._mounts)
+                if not mounts:
+                    self._asking = False
+                    return
+            for mountpoint, (_why, deadline_s) in mounts.items():
+                try:
+                    if find_mount(mountpoint)[0] != mountpoint:
+                        raise CkptfsError(f"{mountpoint} is no longer mounted")
+                    Client(mountpoint, timeout=deadline_s).ping()
+                except DaemonUnavailable as exc:
+                    if exc.hung:
+                        continue  # still no answer
+                except Exception:  # gone, answering otherwise, anything else: each call asks for itself again
+                    pass
+                with self._lock:
+                    self._mounts.pop(mountpoint, None)
+
+    def _forked(self) -> None:
+        self._lock = threading.Lock()
+        self._mounts.clear()
+        self._asking = False
+
+
+unanswered = _Unanswered()
+os.register_at_fork(after_in_child=unanswered._forked)
 
 
 def _former_mount(path: str) -> tuple[str, str] | None:

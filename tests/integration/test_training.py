@@ -9,6 +9,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from ckptfs.writeback.backend import open_store
 from ckptfs.writeback.storeio import IntegrityError
 
 import ckptfs.torch as ct
+from ckptfs import fallback
 from tests.mountutil import run_cli, signal_and_wait
 from tests.storeutil import store_files, store_outage, verify_store, wait_until
 
@@ -92,6 +94,38 @@ def test_save_falls_back_to_the_store(fresh_mount, fault, caplog):
             os.kill(m.pid, signal.SIGCONT)
 
 
+def test_a_daemon_that_did_not_answer_is_not_waited_for_again_until_it_answers(fresh_mount):
+    """A frozen daemon costs a caller of this process one wait: later
+    routes go straight to the store (they waited the deadline each, so a
+    training loop saving every step lost it at every step) while a thread
+    asks the daemon again; once it answers, the mount is its again, and
+    the thread ends. A process forked meanwhile asks for itself."""
+    m = fresh_mount
+    p = m.path("run", "x.pt")
+    assert fallback.route(p, 2.0).kind == "mount"
+    os.kill(m.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        first = fallback.route(p, 2.0)
+        assert first.kind == "store" and time.monotonic() - t0 >= 1.9 and "did not answer within 2s" in first.reason
+        t0 = time.monotonic()
+        again = [fallback.route(p, 2.0) for _ in range(5)]
+        assert time.monotonic() - t0 < 2.0  # five routes, where each waited 2 s
+        assert all(r.kind == "store" and r.store_url == first.store_url and "asked again every 1s" in r.reason for r in again)
+        assert ct.save(state(3), p, deadline_s=2.0) == "store"
+        child = os.fork()
+        if child == 0:
+            os._exit(0 if fallback.unanswered.why(m.mountpoint) is None else 1)
+        assert os.waitpid(child, 0)[1] == 0
+    finally:
+        os.kill(m.pid, signal.SIGCONT)
+    m.allowed_log_errors.append("the mount shows it now")
+    wait_until(lambda: fallback.route(p, 2.0).kind == "mount", 30, "the mount routed to its daemon again")
+    wait_until(lambda: not any(t.name == "ckptfs-ask-again" for t in threading.enumerate()), 30, "the asking thread ended")
+    assert run_cli("flush", str(m.mountpoint), "--timeout", "60").returncode == 0  # (which takes in what went to the store)
+    assert same(ct.load(p), state(3))
+
+
 _OWN_SAVE = """
 import os, sys
 from ckptfs.checkpoint import CheckpointManager
@@ -110,24 +144,28 @@ assert mgr.save(1, saved[1])
 mgr.wait_until_published(timeout=60)
 print("published", flush=True)
 sys.stdin.readline()  # the daemon is frozen now
-asked = []
-status = Client.status
+asked, pinged = [], []
+status, ping = Client.status, Client.ping
 Client.status = lambda self, *a, **kw: (asked.append(kw), status(self, *a, **kw))[1]
+Client.ping = lambda self: (pinged.append(1), ping(self))[1]
 for step in (2, 3):
     assert mgr.save(step, saved[step])  # continuously
 assert len(asked) == 1, asked  # 2: is 1 published? No answer: 2 goes to the store. 3: 2 is in the store, published
+assert not pinged  # (the daemon did not answer: not waited for again, by the saves nor the calls below)
 assert mgr.all_steps() == [1, 2, 3] and mgr.latest_step() == 3 and all(c.published for c in mgr.checkpoints())
 for step in (None, 1):
     got = mgr.restore(step)
     assert got.pop("ckptfs-commit.json") and got == saved[step or 3], got.keys()
 assert mgr.prune() == []
+assert not pinged
 """
 
 
 def test_a_manager_whose_daemon_hangs_saves_lists_and_restores_through_the_store(fresh_mount):
     """A manager saves checkpoint 1 into the mount, and its daemon freezes:
     the continuous policy saves on (its question whether 1 is published,
-    unanswered, raised DaemonUnavailable into the training loop); the
+    unanswered, raised DaemonUnavailable into the training loop; the
+    daemon is not asked again meanwhile, so no call waits again); the
     save_fn (say, DCP's) writes into a local directory whose files go to
     the store, checksummed, the commit marker last (given the mount's path,
     it blocked for good on the frozen daemon); checkpoints are listed and
