@@ -111,9 +111,8 @@ class CheckpointManager:
                 dirs.sort()
                 for name in sorted(files):
                     path = os.path.join(top, name)
-                    with open(path, "rb") as f:
-                        data = f.read()  # (in memory, as `ct.save`'s own fallback holds it)
-                    storeio.write_file(store, f"{r.relpath}/{os.path.relpath(path, local)}", data)
+                    with fallback.mapped(path) as data:
+                        storeio.write_file(store, f"{r.relpath}/{os.path.relpath(path, local)}", data)
         storeio.write_file(store, f"{r.relpath}/{MARKER}", marker.encode())
 
     def wait_until_published(self, timeout: float | None = None) -> None:

@@ -14,9 +14,12 @@ answers, its mount is routed to it again.
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ckptfs import runtime
@@ -144,3 +147,21 @@ def open_route_store(r: Route, storage_options: dict | None = None):
 
     options = storage_options if storage_options is not None else parse_store_options([], os.environ.get("CKPTFS_STORE_OPTIONS"))
     return open_store(r.store_url, options)
+
+
+@contextlib.contextmanager
+def mapped(path: str) -> Iterator[mmap.mmap | bytes]:
+    """A local file's bytes (a save's, on its way to the store), mapped:
+    read from the page cache as they go, never copied into the process's
+    own memory whole (a checkpoint may be as large as what RAM has left
+    while the daemon is hung, holding its budget)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            yield b""
+            return
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        yield data
+    finally:
+        with contextlib.suppress(BufferError):  # a view still held (an error's traceback): unmapped when it goes
+            data.close()

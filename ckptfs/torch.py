@@ -20,6 +20,7 @@ import contextlib
 import io
 import logging
 import os
+import tempfile
 import types
 from collections.abc import Callable
 from typing import Any
@@ -54,8 +55,9 @@ def save(obj: Any, path: str | os.PathLike[str], *, deadline_s: float = DEADLINE
     leaves a torn file to publish). If the daemon does not answer, the mount
     is gone, or the write fails, the bytes go straight to the same relative
     path in the store (staged, checksummed in the manifest, published in one
-    step), with a warning. Credentials for that come from `storage_options`
-    or $CKPTFS_STORE_OPTIONS.
+    step), with a warning: saved into a local temporary file ($TMPDIR) first,
+    and sent from there, never held in memory whole. Credentials for that
+    come from `storage_options` or $CKPTFS_STORE_OPTIONS.
     """
     r = fallback.route(path, deadline_s)
     if r.kind == "plain":
@@ -75,12 +77,13 @@ def save(obj: Any, path: str | os.PathLike[str], *, deadline_s: float = DEADLINE
             r = _store_route(r, exc)
     else:
         log.warning("ckptfs: %s; writing %s straight to the store %s", r.reason, r.relpath, r.store_url)
-    buf = io.BytesIO()
-    torch.save(obj, buf, **torch_kwargs)
-    backend = fallback.open_route_store(r, storage_options)
     from ckptfs.writeback.storeio import write_file
 
-    digest = write_file(backend, r.relpath, buf.getbuffer())
+    backend = fallback.open_route_store(r, storage_options)
+    with tempfile.TemporaryDirectory(prefix="ckptfs-fallback-") as local:  # ($TMPDIR, as the manager's)
+        torch.save(obj, os.path.join(local, "state"), **torch_kwargs)
+        with fallback.mapped(os.path.join(local, "state")) as data:
+            digest = write_file(backend, r.relpath, data)
     log.warning("ckptfs: saved %s to the store directly (%d bytes, xxh3 %s)", r.relpath, digest.size, digest.xxh3)
     return "store"
 

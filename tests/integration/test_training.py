@@ -208,6 +208,56 @@ def test_a_manager_whose_daemon_hangs_saves_lists_and_restores_through_the_store
     assert store_files(m.store) == files and verify_store(m.store).clean
 
 
+_LARGE_SAVE = """
+import os, sys
+from ckptfs import checkpoint
+from ckptfs.checkpoint import CheckpointManager
+from ckptfs.policies import EveryNSteps
+def anon():
+    return next(int(ln.split()[1]) << 10 for ln in open("/proc/self/status") if ln.startswith("RssAnon:"))
+def save_fn(state, d):
+    piece = os.urandom(16 << 20)
+    with open(os.path.join(d, "shard.bin"), "wb") as f:
+        for _ in range(16):
+            f.write(piece)
+seen = {}
+write_file = checkpoint.storeio.write_file
+def watched(store, path, data):
+    seen[path] = anon() - before
+    return write_file(store, path, data)
+checkpoint.storeio.write_file = watched
+mgr = CheckpointManager(sys.argv[1], EveryNSteps(1), save_fn=save_fn, load_fn=lambda d: None, client_timeout=1.0)
+before = anon()
+assert mgr.save(1, None)
+print(seen["run/step-1/shard.bin"] >> 20)
+import torch
+import ckptfs.torch as ct
+t = torch.ones(64 << 20)  # 256 MiB
+before = anon()
+assert ct.save({"t": t}, os.path.join(sys.argv[1], "t.pt"), deadline_s=1.0) == "store"
+print(seen["run/t.pt"] >> 20)
+"""
+
+
+def test_a_save_past_a_dead_daemon_never_holds_a_file_whole_in_memory(fresh_mount):
+    """A save that goes to the store (the daemon is dead or hung) is
+    written to local files first (a manager's `save_fn` into a local
+    directory, `ct.save` into a file), which go to the store from there:
+    mapped, read from the page cache, never copied into the trainer's
+    memory whole (each added 256 MiB to it for a file of 256 MiB, with
+    RAM already short: a hung daemon still holds its budget)."""
+    m = fresh_mount
+    os.kill(m.pid, signal.SIGKILL)
+    m.proc.wait()
+    r = subprocess.run([sys.executable, "-c", _LARGE_SAVE, str(m.path("run"))], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [int(mib) < 64 for mib in r.stdout.split()] == [True, True], r.stdout  # MiB of the process's own memory more than before
+    files = store_files(m.store)
+    assert len(files["run/step-1/shard.bin"]) == 256 << 20 and "run/step-1/ckptfs-commit.json" in files
+    assert verify_store(m.store).clean
+    assert torch.equal(ct.load(m.path("run", "t.pt"))["t"], torch.ones(64 << 20))
+
+
 # -- CheckpointManager ----------------------------------------------------------------
 def test_manager_every_n_steps_latest_n(mnt):
     mgr = ct.CheckpointManager(mnt / "run", ct.save_policy.EveryNSteps(5), ct.preservation.LatestN(2))
