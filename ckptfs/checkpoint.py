@@ -232,7 +232,7 @@ class CheckpointManager:
                 dst = os.path.join(local, path.removeprefix(base + "/"))
                 os.makedirs(os.path.dirname(dst), exist_ok=True)
                 with open(dst, "wb") as f:
-                    f.write(storeio.read_file(store, path))
+                    storeio.copy_file(store, path, f)
             return self.load_fn(local)
 
     def _swap_in(self, step: int) -> None:

@@ -17,7 +17,6 @@ imports torch; this module does.
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import os
 import tempfile
@@ -106,10 +105,13 @@ def load(path: str | os.PathLike[str], *, deadline_s: float = DEADLINE_S, storag
             r = _store_route(r, exc)
     else:
         log.warning("ckptfs: %s; loading %s from the store %s", r.reason, r.relpath, r.store_url)
-    from ckptfs.writeback.storeio import read_file
+    from ckptfs.writeback.storeio import copy_file
 
-    data = read_file(fallback.open_route_store(r, storage_options), r.relpath)
-    return torch.load(io.BytesIO(data), **torch_kwargs)
+    backend = fallback.open_route_store(r, storage_options)
+    with tempfile.TemporaryDirectory(prefix="ckptfs-fallback-") as local:  # (verified there, never whole in memory)
+        with open(os.path.join(local, "state"), "wb") as f:
+            copy_file(backend, r.relpath, f)
+        return torch.load(os.path.join(local, "state"), **torch_kwargs)
 
 
 def _store_route(r: fallback.Route, exc: OSError) -> fallback.Route:

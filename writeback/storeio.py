@@ -17,7 +17,7 @@ import os
 import stat
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 from . import exchange, manifest
 from .backend import DAEMONS, IMAGE, META, UNKNOWN, Backend, Entry, Staged, StoreError, parents
@@ -536,7 +536,26 @@ def read_file(backend: Backend, path: str) -> bytes:
     """The bytes at `path`, verified against the manifest (IntegrityError if
     they do not match; files with no record are returned as they are)."""
     blocks, digest = fetch(backend, path)
+    _check_record(backend, path, digest)
+    return b"".join(blocks)
+
+
+def copy_file(backend: Backend, path: str, out: BinaryIO) -> Digest:
+    """`read_file` into `out` (a file open for writing), piece by piece as
+    the store gives them, never the whole file in memory: verified once all
+    of it is written (IntegrityError: what `out` got is not to be used)."""
+    h = manifest.hasher()
+    n = 0
+    for piece in backend.read(path):
+        h.update(piece)
+        n += len(piece)
+        out.write(piece)
+    digest = Digest(n, h.hexdigest())
+    _check_record(backend, path, digest)
+    return digest
+
+
+def _check_record(backend: Backend, path: str, digest: Digest) -> None:
     rec = manifest.read(backend, path)
     if rec is not None and rec.kind == "file" and rec.matches(digest.size, digest.xxh3) is None:
         raise IntegrityError(f"{path}: checksum mismatch: the store has {digest}, the manifest says {rec.current}")
-    return b"".join(blocks)

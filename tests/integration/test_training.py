@@ -238,14 +238,40 @@ assert ct.save({"t": t}, os.path.join(sys.argv[1], "t.pt"), deadline_s=1.0) == "
 print(seen["run/t.pt"] >> 20)
 """
 
+_LARGE_LOAD = """
+import os, sys
+import torch
+import ckptfs.torch as ct
+from ckptfs.checkpoint import CheckpointManager
+from ckptfs.policies import EveryNSteps
+def status(key):
+    return next(int(ln.split()[1]) << 10 for ln in open("/proc/self/status") if ln.startswith(key + ":"))
+def anon():
+    return status("RssAnon")
+mgr = CheckpointManager(sys.argv[1], EveryNSteps(1), save_fn=None, load_fn=lambda d: os.path.getsize(os.path.join(d, "shard.bin")),
+                        client_timeout=1.0)
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak (VmHWM) is the size now
+peak = status("VmHWM")
+assert mgr.restore(1) == 256 << 20
+print((status("VmHWM") - peak) >> 20)  # the most the restore added
+seen = []
+load = torch.load
+torch.load = lambda f, **kw: (seen.append(anon() - before), load(f, **kw))[1]
+before = anon()
+assert torch.equal(ct.load(os.path.join(sys.argv[1], "t.pt"), deadline_s=1.0)["t"], torch.ones(64 << 20))
+print(seen[0] >> 20)
+"""
 
-def test_a_save_past_a_dead_daemon_never_holds_a_file_whole_in_memory(fresh_mount):
+
+def test_a_save_or_load_past_a_dead_daemon_never_holds_a_file_whole_in_memory(fresh_mount):
     """A save that goes to the store (the daemon is dead or hung) is
     written to local files first (a manager's `save_fn` into a local
     directory, `ct.save` into a file), which go to the store from there:
     mapped, read from the page cache, never copied into the trainer's
     memory whole (each added 256 MiB to it for a file of 256 MiB, with
-    RAM already short: a hung daemon still holds its budget)."""
+    RAM already short: a hung daemon still holds its budget). So are loads
+    of them from the store: a restore's and `ct.load`'s."""
     m = fresh_mount
     os.kill(m.pid, signal.SIGKILL)
     m.proc.wait()
@@ -255,7 +281,10 @@ def test_a_save_past_a_dead_daemon_never_holds_a_file_whole_in_memory(fresh_moun
     files = store_files(m.store)
     assert len(files["run/step-1/shard.bin"]) == 256 << 20 and "run/step-1/ckptfs-commit.json" in files
     assert verify_store(m.store).clean
-    assert torch.equal(ct.load(m.path("run", "t.pt"))["t"], torch.ones(64 << 20))
+    # and back: restored and loaded through local files, each verified there
+    r = subprocess.run([sys.executable, "-c", _LARGE_LOAD, str(m.path("run"))], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [int(mib) < 64 for mib in r.stdout.split()] == [True, True], r.stdout
 
 
 # -- CheckpointManager ----------------------------------------------------------------
