@@ -9,12 +9,13 @@ there. A daemon that was only slow or frozen, not dead, lives on: its
 mount kept showing the bytes it had (a trainer restarted from it loaded
 the checkpoint before), and the store the newer ones, until the next
 mount. Now it lists the marks every `POLL_S` and at each `ckptfs flush`,
-in the order they were made; for each path it reads the store's file
-(verified) and gives the mount those bytes under that name, as a writer
-of the mount would: written at a hidden name, a piece at a time (the
-mount serves in between), and renamed over it, so a failure halfway, or a
-change the mount made meanwhile, leaves the mount's file as it was, and a
-reader holding the old file open reads on. The file is then published again (the same
+in the order they were made; for each path it gives the mount the store's
+file under that name, as a writer of the mount would: read from the store
+a block at a time into a hidden name (the mount serves in between, and
+the daemon holds no more of it than the file in RAM), checked against its
+record, and renamed over the name, so a failure halfway, bytes that are
+not the record's, or a change the mount made meanwhile, leave the mount's
+file as it was, and a reader holding the old file open reads on. The file is then published again (the same
 bytes). The mount's file is kept instead when it changed after the write
 to the store (it is newer, and published over it in its turn), and a name
 the mount removed or renamed away since is not made again (its directory
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 
 from . import manifest, storeio
-from .backend import META
+from .backend import META, Source
 from .calls import permanent
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ POLL_S = 5.0  # how often the daemon lists the marks of writes straight to the s
 ROOM_PATIENCE_S = 30.0  # how long taking a file in waits for room in the RAM budget
 HIDDEN = ".ckptfs-taking-in."  # the hidden name a file is written at before it takes its name
 PIECE = 1 << 20  # written at a time; the mount serves its requests between two
+READ = 16 << 20  # read from the store at a time (one store call, one ranged GET on S3)
 # A file that can never be taken in as it is (gone, garbled, its bytes not its record's, or a failure the
 # store gives again: `calls.permanent`) is left out with a warning, and what was written after it is taken
 # in. Any other failure is the store's now: that file and those after it wait for the next look.
@@ -158,14 +160,16 @@ class Outside:
         why = self._keeps(path, rec)
         if why is not None:
             return why != "open", False
-        data = await self.e.calls.run(f"read {path}", storeio.read_file, self.e.backend, path, nbytes=rec.current.size)
         tree: Writable = self.e.ns  # type: ignore[assignment]
-        need = tree.ram_for(len(data))
+        need = tree.ram_for(rec.current.size)
         if tree.free_bytes() < need and not await self.e.make_room(need, ROOM_PATIENCE_S):
             self._later(path, "no room in RAM to take it in now")
             return False, False
+        source = await self.e.calls.run(f"open {path}", self.e.backend.open_source, path)
         try:
-            took = await self._write(tree, path, data, rec)
+            took = await self._write(tree, path, source, rec)
+        except storeio.IntegrityError:
+            raise  # (left out, as any file that can never be taken in as it is)
         except OSError as exc:
             if exc.errno != errno.ENOSPC:
                 log.warning("%s was written to the store while this daemon did not answer, and the mount cannot take it in: %s",
@@ -173,6 +177,8 @@ class Outside:
                 return True, False
             self._later(path, "no room in RAM to take it in now")
             return False, False
+        finally:
+            source.close()
         if took:
             log.warning("%s: the store holds a newer file, written there directly while this daemon did not answer "
                         "(the torch helpers' fallback): the mount shows it now", path)
@@ -220,13 +226,15 @@ class Outside:
     def _why_kept(self, path: str, rec: manifest.Record) -> str | None:
         return "stopped" if self.stopped else self._keeps(path, rec)
 
-    async def _write(self, tree: Writable, path: str, data: bytes, rec: manifest.Record) -> bool | None:
-        """The store's bytes at `path` in the mount: written at a hidden name
-        in the deepest directory on the way there that the mount has, a
-        piece at a time (the mount serves in between), then renamed to
-        `path` (its directories made first) unless the mount changed what
-        the decision rests on meanwhile. True: taken in; False: the mount
-        keeps its own; None: to be looked at again."""
+    async def _write(self, tree: Writable, path: str, source: Source, rec: manifest.Record) -> bool | None:
+        """The store's bytes at `path` (`source`, its file opened) in the
+        mount: written at a hidden name in the deepest directory on the way
+        there that the mount has, as they come from the store, READ at a
+        time (the mount serves in between, and the daemon holds no more of
+        the file than its RAM does), checked against the record, then
+        renamed to `path` (its directories made first) unless the mount
+        changed what the decision rests on meanwhile. True: taken in;
+        False: the mount keeps its own; None: to be looked at again."""
         why = self._why_kept(path, rec)
         if why is not None:
             return None if why in ("open", "stopped") else False
@@ -242,12 +250,22 @@ class Outside:
         self._left[d.ino] = (d.ctime_ns, None)
         ours = "/".join([*names[:at], hidden])
         try:
-            view = memoryview(data)
-            for off in range(0, len(view), PIECE):
-                tree.write(h.fh, off, view[off : off + PIECE])
-                await trio.sleep(0)
+            size, whole = rec.current.size, manifest.hasher()
+            if source.size != size:
+                raise storeio.IntegrityError(f"{path}: checksum mismatch: the store has {source.size} bytes, its record says {rec.current}")
+            for pos in range(0, size, READ):
+                if self.stopped:  # unmounted: the drain does not wait for the rest (dropped below)
+                    break
+                n = min(READ, size - pos)
+                for off, piece in await self.e.calls.run(f"read {path}", _read, source, pos, n, whole, nbytes=n):
+                    tree.write(h.fh, off, piece)
+                    await trio.sleep(0)
+            else:
+                if rec.matches(size, whole.hexdigest()) is None:
+                    raise storeio.IntegrityError(f"{path}: checksum mismatch: the store has {size} bytes with xxh3 "
+                                                 f"{whole.hexdigest()}, its record says {rec.current}")
         except BaseException:
-            self._drop(tree, d.ino, hidden, ours, h)
+            self._drop(tree, d, hidden, ours, h)
             raise
         # Nothing awaited from here on: the decision holds for what is done.
         if tree.inode_at(ours) is not h.inode:  # moved or removed by someone else meanwhile: theirs now
@@ -255,7 +273,7 @@ class Outside:
             return None
         why = self._why_kept(path, rec)
         if why is not None:
-            self._drop(tree, d.ino, hidden, ours, h)
+            self._drop(tree, d, hidden, ours, h)
             return None if why in ("open", "stopped") else False
         if rec.mtime_ns is not None:
             tree.setattr(h.inode.ino, mtime_ns=rec.mtime_ns)
@@ -274,9 +292,23 @@ class Outside:
         self.entry_changed(*(made or (d.ino, os.fsencode(names[-1]))))
         return True
 
-    @staticmethod
-    def _drop(tree: Writable, parent: int, hidden: str, ours: str, h: Handle) -> None:
-        """The hidden file goes, unlinked before its seal: never published (C4)."""
+    def _drop(self, tree: Writable, parent: Inode, hidden: str, ours: str, h: Handle) -> None:
+        """The hidden file goes, unlinked before its seal: never published (C4);
+        its directory's change is taking files in's, not the mount's."""
         if tree.inode_at(ours) is h.inode:
-            tree.unlink(parent, os.fsencode(hidden))
+            tree.unlink(parent.ino, os.fsencode(hidden))
+            self._left[parent.ino] = (parent.ctime_ns, None)
         tree.release(h.fh)
+
+
+def _read(source: Source, at: int, n: int, whole) -> list[tuple[int, memoryview | bytes]]:
+    """Worker thread: the bytes `at`..`at + n` of `source`, in pieces of at
+    most PIECE with their offsets, fed to the hash `whole` (in order)."""
+    pieces = []
+    for piece in source.read(at, n):
+        whole.update(piece)
+        view = memoryview(piece)
+        for k in range(0, len(view), PIECE):
+            pieces.append((at + k, view[k : k + PIECE]))
+        at += len(view)
+    return pieces

@@ -201,7 +201,7 @@ class _ReadsFail(FaultyBackend):
     the marks and the records still come)."""
 
     def __getattr__(self, name):
-        return super().__getattr__(name) if name == "read" else getattr(self.inner, name)
+        return super().__getattr__(name) if name in ("read", "open_source") else getattr(self.inner, name)
 
 
 async def test_a_file_the_store_cannot_give_is_left_out_and_one_it_fails_to_give_now_waits(tmp_path, caplog):
@@ -236,3 +236,54 @@ async def test_a_file_the_store_cannot_give_is_left_out_and_one_it_fails_to_give
     await run_until_flushed(rig)
     (tmp_path / "store" / "a.pt").unlink()  # (the planted link)
     assert rig.files() == {"b.pt": b"b", "c.pt": b"c", "d.pt": b"d"}
+
+
+async def test_a_file_whose_bytes_are_not_its_records_is_left_out_and_nothing_of_it_shows(tmp_path, caplog):
+    """The store's file is checked against its record as it is taken in: one
+    that rotted (or was written over by hand) is left out with a warning,
+    the hidden file it was written into goes, and what was written after it
+    is taken in."""
+    rig = Rig(tmp_path / "store")
+    rig.write("a.pt", b"the mount's own")
+    await run_until_flushed(rig)
+    helper = _helper(rig)
+    write_file(helper, "a.pt", b"x" * 3_000_000)
+    write_file(helper, "b.pt", b"b")
+    with open(tmp_path / "store" / "a.pt", "r+b") as f:
+        f.seek(2_500_000)
+        f.write(b"y")
+    assert await rig.engine.outside.take() == 1
+    assert _read(rig, "a.pt") == b"the mount's own" and _read(rig, "b.pt") == b"b"
+    assert sorted(rig.store.get(1).children) == [b"a.pt", b"b.pt"]  # no hidden name left
+    assert any("a.pt was written to the store while this daemon did not answer, and cannot be taken in: a.pt: checksum mismatch"
+               in r.getMessage() for r in caplog.records)
+
+
+def _peak_rss() -> int:
+    return next(int(ln.split()[1]) << 10 for ln in open("/proc/self/status") if ln.startswith("VmHWM:"))
+
+
+async def test_a_file_is_taken_in_as_it_comes_from_the_store_never_held_whole_besides(tmp_path):
+    """Taking a file in reads it from the store a block at a time into the
+    file in RAM: the daemon holds the file once (in its RAM budget), not
+    also whole in its own memory, twice while it was joined (a checkpoint
+    shard of many GiB put that much on top of the budget)."""
+    rig = Rig(tmp_path / "store")
+    size = 128 << 20
+    with open(tmp_path / "shard.bin", "wb") as f:
+        for _ in range(size >> 24):
+            f.write(os.urandom(16 << 20))
+    from ckptfs.fallback import mapped
+
+    with mapped(str(tmp_path / "shard.bin")) as data:
+        write_file(_helper(rig), "shard.bin", data)
+    (tmp_path / "shard.bin").unlink()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak is the size now
+    before = _peak_rss()
+    assert await rig.engine.outside.take() == 1
+    grew = _peak_rss() - before
+    assert rig.store.inode_at("shard.bin").data.size == size
+    assert grew < size + (96 << 20), grew >> 20  # the file in RAM, and a block or so on its way (159 MiB here; 317 before)
+    await run_until_flushed(rig)
+    assert verify(rig.backend).clean
