@@ -33,9 +33,9 @@ spaced wider than the spin (a writer computing between writes, an idle
 mount) cost at most one spin in `SPIN_PAUSE` + 1. There is no spin while
 another thread of the daemon is at work (`busy`: a store call, an upload or
 a load): the spinning loop holds the GIL between its polls, and a thread
-that needs it then waits up to the interpreter's switch interval (5 ms)
-each time (a cold `torch.load` from the mount while its checkpoint was
-published took 9 % longer). Measured side by side (RESULTS-smallfiles.md,
+that needs it then waits up to the interpreter's switch interval (0.1 ms
+in the daemon, `mount.SWITCH_INTERVAL_S`) each time (a cold `torch.load`
+from the mount while its checkpoint was published took 9 % longer). Measured side by side (RESULTS-smallfiles.md,
 2026-11-30), on files held in RAM with the kernel's caches dropped: a
 `stat` of each of 10,000 files in 0.36-0.45 s where it took 0.63-0.80 s,
 reading each in 1.3-1.6 s where it took 2.7-3.4 s; the daemon's CPU time
