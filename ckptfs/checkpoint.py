@@ -100,10 +100,10 @@ class CheckpointManager:
     def _save_to_store(self, r: fallback.Route, state: Any, marker: str) -> None:
         """`save_fn` writes into a local temporary directory (given the
         mount's path, a save_fn of the user's own, such as DCP's, blocked
-        for good on the hung daemon, and the default one asked the daemon
-        again, for `ct.save`'s 5 s); then each file it wrote goes to the
-        store under the step's path, checksummed and recorded as the daemon
-        would, and the commit marker last."""
+        for good on the hung daemon); then each file it wrote goes to the
+        store under the step's path, from there (`fallback.mapped`),
+        checksummed and recorded as the daemon would, and the commit
+        marker last."""
         store = fallback.open_route_store(r)
         with tempfile.TemporaryDirectory(prefix="ckptfs-fallback-") as local:
             self.save_fn(state, local)
