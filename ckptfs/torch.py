@@ -17,6 +17,7 @@ imports torch; this module does.
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import tempfile
@@ -55,8 +56,9 @@ def save(obj: Any, path: str | os.PathLike[str], *, deadline_s: float = DEADLINE
     is gone, or the write fails, the bytes go straight to the same relative
     path in the store (staged, checksummed in the manifest, published in one
     step), with a warning: saved into a local temporary file ($TMPDIR) first,
-    and sent from there, never held in memory whole. Credentials for that
-    come from `storage_options` or $CKPTFS_STORE_OPTIONS.
+    and sent from there, never held in memory whole (in memory only if
+    $TMPDIR cannot take it). Credentials for that come from
+    `storage_options` or $CKPTFS_STORE_OPTIONS.
     """
     r = fallback.route(path, deadline_s)
     if r.kind == "plain":
@@ -79,12 +81,26 @@ def save(obj: Any, path: str | os.PathLike[str], *, deadline_s: float = DEADLINE
     from ckptfs.writeback.storeio import write_file
 
     backend = fallback.open_route_store(r, storage_options)
-    with tempfile.TemporaryDirectory(prefix="ckptfs-fallback-") as local:  # ($TMPDIR, as the manager's)
-        torch.save(obj, os.path.join(local, "state"), **torch_kwargs)
-        with fallback.mapped(os.path.join(local, "state")) as data:
-            digest = write_file(backend, r.relpath, data)
+    with contextlib.ExitStack() as held:
+        digest = write_file(backend, r.relpath, _saved_here(obj, torch_kwargs, held))
     log.warning("ckptfs: saved %s to the store directly (%d bytes, xxh3 %s)", r.relpath, digest.size, digest.xxh3)
     return "store"
+
+
+def _saved_here(obj: Any, torch_kwargs: dict, held: contextlib.ExitStack) -> Any:
+    """`obj` torch.saved on this machine, for the store: into a temporary
+    file in $TMPDIR (as the manager's saves), mapped, never whole in memory;
+    into memory if $TMPDIR cannot take it (full, read-only)."""
+    try:
+        local = held.enter_context(tempfile.TemporaryDirectory(prefix="ckptfs-fallback-"))
+        torch.save(obj, os.path.join(local, "state"), **torch_kwargs)
+        return held.enter_context(fallback.mapped(os.path.join(local, "state")))
+    except (OSError, RuntimeError) as exc:  # (torch's file writer says a full disk with a RuntimeError)
+        log.warning("ckptfs: cannot save into a temporary file in %s (%s); holding the save in memory instead",
+                    tempfile.gettempdir(), str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        buf = io.BytesIO()
+        torch.save(obj, buf, **torch_kwargs)
+        return buf.getbuffer()
 
 
 def load(path: str | os.PathLike[str], *, deadline_s: float = DEADLINE_S, storage_options: dict | None = None,
