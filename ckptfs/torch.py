@@ -17,6 +17,7 @@ imports torch; this module does.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import logging
 import os
@@ -34,6 +35,7 @@ from ckptfs.gasp import DyingGasp
 log = logging.getLogger("ckptfs.torch")
 
 DEADLINE_S = 5.0  # how long the daemon may take to answer before the store is written directly
+LOCAL_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # $TMPDIR cannot take a load's file from the store: held in memory
 STATE_FILE = "state.pt"
 GASP_FILE = "dying-gasp.pt"
 
@@ -106,7 +108,9 @@ def _saved_here(obj: Any, torch_kwargs: dict, held: contextlib.ExitStack) -> Any
 def load(path: str | os.PathLike[str], *, deadline_s: float = DEADLINE_S, storage_options: dict | None = None,
          **torch_kwargs: Any) -> Any:
     """torch.load from the mount, or, if the mount cannot serve, from the same
-    relative path in the store, verified against its checksum."""
+    relative path in the store, verified against its checksum: through a
+    local temporary file ($TMPDIR), never whole in memory (in memory only if
+    $TMPDIR is full or read-only)."""
     torch_kwargs.setdefault("weights_only", False)
     r = fallback.route(path, deadline_s)
     if r.kind in ("plain", "mount"):
@@ -121,13 +125,20 @@ def load(path: str | os.PathLike[str], *, deadline_s: float = DEADLINE_S, storag
             r = _store_route(r, exc)
     else:
         log.warning("ckptfs: %s; loading %s from the store %s", r.reason, r.relpath, r.store_url)
-    from ckptfs.writeback.storeio import copy_file
+    from ckptfs.writeback.storeio import copy_file, read_file
 
     backend = fallback.open_route_store(r, storage_options)
-    with tempfile.TemporaryDirectory(prefix="ckptfs-fallback-") as local:  # (verified there, never whole in memory)
-        with open(os.path.join(local, "state"), "wb") as f:
-            copy_file(backend, r.relpath, f)
-        return torch.load(os.path.join(local, "state"), **torch_kwargs)
+    try:
+        with tempfile.TemporaryDirectory(prefix="ckptfs-fallback-") as local:  # (verified there, never whole in memory)
+            with open(os.path.join(local, "state"), "wb") as f:
+                copy_file(backend, r.relpath, f)
+            return torch.load(os.path.join(local, "state"), **torch_kwargs)
+    except OSError as exc:
+        if exc.errno not in LOCAL_FULL:
+            raise  # (the store's: a read from it never says a disk is full)
+        log.warning("ckptfs: cannot load into a temporary file in %s (%s); holding the load in memory instead",
+                    tempfile.gettempdir(), exc)
+    return torch.load(io.BytesIO(read_file(backend, r.relpath)), **torch_kwargs)
 
 
 def _store_route(r: fallback.Route, exc: OSError) -> fallback.Route:

@@ -287,10 +287,10 @@ def test_a_save_or_load_past_a_dead_daemon_never_holds_a_file_whole_in_memory(fr
     assert [int(mib) < 64 for mib in r.stdout.split()] == [True, True], r.stdout
 
 
-def test_a_save_past_a_dead_daemon_with_no_room_in_tmpdir_is_held_in_memory(fresh_mount, tmp_path):
-    """`ct.save`'s fallback saves into $TMPDIR first; where that cannot take
-    it (a full file system here), it holds the save in memory, as it did
-    before it went through $TMPDIR, and the store gets it all the same."""
+def test_a_save_or_load_past_a_dead_daemon_with_no_room_in_tmpdir_is_held_in_memory(fresh_mount, tmp_path):
+    """`ct.save`'s and `ct.load`'s fallbacks go through $TMPDIR; where that
+    cannot take the file (a full file system here), they hold it in memory,
+    as they did before they went through $TMPDIR."""
     m = fresh_mount
     os.kill(m.pid, signal.SIGKILL)
     m.proc.wait()
@@ -298,13 +298,15 @@ def test_a_save_past_a_dead_daemon_with_no_room_in_tmpdir_is_held_in_memory(fres
     small.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
     try:
-        save = "import sys, torch, ckptfs.torch as ct; assert ct.save({'t': torch.ones(1 << 20)}, sys.argv[1], deadline_s=1.0) == 'store'"
-        r = subprocess.run([sys.executable, "-c", save, str(m.path("run", "t.pt"))], capture_output=True, text=True, timeout=120,
+        both = ("import sys, torch, ckptfs.torch as ct; assert ct.save({'t': torch.ones(1 << 20)}, sys.argv[1], deadline_s=1.0) == 'store';"
+                "assert torch.equal(ct.load(sys.argv[1], deadline_s=1.0)['t'], torch.ones(1 << 20))")
+        r = subprocess.run([sys.executable, "-c", both, str(m.path("run", "t.pt"))], capture_output=True, text=True, timeout=120,
                            env={**os.environ, "TMPDIR": str(small)})
     finally:
         subprocess.run(["umount", "-l", str(small)], check=False)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert f"cannot save into a temporary file in {small}" in r.stderr and "holding the save in memory instead" in r.stderr
+    for what in ("save", "load"):
+        assert f"cannot {what} into a temporary file in {small}" in r.stderr and f"holding the {what} in memory instead" in r.stderr
     assert torch.equal(ct.load(m.path("run", "t.pt"))["t"], torch.ones(1 << 20)) and verify_store(m.store).clean
 
 
