@@ -12,6 +12,7 @@ C3 (ordered publication) means everything saved before it is too.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -31,6 +32,7 @@ from .policies import Checkpoint, KeepAll, PreservationPolicy, SaveContext, Save
 log = logging.getLogger("ckptfs.checkpoint")
 
 MARKER = "ckptfs-commit.json"
+SHM = "/dev/shm"  # where a save past a hung daemon goes when $TMPDIR cannot take it
 NEXT, PREV = ".next", ".prev"  # a re-save of a step is made beside it, then takes its place (`_swap_in`)
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _STORED_MARKER = re.compile(rf"step-(\d+)/{re.escape(MARKER)}")
@@ -105,8 +107,8 @@ class CheckpointManager:
         checksummed and recorded as the daemon would, and the commit
         marker last."""
         store = fallback.open_route_store(r)
-        with tempfile.TemporaryDirectory(prefix="ckptfs-fallback-") as local:
-            self.save_fn(state, local)
+        with contextlib.ExitStack() as held:
+            local = self._saved_here(state, held)
             for top, dirs, files in os.walk(local):
                 dirs.sort()
                 for name in sorted(files):
@@ -114,6 +116,23 @@ class CheckpointManager:
                     with fallback.mapped(path) as data:
                         storeio.write_file(store, f"{r.relpath}/{os.path.relpath(path, local)}", data)
         storeio.write_file(store, f"{r.relpath}/{MARKER}", marker.encode())
+
+    def _saved_here(self, state: Any, held: contextlib.ExitStack) -> str:
+        """`save_fn` into a temporary directory in $TMPDIR; in RAM (/dev/shm)
+        if $TMPDIR cannot take it (full, read-only), as `ct.save`'s own
+        fallback holds its save in memory then. The directory it saved in."""
+        try:
+            local = held.enter_context(tempfile.TemporaryDirectory(prefix="ckptfs-fallback-"))
+            self.save_fn(state, local)
+            return local
+        except (OSError, RuntimeError) as exc:  # (torch's file writer says a full disk with a RuntimeError)
+            if not os.path.isdir(SHM):
+                raise
+            log.warning("%s: cannot save into a temporary directory in %s (%s); saving into %s instead", self.directory,
+                        tempfile.gettempdir(), str(exc).splitlines()[0] if str(exc) else type(exc).__name__, SHM)
+        local = held.enter_context(tempfile.TemporaryDirectory(prefix="ckptfs-fallback-", dir=SHM))
+        self.save_fn(state, local)
+        return local
 
     def wait_until_published(self, timeout: float | None = None) -> None:
         """Until every checkpoint saved so far is in the store (a no-op
