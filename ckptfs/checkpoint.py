@@ -129,7 +129,7 @@ class CheckpointManager:
             if not os.path.isdir(SHM):
                 raise
             log.warning("%s: cannot save into a temporary directory in %s (%s); saving into %s instead", self.directory,
-                        tempfile.gettempdir(), str(exc).splitlines()[0] if str(exc) else type(exc).__name__, SHM)
+                        tempfile.gettempdir(), fallback.said(exc), SHM)
         local = held.enter_context(tempfile.TemporaryDirectory(prefix="ckptfs-fallback-", dir=SHM))
         self.save_fn(state, local)
         return local

@@ -165,3 +165,9 @@ def mapped(path: str) -> Iterator[mmap.mmap | bytes]:
     finally:
         with contextlib.suppress(BufferError):  # a view still held (an error's traceback): unmapped when it goes
             data.close()
+
+
+def said(exc: BaseException) -> str:
+    """An error's first line, for a warning (torch's errors run to many)."""
+    text = str(exc)
+    return text.splitlines()[0] if text else type(exc).__name__

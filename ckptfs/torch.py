@@ -99,7 +99,7 @@ def _saved_here(obj: Any, torch_kwargs: dict, held: contextlib.ExitStack) -> Any
         return held.enter_context(fallback.mapped(os.path.join(local, "state")))
     except (OSError, RuntimeError) as exc:  # (torch's file writer says a full disk with a RuntimeError)
         log.warning("ckptfs: cannot save into a temporary file in %s (%s); holding the save in memory instead",
-                    tempfile.gettempdir(), str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                    tempfile.gettempdir(), fallback.said(exc))
         buf = io.BytesIO()
         torch.save(obj, buf, **torch_kwargs)
         return buf.getbuffer()

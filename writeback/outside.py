@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Protocol
 import trio
 
 from . import manifest, storeio
-from .backend import META, Source
+from .backend import META, Backend
 from .calls import permanent
 
 if TYPE_CHECKING:
@@ -140,10 +140,11 @@ class Outside:
                     continue
                 try:
                     done, took = await self._take_file(path)
-                except Exception as exc:
+                except Exception as caught:
+                    exc = caught.__cause__ if isinstance(caught, _FromStore) else caught  # (a read halfway through the file)
                     if not isinstance(exc, CANNOT) and not permanent(exc):  # the store fails now: this mark and those after it wait
                         self._later(path, f"it cannot be read now ({exc})")
-                        raise
+                        raise exc from None
                     log.warning("%s was written to the store while this daemon did not answer, and cannot be taken in: %s", path, exc)
                     done, took = True, False
                 if not done:
@@ -165,20 +166,17 @@ class Outside:
         if tree.free_bytes() < need and not await self.e.make_room(need, ROOM_PATIENCE_S):
             self._later(path, "no room in RAM to take it in now")
             return False, False
-        source = await self.e.calls.run(f"open {path}", self.e.backend.open_source, path)
         try:
-            took = await self._write(tree, path, source, rec)
-        except storeio.IntegrityError:
-            raise  # (left out, as any file that can never be taken in as it is)
-        except OSError as exc:
+            took = await self._write(tree, path, rec)
+        except (storeio.IntegrityError, _FromStore):
+            raise  # (the store's file, or the store: judged in `take`)
+        except OSError as exc:  # the mount's
             if exc.errno != errno.ENOSPC:
                 log.warning("%s was written to the store while this daemon did not answer, and the mount cannot take it in: %s",
                             path, exc.strerror or exc)
                 return True, False
             self._later(path, "no room in RAM to take it in now")
             return False, False
-        finally:
-            source.close()
         if took:
             log.warning("%s: the store holds a newer file, written there directly while this daemon did not answer "
                         "(the torch helpers' fallback): the mount shows it now", path)
@@ -226,12 +224,13 @@ class Outside:
     def _why_kept(self, path: str, rec: manifest.Record) -> str | None:
         return "stopped" if self.stopped else self._keeps(path, rec)
 
-    async def _write(self, tree: Writable, path: str, source: Source, rec: manifest.Record) -> bool | None:
-        """The store's bytes at `path` (`source`, its file opened) in the
-        mount: written at a hidden name in the deepest directory on the way
-        there that the mount has, as they come from the store, READ at a
-        time (the mount serves in between, and the daemon holds no more of
-        the file than its RAM does), checked against the record, then
+    async def _write(self, tree: Writable, path: str, rec: manifest.Record) -> bool | None:
+        """The store's bytes at `path` in the mount: written at a hidden name
+        in the deepest directory on the way there that the mount has, as
+        they come from the store, READ at a time (the mount serves in
+        between, and the daemon holds no more of the file than its RAM
+        does; a store call's failure raised as `_FromStore`), checked
+        against the record, then
         renamed to `path` (its directories made first) unless the mount
         changed what the decision rests on meanwhile. True: taken in;
         False: the mount keeps its own; None: to be looked at again."""
@@ -251,13 +250,17 @@ class Outside:
         ours = "/".join([*names[:at], hidden])
         try:
             size, whole = rec.current.size, manifest.hasher()
-            if source.size != size:
-                raise storeio.IntegrityError(f"{path}: checksum mismatch: the store has {source.size} bytes, its record says {rec.current}")
             for pos in range(0, size, READ):
                 if self.stopped:  # unmounted: the drain does not wait for the rest (dropped below)
                     break
                 n = min(READ, size - pos)
-                for off, piece in await self.e.calls.run(f"read {path}", _read, source, pos, n, whole, nbytes=n):
+                try:
+                    pieces = await self.e.calls.run(f"read {path}", _read, self.e.backend, path, size, pos, n, whole, nbytes=n)
+                except storeio.IntegrityError:
+                    raise
+                except Exception as exc:
+                    raise _FromStore() from exc
+                for off, piece in pieces:
                     tree.write(h.fh, off, piece)
                     await trio.sleep(0)
             else:
@@ -301,14 +304,26 @@ class Outside:
         tree.release(h.fh)
 
 
-def _read(source: Source, at: int, n: int, whole) -> list[tuple[int, memoryview | bytes]]:
-    """Worker thread: the bytes `at`..`at + n` of `source`, in pieces of at
-    most PIECE with their offsets, fed to the hash `whole` (in order)."""
+class _FromStore(Exception):
+    """A store call taking a file in failed halfway (`__cause__`): the
+    store's failure, not the mount's."""
+
+
+def _read(backend: Backend, path: str, size: int, at: int, n: int, whole) -> list[tuple[int, memoryview | bytes]]:
+    """Worker thread: the bytes `at`..`at + n` of the store's file at `path`
+    (of `size` bytes), in pieces of at most PIECE with their offsets, fed to
+    the hash `whole` (in order). The file is opened and closed here, in the
+    call's own thread: one abandoned at its deadline never reads a
+    descriptor closed, and reused, meanwhile. (A file replaced between two
+    calls fails the check at the end.)"""
     pieces = []
-    for piece in source.read(at, n):
-        whole.update(piece)
-        view = memoryview(piece)
-        for k in range(0, len(view), PIECE):
-            pieces.append((at + k, view[k : k + PIECE]))
-        at += len(view)
+    with backend.open_source(path) as source:
+        if source.size != size:
+            raise storeio.IntegrityError(f"{path}: checksum mismatch: the store has {source.size} bytes, its record says {size}")
+        for piece in source.read(at, n):
+            whole.update(piece)
+            view = memoryview(piece)
+            for k in range(0, len(view), PIECE):
+                pieces.append((at + k, view[k : k + PIECE]))
+            at += len(view)
     return pieces

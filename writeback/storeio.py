@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import io
 import logging
 import os
 import stat
@@ -228,17 +229,6 @@ def delete_many(backend: Backend, files: list[tuple[str, Shown]]) -> None:
                                   for path, shown in files if shown.digest is not None])
     backend.delete_many([path for path, _shown in files])
     manifest.delete_many(backend, [path for path, _shown in files])
-
-
-def fetch(backend: Backend, path: str) -> tuple[list[bytes], Digest]:
-    h = manifest.hasher()
-    blocks = []
-    n = 0
-    for b in backend.read(path):
-        h.update(b)
-        n += len(b)
-        blocks.append(b)
-    return blocks, Digest(n, h.hexdigest())
 
 
 @dataclasses.dataclass
@@ -535,15 +525,17 @@ def write_file(backend: Backend, path: str, data: bytes | memoryview, mode: int 
 def read_file(backend: Backend, path: str) -> bytes:
     """The bytes at `path`, verified against the manifest (IntegrityError if
     they do not match; files with no record are returned as they are)."""
-    blocks, digest = fetch(backend, path)
-    _check_record(backend, path, digest)
-    return b"".join(blocks)
+    out = io.BytesIO()
+    copy_file(backend, path, out)
+    return out.getvalue()
 
 
 def copy_file(backend: Backend, path: str, out: BinaryIO) -> Digest:
-    """`read_file` into `out` (a file open for writing), piece by piece as
-    the store gives them, never the whole file in memory: verified once all
-    of it is written (IntegrityError: what `out` got is not to be used)."""
+    """The bytes at `path` into `out` (a file open for writing), piece by
+    piece as the store gives them, never the whole file in memory; verified
+    against the manifest once all of it is written (IntegrityError: what
+    `out` got is not to be used; files with no record are copied as they
+    are)."""
     h = manifest.hasher()
     n = 0
     for piece in backend.read(path):
@@ -551,11 +543,7 @@ def copy_file(backend: Backend, path: str, out: BinaryIO) -> Digest:
         n += len(piece)
         out.write(piece)
     digest = Digest(n, h.hexdigest())
-    _check_record(backend, path, digest)
-    return digest
-
-
-def _check_record(backend: Backend, path: str, digest: Digest) -> None:
     rec = manifest.read(backend, path)
     if rec is not None and rec.kind == "file" and rec.matches(digest.size, digest.xxh3) is None:
         raise IntegrityError(f"{path}: checksum mismatch: the store has {digest}, the manifest says {rec.current}")
+    return digest

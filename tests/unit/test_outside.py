@@ -7,7 +7,9 @@ from __future__ import annotations
 import os
 
 import pytest
+import trio
 from ckptfs.writeback.backend import open_store
+from ckptfs.writeback.outside import READ
 from ckptfs.writeback.storeio import write_file
 from ckptfs.writeback.verify import verify
 
@@ -287,3 +289,79 @@ async def test_a_file_is_taken_in_as_it_comes_from_the_store_never_held_whole_be
     assert grew < size + (96 << 20), grew >> 20  # the file in RAM, and a block or so on its way (159 MiB here; 317 before)
     await run_until_flushed(rig)
     assert verify(rig.backend).clean
+
+
+def _blocks_read(backend, gate) -> list[int]:
+    """Takings-in from `backend` call `gate(block)` before reading each
+    READ-sized block of a file; returns the blocks read, in order."""
+    opened, order = backend.open_source, []
+
+    def open_source(path):
+        source = opened(path)
+        read = source.read
+
+        def gated(off, n, into=None):
+            order.append(off // READ)
+            gate(off // READ)
+            yield from read(off, n, into)
+
+        source.read = gated
+        return source
+
+    backend.open_source = open_source
+    return order
+
+
+async def test_a_store_that_fails_in_the_middle_of_a_file_has_it_taken_in_at_a_later_look(tmp_path, caplog):
+    """A read the store fails after the file's first block (the connection
+    lost, a deadline) is the store's failure now, as at its first block:
+    the file, and what was written after it, wait for the next look. (It
+    was taken for the mount's own failure: that file was left out for
+    good.)"""
+    rig = Rig(tmp_path / "store")
+    data = os.urandom(READ + 1000)
+    rig.write("big.pt", b"old")
+    await run_until_flushed(rig)
+    helper = _helper(rig)
+    write_file(helper, "big.pt", data)
+    write_file(helper, "after.pt", b"after")
+    down = [True]
+
+    def gate(block):
+        if block == 1 and down[0]:
+            raise ConnectionError("the store went away")
+
+    _blocks_read(rig.backend, gate)
+    with pytest.raises(ConnectionError):
+        await rig.engine.outside.take()
+    assert _read(rig, "big.pt") == b"old" and _read(rig, "after.pt") is None
+    assert "big.pt was written to the store while this daemon did not answer; it cannot be read now" in caplog.text
+    down[0] = False
+    assert await rig.engine.outside.take() == 2
+    assert _read(rig, "big.pt") == data and _read(rig, "after.pt") == b"after"
+
+
+async def test_an_unmount_stops_taking_a_file_in_between_two_blocks(tmp_path):
+    """The drain of an unmount does not wait for the rest of a large file
+    being taken in: it stops after the block being read, and nothing of it
+    shows."""
+    import threading
+
+    rig = Rig(tmp_path / "store")
+    write_file(_helper(rig), "big.pt", os.urandom(2 * READ + 1000))
+    go = threading.Event()
+    order = _blocks_read(rig.backend, lambda block: block == 0 or go.wait(30))
+    async with trio.open_nursery() as n:
+        took = []
+
+        async def take():
+            took.append(await rig.engine.outside.take())
+
+        n.start_soon(take)
+        with trio.fail_after(20):
+            while len(order) < 2:
+                await trio.sleep(0.01)
+        rig.engine.outside.stop()
+        go.set()
+    assert took == [0] and order == [0, 1]  # block 2 never read
+    assert _read(rig, "big.pt") is None and not rig.store.get(1).children
