@@ -268,6 +268,8 @@ class FileData:
         if self._spill is not None:
             data = os.pread(self._spill.fd, end - off, off)
             return data + bytes(end - off - len(data))
+        if self.loading is not None and (lead := self.loading.read_lead(off, end)) is not None:
+            return lead
         idx, lo = divmod(off, CHUNK)
         if lo + (end - off) <= CHUNK:  # the common case: one chunk, no copy
             chunk = self._chunks.get(idx)

@@ -34,7 +34,9 @@ class Loading:
     any offset and in any order, into chunks of their own (not yet the
     file's) or into a spill file, and keep holes as holes. `show` runs on
     the owning thread once a range is verified: the file serves reads there
-    (`covers`); once every chunk is shown it is resident. Nothing else
+    (`covers`); once every chunk is shown it is resident. `show_lead` serves
+    the file's first bytes before the rest of their chunk: reads there are
+    copies of them (`read_lead`), the worker writing on past them. Nothing else
     touches the file meanwhile (the caller fences writers); a truncate or
     delete of the file drops the load (`data.loading` no longer names it)
     and `release` returns what it held.
@@ -54,6 +56,7 @@ class Loading:
         self._pending: dict[int, Chunk] = {}
         self._shown = bytearray(-(-self.size // CHUNK))  # per chunk: 1 once served
         self._unshown = len(self._shown)
+        self.lead = 0  # the first bytes served before the rest of their chunk (`show_lead`)
         self._reserved = 0
         self.spilled = spill_dir is not None
         self._fd = -1  # the worker's own descriptor of the spill file: closed by the worker (`close`), never reused under it
@@ -123,7 +126,26 @@ class Loading:
         if end is None or not self._unshown:
             return not self._unshown
         end = min(end, self.size)
-        return off >= end or all(self._shown[off // CHUNK : -(-end // CHUNK)])
+        return off >= end or end <= self.lead or all(self._shown[off // CHUNK : -(-end // CHUNK)])
+
+    def show_lead(self, n: int) -> bool:
+        """Serve the file's first `n` bytes, verified, before the rest of
+        their chunk (owning thread). False if the load was dropped meanwhile."""
+        if self.cancelled or self._data.loading is not self:
+            return False
+        self.lead = min(n, self.size)
+        return True
+
+    def read_lead(self, off: int, end: int) -> bytes | None:
+        """A copy of the bytes `off`..`end` if they are in the lead and their
+        chunk is not shown yet (None: read the file's chunks), from RAM
+        (owning thread): the worker may be writing the rest of the chunk,
+        which goes to the file only once shown, never to be recycled under
+        the worker."""
+        if end > self.lead or self._shown[0]:
+            return None
+        chunk = self._pending.get(0)
+        return bytes(end - off) if chunk is None else bytes(memoryview(chunk.buf)[off:end])  # (no chunk: the lead is a hole)
 
     def show(self, off: int, end: int) -> bool:
         """Serve the bytes `off`..`end`, verified (owning thread): whole
@@ -170,7 +192,8 @@ class Borrowing:
     on, the bytes stay).
 
     A load verifies it block by block, as it would into RAM, and `show`
-    serves each verified range. Nothing of the file goes into RAM for good,
+    serves each verified range (`show_lead` the file's first bytes, before
+    the rest of their block). Nothing of the file goes into RAM for good,
     and a file larger than the RAM budget needs no spill file. If the store
     file's size or mtime change (someone wrote it in place), the borrow ends
     (`covers` says no): the next read loads and verifies it again.
@@ -204,6 +227,7 @@ class Borrowing:
         self._scratch: bytearray | None = None  # the worker's: what it verifies goes through here
         self._shown = bytearray(-(-self.size // CHUNK))  # per chunk: 1 once served
         self._unshown = len(self._shown)
+        self.lead = 0  # the first bytes served before the rest of their chunk (`show_lead`)
         self._filling: _Held | None = None  # the block the worker reads into chunks now
         self._held: list[_Held] = []  # verified blocks whose reads are answered from their chunks, oldest first
         self._read_at = time.monotonic()  # when the file was last read (or the borrow began)
@@ -295,7 +319,17 @@ class Borrowing:
             return False
         if end is None or not self._unshown:
             return not self._unshown
-        return all(self._shown[off // CHUNK : -(-min(end, self.size) // CHUNK)])
+        end = min(end, self.size)
+        return end <= self.lead or all(self._shown[off // CHUNK : -(-end // CHUNK)])
+
+    def show_lead(self, n: int) -> bool:
+        """Serve the file's first `n` bytes, verified, before the rest of
+        their block (owning thread, once `adopt`ed). False if the borrow
+        ended meanwhile."""
+        if self.cancelled or self._data.borrowed is not self or self._fd < 0:
+            return False
+        self.lead = min(n, self.size)
+        return True
 
     def show(self, off: int, end: int) -> bool:
         """Serve the bytes `off`..`end`, verified (owning thread). False if

@@ -33,18 +33,23 @@ VERSION = 1
 BLOCK = 16 << 20  # a load verifies and serves a file block by block (C6); the block of every digest made now
 OLD_BLOCK = 64 << 20  # the block of digests made before 2026-11-29 (their records say no "block_size")
 _BLOCKS = (BLOCK, OLD_BLOCK)
+LEAD = 1 << 20  # a load serves a file's first bytes once they verify, before the rest of their block: a reader's first requests
 
 
 class Digest(NamedTuple):  # a tuple, as Record
     """A file's size and xxh3-128, and for files of more than one block the
     xxh3-128 of each block (`block_size` bytes) in order, so that a load can
-    serve each block as soon as it is verified. Two digests are equal when
+    serve each block as soon as it is verified; for files of more than LEAD
+    bytes, the xxh3-128 of their first LEAD bytes too (`lead`; "" in
+    digests made before 2026-12-02), so that a reader's first bytes need
+    not wait for the rest of the first block. Two digests are equal when
     size and hash are."""
 
     size: int
     xxh3: str  # xxh3-128, hex
     blocks: tuple[str, ...] = ()
     block_size: int = BLOCK
+    lead: str = ""  # xxh3-128 of the first LEAD bytes, hex ("": not recorded, or a file of LEAD bytes or fewer)
 
     def block(self, i: int, unit: int) -> str | None:
         """The hash the `i`-th `unit` bytes of the file must have; None if
@@ -161,7 +166,7 @@ def _digest_ok(d: Digest | None) -> bool:
         return True
     size, blocks = d.size, d.blocks
     return (type(size) is int and 0 <= size < _NS and type(d.xxh3) is str and type(d.block_size) is int and d.block_size in _BLOCKS
-            and (not blocks or all(type(b) is str for b in blocks)))
+            and (not blocks or all(type(b) is str for b in blocks)) and type(d.lead) is str and (not d.lead or size > LEAD))
 
 
 def _as_before(d: Digest) -> bool:
@@ -174,28 +179,49 @@ def _as_before(d: Digest) -> bool:
 def digest_dict(d: Digest) -> dict:
     """A digest as its record holds it: as before (`_as_before`), else with
     its blocks under keys a daemon of before does not know (it verifies
-    those files whole, instead of failing them)."""
+    those files whole, instead of failing them); and its lead's hash, with
+    the lead's size, under keys of their own (a daemon of before ignores
+    them)."""
     if _as_before(d):
-        return {"size": d.size, "xxh3": d.xxh3, "blocks": d.blocks}
-    return {"size": d.size, "xxh3": d.xxh3, "block_size": d.block_size, "block_xxh3": d.blocks}
+        out = {"size": d.size, "xxh3": d.xxh3, "blocks": d.blocks}
+    else:
+        out = {"size": d.size, "xxh3": d.xxh3, "block_size": d.block_size, "block_xxh3": d.blocks}
+    if d.lead:
+        out["lead_size"], out["lead_xxh3"] = LEAD, d.lead
+    return out
 
 
 def digest_of_dict(d: dict) -> Digest:
     """`digest_dict`'s inverse (ValueError, TypeError or KeyError if `d` is no digest)."""
+    lead = _lead_of(d.get("lead_size"), d.get("lead_xxh3"))
     if "block_size" in d:
-        digest = Digest(d["size"], d["xxh3"], tuple(d["block_xxh3"]), d["block_size"])
+        digest = Digest(d["size"], d["xxh3"], tuple(d["block_xxh3"]), d["block_size"], lead)
     else:
-        digest = Digest(d["size"], d["xxh3"], tuple(d.get("blocks", ())), OLD_BLOCK)
+        digest = Digest(d["size"], d["xxh3"], tuple(d.get("blocks", ())), OLD_BLOCK, lead)
     if not _digest_ok(digest):
         raise ValueError(f"a digest ckptfs never writes: {d!r:.200}")
     return digest
 
 
+def _lead_of(size: object, xxh3: object) -> str:
+    """A lead's hash as a record or row gives it with its size: "" if it
+    gives none, or one of another size than LEAD (not verifiable here)."""
+    if size is None and xxh3 is None:
+        return ""
+    if type(size) is not int or type(xxh3) is not str or not xxh3:
+        raise ValueError(f"a lead ckptfs never writes: {size!r:.50} {xxh3!r:.50}")
+    return xxh3 if size == LEAD else ""
+
+
 def digest_row(d: Digest | None) -> list | None:
     """A digest as a row of the index or an event: [size, xxh3, blocks,
-    block_size], or without the block size as before (`_as_before`)."""
+    block_size], or without the block size as before (`_as_before`), and
+    with the lead's size and hash after it if it has one (a daemon of
+    before reads no index with such rows: it reads every record instead)."""
     if d is None:
         return None
+    if d.lead:
+        return [d.size, d.xxh3, list(d.blocks), d.block_size, LEAD, d.lead]
     if _as_before(d):
         return [d.size, d.xxh3, list(d.blocks)]
     return [d.size, d.xxh3, list(d.blocks), d.block_size]
@@ -203,10 +229,19 @@ def digest_row(d: Digest | None) -> list | None:
 
 def digest_of_row(row: list) -> Digest:
     """`digest_row`'s inverse (ValueError if `row` is no digest)."""
-    size, xxh3, blocks, block_size = row if len(row) != 3 else (*row, OLD_BLOCK)
+    n = len(row)
+    if n == 3:
+        (size, xxh3, blocks), block_size, lead = row, OLD_BLOCK, ""
+    elif n == 4:
+        (size, xxh3, blocks, block_size), lead = row, ""
+    elif n == 6:
+        size, xxh3, blocks, block_size, lead_size, lead = row
+        lead = _lead_of(lead_size, lead)
+    else:
+        raise ValueError(f"a digest ckptfs never writes: {row!r:.200}")
     if type(block_size) is int and block_size == BLOCK:
         block_size = BLOCK  # one int for all (a restart makes a digest per file)
-    d = _tuple(Digest, (size, xxh3, tuple(blocks), block_size))
+    d = _tuple(Digest, (size, xxh3, tuple(blocks), block_size, lead))
     if not _digest_ok(d):
         raise ValueError(f"a digest ckptfs never writes: {row!r:.200}")
     return d
@@ -534,31 +569,35 @@ def hasher() -> xxhash.xxh3_128:
 
 
 class Hashing:
-    """The digest of bytes fed in order: the whole and each block (`block`
-    bytes: BLOCK, or OLD_BLOCK to check a digest of before)."""
+    """The digest of bytes fed in order: the whole, each block (`block`
+    bytes: BLOCK, or OLD_BLOCK to check a digest of before) and the lead (the first LEAD bytes)."""
 
     def __init__(self, block: int = BLOCK) -> None:
         self.size, self.block = 0, block
         self._whole = hasher()
         self._block = hasher()
         self.blocks: list[str] = []  # the hashes of the whole blocks so far
+        self.lead = ""  # the hash of the first LEAD bytes, once they are in
 
     def update(self, piece) -> None:
         view = memoryview(piece).cast("B")
         block = self.block
         while view:
-            k = min(len(view), block - self.size % block)
+            k = min(len(view), block - self.size % block, LEAD - self.size if self.size < LEAD else len(view))
             self._whole.update(view[:k])
             self._block.update(view[:k])
             self.size += k
             view = view[k:]
+            if self.size == LEAD:  # (the first block's hash so far: LEAD is less than any block)
+                self.lead = self._block.hexdigest()
             if self.size % block == 0:
                 self.blocks.append(self._block.hexdigest())
                 self._block = hasher()
 
     def digest(self) -> Digest:
         blocks = self.blocks + ([self._block.hexdigest()] if self.size % self.block else [])
-        return Digest(self.size, self._whole.hexdigest(), tuple(blocks) if len(blocks) > 1 else (), self.block)
+        return Digest(self.size, self._whole.hexdigest(), tuple(blocks) if len(blocks) > 1 else (), self.block,
+                      self.lead if self.size > LEAD else "")
 
 
 def digest_of(pieces, block: int = BLOCK) -> Digest:

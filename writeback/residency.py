@@ -30,7 +30,7 @@ import trio
 from . import manifest, storeio
 from .backend import source_of
 from .journal import Exchange, FileGen, Op, Remove, Rename
-from .manifest import BLOCK, Digest, Record, hasher
+from .manifest import BLOCK, LEAD, Digest, Record, hasher
 from .state import State
 
 if TYPE_CHECKING:
@@ -71,6 +71,7 @@ class LoadTarget(Protocol):
     def close(self) -> None: ...
     def covers(self, off: int, end: int | None) -> bool: ...
     def show(self, off: int, end: int) -> bool: ...
+    def show_lead(self, n: int) -> bool: ...
     def release(self) -> None: ...
 
 
@@ -160,14 +161,22 @@ class _Load:
 class _Handing:
     """A load served in place: a descriptor of the store file it reads, for
     its target, with the file's status when the load opened it, before it
-    read a byte (`Residency._after_block` hands both over with the first
-    block; a write in place after that ends the borrow)."""
+    read a byte (handed over with the file's lead or its first block,
+    whichever is served first; a write in place after that ends the
+    borrow)."""
 
     __slots__ = ("fd", "opened")
 
     def __init__(self) -> None:
         self.fd = -1  # -1: none (not in place, or handed over already)
         self.opened: os.stat_result | None = None
+
+    def hand_to(self, target: LoadTarget) -> None:
+        """The descriptor to `target`, if not handed over yet (then the
+        target's, or closed by it if the borrow ended; owning thread)."""
+        if self.fd >= 0:
+            target.adopt(self.fd, self.opened)
+            self.fd = -1
 
 
 def _close(fd: int) -> None:
@@ -180,6 +189,14 @@ def _narrow(wanted: list[Digest], i: int, unit: int, got: str, path: str) -> lis
     left = [d for d in wanted if d.block(i, unit) in (None, got)]
     if wanted and not left:
         raise storeio.IntegrityError(f"checksum mismatch in block {i} ({i * unit}-{(i + 1) * unit} bytes) of {path}")
+    return left
+
+
+def _narrow_lead(wanted: list[Digest], got: str, path: str) -> list[Digest]:
+    """The digests that a lead hashing to `got` still allows (each has a lead)."""
+    left = [d for d in wanted if d.lead == got]
+    if wanted and not left:
+        raise storeio.IntegrityError(f"checksum mismatch in the first {LEAD} bytes of {path}")
     return left
 
 
@@ -604,18 +621,26 @@ class Residency:
                 i, held = first
                 while i is not None:
                     pos = lo = i * unit
+                    n = min(unit, size - lo)
                     block = hasher()
                     if holding:
-                        self._hold(load, source, lo, min(unit, size - lo), held)
-                    for piece in source.read(lo, min(unit, size - lo), target.view):
-                        if target.cancelled:
-                            raise storeio.Cancelled()
-                        target.place(pos, piece)
-                        block.update(piece)
-                        if whole is not None:
-                            whole.update(piece)
-                        pos += len(piece)
-                    piece = None  # no view of the file's memory outlives its block
+                        self._hold(load, source, lo, n, held)
+                    # The file's lead (its first LEAD bytes) is read on its own and served once it
+                    # verifies, before the rest of its block: a reader's first requests wait for no more
+                    lead = LEAD if lo == 0 and size > LEAD and all(d.lead for d in wanted) else 0
+                    for at, k in ((0, lead), (lead, n - lead)) if lead else ((lo, n),):
+                        for piece in source.read(at, k, target.view):
+                            if target.cancelled:
+                                raise storeio.Cancelled()
+                            target.place(pos, piece)
+                            block.update(piece)
+                            if whole is not None:
+                                whole.update(piece)
+                            pos += len(piece)
+                        piece = None  # no view of the file's memory outlives its read
+                        if at == 0 and lead:
+                            wanted = _narrow_lead(wanted, block.hexdigest(), load.path)
+                            trio.from_thread.run_sync(self._lead_verified, load, handing)
                     source.ahead(lo + unit, max(unit, AHEAD))  # the disk reads on while this block is checked and served
                     wanted = _narrow(wanted, i, unit, block.hexdigest(), load.path)
                     # a block is served once every digest still allowed vouches for it; in
@@ -631,14 +656,19 @@ class Residency:
                                          f"the manifest says {' or '.join(str(d) for d in load.wanted)}")
 
     @staticmethod
+    def _lead_verified(load: _Load, handing: _Handing) -> None:
+        """Owning thread, once the file's lead is verified: served."""
+        handing.hand_to(load.target)
+        if not load.target.show_lead(LEAD):
+            raise storeio.Cancelled()
+        load.wake()
+
+    @staticmethod
     def _after_block(load: _Load, handing: _Handing, done: int, verified: bool, holding: bool) -> tuple[int | None, bool | None]:
         """Owning thread, after each block: the store file's descriptor
-        in `handing` to the target the first time (then the target's, or
-        closed by it if the borrow ended), and `load.step`: one hop per
-        block."""
-        if handing.fd >= 0:
-            load.target.adopt(handing.fd, handing.opened)
-            handing.fd = -1
+        in `handing` to the target the first time, and `load.step`: one
+        hop per block."""
+        handing.hand_to(load.target)
         return load.step(done, verified, holding)
 
     def _open(self, load: _Load) -> Source:

@@ -94,7 +94,7 @@ def _digest(backend: Backend, path: str, rec: Record | None) -> Digest:
 
 def _unlike(digest: Digest, rec: Record) -> str | None:
     """Why the store's bytes (`digest`) are not what `rec` says; None if
-    they are: size and hash of the file, and each block's hash, as a load
+    they are: size and hash of the file, each block's hash and the lead's, as a load
     checks them (block by block, where the record names as many blocks as
     the file has)."""
     d = rec.matches(digest.size, digest.xxh3)
@@ -105,6 +105,9 @@ def _unlike(digest: Digest, rec: Record) -> str | None:
         i = next(i for i, (a, b) in enumerate(zip(d.blocks, digest.blocks, strict=True)) if a != b)
         return (f"the file matches its record's xxh3, but block {i} ({d.block_size >> 20} MiB blocks) not the record's hash "
                 "of it: its record is damaged, and a load of that block fails")
+    if d.lead and digest.lead and d.lead != digest.lead:
+        return (f"the file matches its record's xxh3, but its first {manifest.LEAD} bytes not the record's hash of them: "
+                "its record is damaged, and a load of the file fails")
     return None
 
 

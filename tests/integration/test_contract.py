@@ -301,6 +301,42 @@ def test_C6_checksums_recorded_and_corruption_reads_as_eio(tmp_path):
         stop_mount(again)
 
 
+def test_C6_a_files_first_mib_is_served_once_it_verifies_and_rot_past_it_reads_as_eio(tmp_path):
+    """After a restart, a reader's first bytes of a file (a header) are
+    served once the file's first MiB verifies against its record, not
+    the whole block around it: a file rotten at 2 MiB in the store still
+    gives its first bytes, and EIO past its first MiB. Rot within the
+    first MiB is EIO at the first byte."""
+    data = os.urandom(20 << 20)
+    mount = start_mount(tmp_path)
+    try:
+        for name in ("lead-sound.bin", "lead-rotten.bin"):
+            mount.path(name).write_bytes(data)
+        assert umount(mount).returncode == 0
+    finally:
+        stop_mount(mount)
+    for name, at in (("lead-sound.bin", 2 << 20), ("lead-rotten.bin", 1000)):
+        with open(mount.store / name, "r+b") as f:  # bit rot, same size
+            f.seek(at)
+            f.write(bytes([data[at] ^ 1]))
+    again = start_mount(tmp_path)
+    again.allowed_log_errors.append("checksum mismatch")
+    try:
+        drop_caches()
+        with open(again.path("lead-sound.bin"), "rb", buffering=0) as f:
+            assert f.read(4096) == data[:4096]
+            f.seek((1 << 20) - 100)
+            assert f.read(100) == data[(1 << 20) - 100 : 1 << 20]
+            with pytest.raises(OSError) as e:
+                f.read(1 << 20)
+            assert e.value.errno == 5
+        with open(again.path("lead-rotten.bin"), "rb", buffering=0) as f, pytest.raises(OSError) as e:
+            f.read(16)
+        assert e.value.errno == 5 and "checksum mismatch in the first" in again.log_text()
+    finally:
+        stop_mount(again)
+
+
 # -- C7 -------------------------------------------------------------------------------
 def test_C7_budget_smaller_than_the_checkpoints_saves_succeed_nothing_lost(tmp_path):
     mount = start_mount(tmp_path, memory_limit="48M")

@@ -12,6 +12,7 @@ import time
 import pytest
 import trio
 import trio.lowlevel
+import xxhash
 from ckptfs.fs import loading, memory
 from ckptfs.fs.memory import MemoryPool
 from ckptfs.fs.tree import ROOT, InodeTree
@@ -705,8 +706,9 @@ def _evicted_big_file(tmp_path, size: int):
 
 
 def _gate_loads(backend, gate) -> list[int]:
-    """Loads from `backend` call `gate(offset)` before reading each block;
-    returns the list of block numbers read, in order."""
+    """Loads from `backend` call `gate(offset)` before each read (one per
+    block, two for the first: its lead, then the rest); returns the list of
+    block numbers read, in order."""
     opened, order = backend.open_source, []
 
     def open_source(path):
@@ -714,7 +716,8 @@ def _gate_loads(backend, gate) -> list[int]:
         read = source.read
 
         def gated(off, n, into=None):
-            order.append(off // manifest.BLOCK)
+            if off % manifest.BLOCK == 0:
+                order.append(off // manifest.BLOCK)
             gate(off)
             yield from read(off, n, into)
 
@@ -734,7 +737,7 @@ async def test_a_load_serves_each_block_once_verified_before_the_rest_arrives(tm
     node = rig.store.inode_at("big")
     assert rig.engine.evict(1 << 40) == node.data.allocated or not node.data.resident
     go = threading.Event()
-    _gate_loads(rig.backend, lambda off: off == 0 or go.wait(30))  # the store stalls after the first block
+    _gate_loads(rig.backend, lambda off: off < manifest.BLOCK or go.wait(30))  # the store stalls after the first block
     async with trio.open_nursery() as n:
         await n.start(rig.engine.run)
         with trio.fail_after(20):
@@ -877,6 +880,85 @@ async def test_the_first_byte_of_a_file_waits_for_its_first_16_mib_alone(tmp_pat
         with trio.fail_after(20):
             await rig.engine.load(node.ino)
         assert node.data.read(0, len(data)) == data
+        n.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("where", ["in place", "in RAM", "spilled"])
+async def test_a_files_first_mib_is_served_once_it_verifies_before_the_rest_of_its_block(tmp_path, where):
+    """A reader's first requests (a header, the first bytes) wait for the
+    file's lead (its first MiB) read and verified, not for the 16 MiB
+    block around it: read from a local store in place, or into RAM or the
+    spill directory from an object store."""
+    import threading
+
+    store = tmp_path / "store" if where == "in place" else f"memory://{tmp_path.name}-lead"
+    rig = Rig(store)
+    data = os.urandom(20 << 20)
+    rig.write("big", data)
+    await run_until_flushed(rig)
+    digest = manifest.read(rig.backend, "big").current
+    assert digest.lead == xxhash.xxh3_128(data[: manifest.LEAD]).hexdigest()
+    node = rig.store.inode_at("big")
+    rig.engine.evict(1 << 40)
+    if where == "spilled":
+        rig.store.spill_dir = str(tmp_path)
+        rig.store.pool.reserve(rig.store.pool.available)  # no room in RAM
+    go = threading.Event()
+    order = _gate_loads(rig.backend, lambda off: off < manifest.LEAD or go.wait(30))  # the store stalls past the lead
+    try:
+        async with trio.open_nursery() as n:
+            await n.start(rig.engine.run)
+            with trio.fail_after(20):
+                await rig.engine.load(node.ino, 0, 4096)
+                await rig.engine.load(node.ino, manifest.LEAD - 100, manifest.LEAD)
+            assert not node.data.resident and order == [0]
+            assert node.data.read(0, 4096) == data[:4096] and node.data.read(manifest.LEAD - 100, 100) == data[manifest.LEAD - 100 : manifest.LEAD]
+            assert (node.data.borrowed is not None) == (where == "in place") and (node.data.spilled if where == "spilled" else True)
+            asked = []
+
+            async def past_the_lead():
+                await rig.engine.load(node.ino, 0, manifest.LEAD + 1)
+                asked.append(True)
+
+            n.start_soon(past_the_lead)
+            await trio.sleep(0.2)
+            assert not asked  # one byte more waits for the block
+            go.set()
+            with trio.fail_after(20):
+                await rig.engine.load(node.ino)
+            assert asked and node.data.read(0, len(data)) == data
+            n.cancel_scope.cancel()
+    finally:
+        go.set()
+
+
+async def test_a_file_whose_lead_rots_is_never_served_and_one_that_rots_past_it_serves_its_lead_alone(tmp_path):
+    rig, data = _evicted_big_file(tmp_path, 20 << 20)
+    await run_until_flushed(rig)
+    node = rig.store.inode_at("big")
+    rig.engine.evict(1 << 40)
+
+    def rot(at: int) -> None:
+        with open(tmp_path / "store" / "big", "r+b") as f:
+            f.seek(at)
+            f.write(bytes([data[at] ^ 1]))
+
+    async with trio.open_nursery() as n:
+        await n.start(rig.engine.run)
+        rot(2 << 20)  # past the lead, within the first block
+        with trio.fail_after(20):
+            await rig.engine.load(node.ino, 0, 4096)  # the lead is sound
+            assert node.data.read(0, 4096) == data[:4096]
+            with pytest.raises(OSError) as exc:
+                await rig.engine.load(node.ino, 0, manifest.LEAD + 1)
+        assert "block 0" in str(exc.value)
+        rot(2 << 20)  # (mended)
+        rot(10)  # in the lead
+        rig.engine.residency.verify_failures.clear()
+        with trio.fail_after(20), pytest.raises(OSError) as exc:
+            await rig.engine.load(node.ino, 0, 4096)
+        assert f"first {manifest.LEAD} bytes" in str(exc.value) and "big" in rig.engine.verify_failures
+        assert not node.data.resident and rig.store.pool.used == 0
         n.cancel_scope.cancel()
 
 
@@ -1137,7 +1219,7 @@ async def test_a_load_the_daemon_stops_is_not_logged_as_an_error(tmp_path, caplo
 
     rig, _, node = await _published_and_evicted(tmp_path, 2 * manifest.BLOCK + 1000)
     go = threading.Event()
-    _gate_loads(rig.backend, lambda off: off == 0 or go.wait(30))  # the store stalls after the first block
+    _gate_loads(rig.backend, lambda off: off < manifest.BLOCK or go.wait(30))  # the store stalls after the first block
     try:
         with caplog.at_level(logging.INFO, logger="ckptfs.writeback.residency"):
             async with trio.open_nursery() as n:

@@ -6,11 +6,13 @@ shows every record as it is."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
 import pytest
 import trio
+import xxhash
 from ckptfs.writeback import manifest
 from ckptfs.writeback.backend import IMAGE, INDEX, new_daemon_id
 
@@ -469,6 +471,44 @@ def test_a_digest_of_before_reads_as_blocks_of_64_mib_and_is_written_back_as_it_
     for bad in (0, 1, 4096, "16777216", 16777216.0, None):
         with pytest.raises(manifest.UNREADABLE):
             manifest.Record.decode(json.dumps({**before, "current": {**new["current"], "block_size": bad}}).encode())
+
+
+def test_a_digest_holds_the_hash_of_its_files_first_mib_and_one_of_before_reads_without_it():
+    """Digests made now hash a file's lead (its first LEAD bytes) too, so
+    that a load serves them before the rest of their block: in the record
+    under keys of their own (with the lead's size), in the index row and
+    event after the block size. A file of LEAD bytes or fewer has none (its
+    whole hash is its lead's). Records and rows of before read with none; a
+    lead of another size is not checked; one ckptfs never writes makes the
+    record unreadable."""
+    data = os.urandom(manifest.LEAD) + b"x" * 1000
+    now = manifest.digest_of([data[:1000], data[1000:]])  # (pieces across the lead's end)
+    assert now.lead == xxhash.xxh3_128(data[: manifest.LEAD]).hexdigest() and not now.blocks
+    assert now == now._replace(lead="")  # (equal: size and hash)
+    assert manifest.digest_of([data[: manifest.LEAD]]).lead == ""
+    big = manifest.digest_of([data * 17])
+    assert big.lead == now.lead and len(big.blocks) == 2
+    for d in (now, big):
+        rec = manifest.Record("a", "file", d)
+        current = json.loads(rec.encode())["current"]
+        assert (current["lead_size"], current["lead_xxh3"]) == (manifest.LEAD, d.lead)
+        assert manifest.Record.decode(rec.encode()).current.lead == d.lead
+        assert manifest.digest_row(d)[4:] == [manifest.LEAD, d.lead]
+        assert manifest._of_row(manifest._row(rec)).current.lead == d.lead
+    without = {"size": now.size, "xxh3": now.xxh3, "blocks": []}
+    assert manifest.digest_of_dict(without).lead == "" and manifest.digest_of_row([now.size, now.xxh3, []]).lead == ""
+    assert manifest.digest_of_row([now.size, now.xxh3, [], manifest.BLOCK]).lead == ""
+    assert manifest.digest_of_dict({**without, "lead_size": 4 << 20, "lead_xxh3": "ab" * 16}).lead == ""  # not checked
+    assert manifest.digest_of_row([now.size, now.xxh3, [], manifest.BLOCK, 4 << 20, "ab" * 16]).lead == ""
+    for bad in ({"lead_xxh3": "ab" * 16}, {"lead_size": manifest.LEAD}, {"lead_size": "1048576", "lead_xxh3": "ab" * 16},
+                {"lead_size": manifest.LEAD, "lead_xxh3": 7}, {"lead_size": manifest.LEAD, "lead_xxh3": ""}):
+        with pytest.raises(manifest.UNREADABLE):
+            manifest.digest_of_dict({**without, **bad})
+    with pytest.raises(manifest.UNREADABLE):  # a lead for a file that is all lead
+        manifest.digest_of_dict({"size": 10, "xxh3": "ab" * 16, "blocks": [], "lead_size": manifest.LEAD, "lead_xxh3": "ab" * 16})
+    for row in ([1, "ab" * 16, [], manifest.BLOCK, manifest.LEAD], [now.size, now.xxh3, [], manifest.BLOCK, None, "ab" * 16]):
+        with pytest.raises(ValueError):
+            manifest.digest_of_row(row)
 
 
 @pytest.mark.parametrize("row", [

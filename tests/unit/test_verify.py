@@ -3,6 +3,7 @@ while it ran is looked at again, and only what stays wrong is reported."""
 
 from __future__ import annotations
 
+import os
 import shutil
 
 from ckptfs.writeback import manifest, storeio
@@ -74,6 +75,22 @@ def test_a_record_whose_block_hashes_do_not_match_its_file_is_reported(tmp_path)
     assert sorted((p, why.split(" (")[0].split(", but ")[1]) for p, why in report.corrupt) == [
         ("before-damaged.bin", "block 1"), ("damaged.bin", "block 3")]
     assert not report.missing and not report.extra
+
+
+def test_a_record_whose_lead_hash_does_not_match_its_file_is_reported(tmp_path):
+    """A load serves a file's first MiB once it matches the record's hash
+    of it: a record whose whole hash matches but whose lead's does not
+    (damaged) fails every load of the file, and `verify` says so."""
+    store = open_store(str(tmp_path / "store"))
+    data = os.urandom(3 << 20)
+    for name in ("damaged.bin", "fine.bin"):
+        storeio.write_file(store, name, data)
+    rec = manifest.read(store, "damaged.bin")
+    assert rec.current.lead
+    manifest.write(store, rec._replace(current=rec.current._replace(lead="0" * 32)))
+    report = verify(store)
+    assert report.ok == ["fine.bin"] and [p for p, _ in report.corrupt] == ["damaged.bin"]
+    assert f"its first {manifest.LEAD} bytes not the record's hash" in report.corrupt[0][1]
 
 
 def test_a_file_the_store_cannot_read_is_reported_and_the_others_verified(tmp_path):
