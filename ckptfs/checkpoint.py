@@ -21,7 +21,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptfs import fallback
 from ckptfs.client import CkptfsError, Client, DaemonUnavailable, RequestFailed, find_mount
@@ -29,10 +29,13 @@ from ckptfs.writeback import storeio
 
 from .policies import Checkpoint, KeepAll, PreservationPolicy, SaveContext, SavePolicy
 
+if TYPE_CHECKING:
+    from ckptfs.writeback.backend import Backend
+
 log = logging.getLogger("ckptfs.checkpoint")
 
 MARKER = "ckptfs-commit.json"
-SHM = "/dev/shm"  # where a save past a hung daemon goes when $TMPDIR cannot take it
+SHM = "/dev/shm"  # where a save or restore past a hung daemon goes when $TMPDIR cannot take it
 NEXT, PREV = ".next", ".prev"  # a re-save of a step is made beside it, then takes its place (`_swap_in`)
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _STORED_MARKER = re.compile(rf"step-(\d+)/{re.escape(MARKER)}")
@@ -246,13 +249,29 @@ class CheckpointManager:
         log.warning("%s: %s; loading checkpoint %d from the store %s", self.directory, r.reason, step, r.store_url)
         store = fallback.open_route_store(r)
         base = f"{r.relpath}/step-{step}" if r.relpath else f"step-{step}"
-        with tempfile.TemporaryDirectory(prefix="ckptfs-fallback-") as local:
-            for path in store.find(base):
-                dst = os.path.join(local, path.removeprefix(base + "/"))
-                os.makedirs(os.path.dirname(dst), exist_ok=True)
-                with open(dst, "wb") as f:
-                    storeio.copy_file(store, path, f)
-            return self.load_fn(local)
+        with contextlib.ExitStack() as held:
+            return self.load_fn(self._copied_here(store, base, step, held))
+
+    def _copied_here(self, store: Backend, base: str, step: int, held: contextlib.ExitStack) -> str:
+        """The store's files under `base` (checkpoint `step`), each verified,
+        into a temporary directory in $TMPDIR; in RAM (/dev/shm) if $TMPDIR
+        cannot take them (full, read-only), as `_saved_here` saves there.
+        The directory they are in."""
+        paths = store.find(base)
+        try:
+            with contextlib.ExitStack() as here:
+                local = here.enter_context(tempfile.TemporaryDirectory(prefix="ckptfs-fallback-"))
+                _copy(store, base, paths, local)
+                held.push(here.pop_all())
+                return local
+        except OSError as exc:
+            if exc.errno not in fallback.LOCAL_FULL or not os.path.isdir(SHM):
+                raise  # (the store's: a read from it never says a disk is full)
+            log.warning("%s: cannot copy checkpoint %d into a temporary directory in %s (%s); copying it into %s instead",
+                        self.directory, step, tempfile.gettempdir(), fallback.said(exc), SHM)
+        local = held.enter_context(tempfile.TemporaryDirectory(prefix="ckptfs-fallback-", dir=SHM))
+        _copy(store, base, paths, local)
+        return local
 
     def _swap_in(self, step: int) -> None:
         """The complete re-save of `step` (in `step-N.next`) takes the place
@@ -339,3 +358,12 @@ class CheckpointManager:
                 fallback.unanswered.add(client.mountpoint, str(exc), self.client_timeout)
             return True
         return all(r["state"] == "published" for r in rows)
+
+
+def _copy(store: Backend, base: str, paths: list[str], local: str) -> None:
+    """The store's files `paths` under `base` into the directory `local`, each verified."""
+    for path in paths:
+        dst = os.path.join(local, path.removeprefix(base + "/"))
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        with open(dst, "wb") as f:
+            storeio.copy_file(store, path, f)

@@ -15,6 +15,7 @@ answers, its mount is routed to it again.
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import threading
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from ckptfs import runtime
 from ckptfs.client import CkptfsError, Client, DaemonUnavailable, find_mount
 
+LOCAL_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # $TMPDIR cannot take a file that a load copies from the store
 ASK_AGAIN_S = 1.0  # a daemon that did not answer in time is asked again this often, in the background
 
 

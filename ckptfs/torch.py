@@ -17,7 +17,6 @@ imports torch; this module does.
 from __future__ import annotations
 
 import contextlib
-import errno
 import io
 import logging
 import os
@@ -35,7 +34,6 @@ from ckptfs.gasp import DyingGasp
 log = logging.getLogger("ckptfs.torch")
 
 DEADLINE_S = 5.0  # how long the daemon may take to answer before the store is written directly
-LOCAL_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # $TMPDIR cannot take a load's file from the store: held in memory
 STATE_FILE = "state.pt"
 GASP_FILE = "dying-gasp.pt"
 
@@ -134,7 +132,7 @@ def load(path: str | os.PathLike[str], *, deadline_s: float = DEADLINE_S, storag
                 copy_file(backend, r.relpath, f)
             return torch.load(os.path.join(local, "state"), **torch_kwargs)
     except OSError as exc:
-        if exc.errno not in LOCAL_FULL:
+        if exc.errno not in fallback.LOCAL_FULL:
             raise  # (the store's: a read from it never says a disk is full)
         log.warning("ckptfs: cannot load into a temporary file in %s (%s); holding the load in memory instead",
                     tempfile.gettempdir(), exc)

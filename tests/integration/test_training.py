@@ -291,7 +291,7 @@ def test_a_save_or_load_past_a_dead_daemon_with_no_room_in_tmpdir_is_held_in_mem
     """`ct.save`'s and `ct.load`'s fallbacks go through $TMPDIR; where that
     cannot take the file (a full file system here), they hold it in memory,
     as they did before they went through $TMPDIR; a manager's `save_fn`
-    saves into /dev/shm then."""
+    saves into /dev/shm then, and its restore copies the checkpoint there."""
     m = fresh_mount
     os.kill(m.pid, signal.SIGKILL)
     m.proc.wait()
@@ -301,7 +301,8 @@ def test_a_save_or_load_past_a_dead_daemon_with_no_room_in_tmpdir_is_held_in_mem
     try:
         three = ("import sys, torch, ckptfs.torch as ct; assert ct.save({'t': torch.ones(1 << 20)}, sys.argv[1] + '/t.pt', deadline_s=1.0) "
                  "== 'store'; assert torch.equal(ct.load(sys.argv[1] + '/t.pt', deadline_s=1.0)['t'], torch.ones(1 << 20));"
-                 "assert ct.CheckpointManager(sys.argv[1], ct.save_policy.EveryNSteps(1), client_timeout=1.0).save(1, {'t': torch.ones(1 << 20)})")
+                 "mgr = ct.CheckpointManager(sys.argv[1], ct.save_policy.EveryNSteps(1), client_timeout=1.0);"
+                 "assert mgr.save(1, {'t': torch.ones(1 << 20)}); assert torch.equal(mgr.restore()['t'], torch.ones(1 << 20))")
         r = subprocess.run([sys.executable, "-c", three, str(m.path("run"))], capture_output=True, text=True, timeout=120,
                            env={**os.environ, "TMPDIR": str(small)})
     finally:
@@ -310,6 +311,7 @@ def test_a_save_or_load_past_a_dead_daemon_with_no_room_in_tmpdir_is_held_in_mem
     for what in ("save", "load"):
         assert f"cannot {what} into a temporary file in {small}" in r.stderr and f"holding the {what} in memory instead" in r.stderr
     assert f"cannot save into a temporary directory in {small}" in r.stderr and "saving into /dev/shm instead" in r.stderr  # the manager's
+    assert f"cannot copy checkpoint 1 into a temporary directory in {small}" in r.stderr and "copying it into /dev/shm instead" in r.stderr
     assert torch.equal(ct.load(m.path("run", "t.pt"))["t"], torch.ones(1 << 20)) and verify_store(m.store).clean
     assert {"run/step-1/state.pt", "run/step-1/ckptfs-commit.json"} <= set(store_files(m.store))
 
