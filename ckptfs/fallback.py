@@ -74,15 +74,15 @@ def route(path: str | os.PathLike[str], deadline_s: float = 5.0) -> Route:
 
 class _Unanswered:
     """The mounts whose daemon did not answer in time (hung, or too busy to
-    answer its control socket), each with why: a thread asks each daemon
-    again every ASK_AGAIN_S (as long as it waits for the answer) and forgets
-    it once it answers, or once its mount is gone. A process forked
-    meanwhile starts with none (the thread is not forked)."""
+    answer its control socket), each with why: a thread per mount asks its
+    daemon again every ASK_AGAIN_S (as long as it waits for the answer; a
+    daemon that never answers delays no other's) and forgets it once it
+    answers, or once its mount is gone. A process forked meanwhile starts
+    with none (the threads are not forked)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._mounts: dict[str, tuple[str, float]] = {}  # mountpoint -> (why, seconds to wait for an answer)
-        self._asking = False  # the thread runs
 
     def why(self, mountpoint: str) -> str | None:
         """Why the mount's daemon is not asked now (None: it is)."""
@@ -92,37 +92,34 @@ class _Unanswered:
 
     def add(self, mountpoint: str, why: str, deadline_s: float) -> None:
         with self._lock:
+            asking = mountpoint in self._mounts  # (its thread runs)
             self._mounts[mountpoint] = (why, deadline_s)
-            if self._asking:
-                return
-            self._asking = True
-        threading.Thread(target=self._ask_again, name="ckptfs-ask-again", daemon=True).start()
+        if not asking:
+            threading.Thread(target=self._ask_again, args=(mountpoint,), name=f"ckptfs-ask-again {mountpoint}", daemon=True).start()
 
-    def _ask_again(self) -> None:
+    def _ask_again(self, mountpoint: str) -> None:
         while True:
             time.sleep(ASK_AGAIN_S)
             with self._lock:
-                mounts = dict(self._mounts)
-                if not mounts:
-                    self._asking = False
-                    return
-            for mountpoint, (_why, deadline_s) in mounts.items():
-                try:
-                    if find_mount(mountpoint)[0] != mountpoint:
-                        raise CkptfsError(f"{mountpoint} is no longer mounted")
-                    Client(mountpoint, timeout=deadline_s).ping()
-                except DaemonUnavailable as exc:
-                    if exc.hung:
-                        continue  # still no answer
-                except Exception:  # gone, answering otherwise, anything else: each call asks for itself again
-                    pass
-                with self._lock:
-                    self._mounts.pop(mountpoint, None)
+                found = self._mounts.get(mountpoint)
+            if found is None:  # (a fork's child cleared it)
+                return
+            try:
+                if find_mount(mountpoint)[0] != mountpoint:
+                    raise CkptfsError(f"{mountpoint} is no longer mounted")
+                Client(mountpoint, timeout=found[1]).ping()
+            except DaemonUnavailable as exc:
+                if exc.hung:
+                    continue  # still no answer
+            except Exception:  # gone, answering otherwise, anything else: each call asks for itself again
+                pass
+            with self._lock:
+                self._mounts.pop(mountpoint, None)
+            return
 
     def _forked(self) -> None:
         self._lock = threading.Lock()
         self._mounts.clear()
-        self._asking = False
 
 
 unanswered = _Unanswered()

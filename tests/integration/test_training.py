@@ -20,7 +20,7 @@ from ckptfs.writeback.storeio import IntegrityError
 
 import ckptfs.torch as ct
 from ckptfs import fallback
-from tests.mountutil import run_cli, signal_and_wait
+from tests.mountutil import run_cli, signal_and_wait, start_mount, stop_mount
 from tests.storeutil import store_files, store_outage, verify_store, wait_until
 
 OUTAGE_LOG = ["failed (try", "Errno 20", "Not a directory", "FileExistsError", "NotADirectoryError"]
@@ -113,17 +113,45 @@ def test_a_daemon_that_did_not_answer_is_not_waited_for_again_until_it_answers(f
         assert time.monotonic() - t0 < 2.0  # five routes, where each waited 2 s
         assert all(r.kind == "store" and r.store_url == first.store_url and "asked again every 1s" in r.reason for r in again)
         assert ct.save(state(3), p, deadline_s=2.0) == "store"
+        assert fallback.unanswered.why(str(m.mountpoint)) is not None
         child = os.fork()
         if child == 0:
-            os._exit(0 if fallback.unanswered.why(m.mountpoint) is None else 1)
+            os._exit(0 if fallback.unanswered.why(str(m.mountpoint)) is None else 1)
         assert os.waitpid(child, 0)[1] == 0
     finally:
         os.kill(m.pid, signal.SIGCONT)
     m.allowed_log_errors.append("the mount shows it now")
     wait_until(lambda: fallback.route(p, 2.0).kind == "mount", 30, "the mount routed to its daemon again")
-    wait_until(lambda: not any(t.name == "ckptfs-ask-again" for t in threading.enumerate()), 30, "the asking thread ended")
+    wait_until(lambda: not any(t.name.startswith("ckptfs-ask-again") for t in threading.enumerate()), 30, "the asking thread ended")
     assert run_cli("flush", str(m.mountpoint), "--timeout", "60").returncode == 0  # (which takes in what went to the store)
     assert same(ct.load(p), state(3))
+
+
+def test_a_daemon_that_never_answers_delays_no_other_daemons_return(fresh_mount, tmp_path):
+    """Each frozen daemon is asked again on its own: one that never answers
+    (each ask waiting its 8 s deadline) does not hold back the return of
+    another to its mount (they were asked one after the other: up to 9 s)."""
+    m = fresh_mount
+    other = start_mount(tmp_path / "other")
+    p, q = m.path("x.pt"), other.path("x.pt")
+    try:
+        os.kill(m.pid, signal.SIGSTOP)
+        os.kill(other.pid, signal.SIGSTOP)
+        assert fallback.route(q, 8.0).kind == "store"  # (the other first: asked one after the other, it went first)
+        assert fallback.route(p, 2.0).kind == "store"
+        time.sleep(1.5)  # (an ask of the other is under way)
+        os.kill(m.pid, signal.SIGCONT)
+        t0 = time.monotonic()
+        wait_until(lambda: fallback.unanswered.why(str(m.mountpoint)) is None, 30, "the first daemon asked again")
+        assert time.monotonic() - t0 < 4.0
+        back = fallback.route(p, 2.0)
+        assert back.kind == "mount", back.reason
+        assert fallback.unanswered.why(str(other.mountpoint)) is not None
+    finally:
+        os.kill(m.pid, signal.SIGCONT)
+        os.kill(other.pid, signal.SIGCONT)
+        stop_mount(other)
+    wait_until(lambda: not any(t.name.startswith("ckptfs-ask-again") for t in threading.enumerate()), 30, "the asking threads ended")
 
 
 _OWN_SAVE = """
